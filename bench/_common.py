@@ -1,0 +1,66 @@
+"""Helpers shared by the benchmarks: the thread count both libraries get, the machine description recorded with
+every result, and a measure of how much CPU other processes took during a run (timings on a shared machine are
+only trustworthy when that is near zero).
+"""
+import datetime
+import os
+import platform
+import time
+
+
+def default_threads():
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(env) if env.isdigit() and int(env) > 0 else os.cpu_count() or 1
+
+
+class OtherLoad:
+    """How much of the machine's CPU time other processes took while we ran (Linux /proc/stat minus our own)."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+            busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait, in seconds
+        except (OSError, ValueError, IndexError):
+            return None
+        t = os.times()
+        return time.monotonic(), busy, t.user + t.system
+
+    def other_share(self):
+        end = self._sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        wall = end[0] - self.start[0]
+        other = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, other / (wall * (os.cpu_count() or 1)))
+
+
+def report_other_load(share):
+    if share is None:
+        return
+    print(f"other processes used {100 * share:.0f}% of the machine's CPU time during the run", end="")
+    print(": timings are inflated, rerun on a quiet machine for absolute numbers" if share > 0.1 else "")
+
+
+def environment(threads):
+    import numpy as np
+    import torch
+
+    import fastgpt
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host_cpu": cpu,
+            "cpu_count": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "threads": threads,
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+            "fastgpt": fastgpt.__version__, "platform": platform.platform()}
+
+

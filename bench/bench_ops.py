@@ -1,0 +1,283 @@
+"""Per-op CPU benchmark: every kernel in fastgpt.ops, forward and backward, against the same computation in PyTorch.
+
+Why: the training step is only as fast as its slowest kernel; timing each op on its own, beside PyTorch on the same
+machine in the same process with the same thread count, shows where fastgpt stands and which op to work on next.
+Shapes come from a small GPT-2 config (B 8, T 128, C 128, 4 heads, vocab 50304; flags change them). Inputs are
+fresh random non-zero arrays each run (the seed is printed). This is a benchmark, not a test: it asserts nothing;
+the max |fastgpt - torch| column is only there to show both sides computed the same thing.
+
+    python3 bench/bench_ops.py                  # all cases
+    python3 bench/bench_ops.py --case matmul --json /tmp/ops.json
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from _common import OtherLoad, default_threads, environment, report_other_load
+
+CASES = ("embedding", "layernorm", "matmul", "attention", "gelu", "cross_entropy", "adamw")
+LINEARS = ("attn", "attn_proj", "fc", "fc_proj", "lm_head")  # every distinct nn.Linear shape of GPT-2
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--case", choices=CASES, help="run one case (default: all)")
+    p.add_argument("--B", type=int, default=8, help="batch size")
+    p.add_argument("--T", type=int, default=128, help="sequence length")
+    p.add_argument("--C", type=int, default=128, help="embedding width n_embd")
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-layer", type=int, default=4, help="only sizes the adamw case (parameter count)")
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--linears", default=",".join(LINEARS),
+                   help=f"matmul shapes to time, comma-separated from {','.join(LINEARS)}")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls of each side before timing")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls of each side, alternating; the median is reported")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for both fastgpt (OpenMP) and torch (default: $OMP_NUM_THREADS or os.cpu_count())")
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    args.linears = [s.strip() for s in args.linears.split(",") if s.strip()]
+    bad = [s for s in args.linears if s not in LINEARS]
+    if bad:
+        p.error(f"unknown --linears {bad}; choose from {LINEARS}")
+    if args.C % args.n_head:
+        p.error(f"--C ({args.C}) must be a multiple of --n-head ({args.n_head})")
+    if min(args.B, args.T, args.C, args.n_head, args.vocab, args.repeats) < 1 or args.warmup < 0:
+        p.error("sizes and --repeats must be >= 1, --warmup >= 0")
+    return args
+
+
+def paired_median_ms(fg, th, warmup, repeats):
+    """Median ms of fg and of th. The calls alternate (fg, th, fg, th, ...) so that both sides see the same load
+    when the machine is shared; warm-up calls of each come first and are not timed."""
+    for _ in range(warmup):
+        fg()
+        th()
+    times = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((fg, times[0]), (th, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[0]), 1e3 * statistics.median(times[1])
+
+
+def max_diff(a, b):
+    import numpy as np
+    import torch
+    if isinstance(a, (tuple, list)):
+        return max(max_diff(x, y) for x, y in zip(a, b))
+    b = b.detach().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - b.astype(np.float64)))) if b.size else 0.0
+
+
+def run_cases(args):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from fastgpt import ops
+
+    rng = np.random.default_rng(args.seed)
+    B, T, C, NH, V = args.B, args.T, args.C, args.n_head, args.vocab
+    N = B * T
+
+    def randn(*shape, scale=1.0):
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
+        a[a == 0] = 1e-3  # non-zero everywhere
+        return a
+
+    def ids(*shape):
+        return rng.integers(0, V, size=shape, dtype=np.int64)
+
+    def tt(a, grad=True):  # torch tensor sharing a's memory (a copy, so torch never writes into fastgpt's inputs)
+        return torch.from_numpy(a.copy()).requires_grad_(grad)
+
+    rows = []
+
+    def bench(op, shape, fg_fwd, fg_bwd, th_fwd, th_bwd, passes=("fwd", "bwd")):
+        """fg_*/th_* are zero-argument callables; *_bwd run on a saved forward. Each returns its outputs."""
+        for pas, fg, th in zip(passes, (fg_fwd, fg_bwd), (th_fwd, th_bwd)):
+            if fg is None:
+                continue
+            diff = max_diff(fg(), th())
+            fg_ms, th_ms = paired_median_ms(fg, th, args.warmup, args.repeats)
+            rows.append(dict(op=op, shape=shape, **{"pass": pas}, fastgpt_ms=fg_ms, torch_ms=th_ms,
+                             ratio=th_ms / fg_ms, max_abs_diff=diff))
+            print_row(rows[-1], flush=True)
+
+    selected = [args.case] if args.case else list(CASES)
+    print_header()
+
+    if "embedding" in selected:
+        idx, wte, wpe = ids(B, T), randn(V, C, scale=0.02), randn(T, C, scale=0.02)
+        dout = randn(B, T, C)
+        idx_t, pos_t = torch.from_numpy(idx), torch.arange(T)
+        wte_t, wpe_t, dout_t = tt(wte), tt(wpe), torch.from_numpy(dout)
+
+        def th_fwd():
+            return F.embedding(idx_t, wte_t) + F.embedding(pos_t, wpe_t)
+        th_out = th_fwd()
+        bench("embedding", f"idx({B},{T}) wte({V},{C})",
+              lambda: ops.embedding_forward(idx, wte, wpe),
+              lambda: ops.embedding_backward(dout, idx, V, T),
+              th_fwd,
+              lambda: torch.autograd.grad(th_out, (wte_t, wpe_t), dout_t, retain_graph=True))
+
+    if "layernorm" in selected:
+        x, w, b, dout = randn(B, T, C), randn(C), randn(C), randn(B, T, C)
+        _, mean, rstd = ops.layernorm_forward(x, w, b)
+        x_t, w_t, b_t, dout_t = tt(x), tt(w), tt(b), torch.from_numpy(dout)
+
+        def th_fwd():
+            return F.layer_norm(x_t, (C,), w_t, b_t, 1e-5)
+        th_out = th_fwd()
+        bench("layernorm", f"x({B},{T},{C})",
+              lambda: ops.layernorm_forward(x, w, b)[0],
+              lambda: ops.layernorm_backward(dout, x, w, mean, rstd),
+              th_fwd,
+              lambda: torch.autograd.grad(th_out, (x_t, w_t, b_t), dout_t, retain_graph=True))
+
+    if "matmul" in selected:
+        shapes = {"attn": (C, 3 * C, True), "attn_proj": (C, C, True), "fc": (C, 4 * C, True),
+                  "fc_proj": (4 * C, C, True), "lm_head": (C, V, False)}
+        for name in args.linears:
+            cin, cout, has_bias = shapes[name]
+            x, w = randn(B, T, cin), randn(cout, cin, scale=0.02)
+            bias = randn(cout, scale=0.02) if has_bias else None
+            dout = randn(B, T, cout)
+            x_t, w_t, dout_t = tt(x), tt(w), torch.from_numpy(dout)
+            b_t = tt(bias) if has_bias else None
+            inputs_t = (x_t, w_t, b_t) if has_bias else (x_t, w_t)
+
+            def th_fwd(x_t=x_t, w_t=w_t, b_t=b_t):
+                return F.linear(x_t, w_t, b_t)
+            th_out = th_fwd()
+            bench("matmul", f"{name}: ({N},{cin})@({cout},{cin})^T" + ("+b" if has_bias else ""),
+                  lambda x=x, w=w, bias=bias: ops.matmul_forward(x, w, bias),
+                  lambda dout=dout, x=x, w=w, hb=has_bias: [g for g in ops.matmul_backward(dout, x, w, hb)
+                                                            if g is not None],
+                  th_fwd,
+                  lambda th_out=th_out, inputs_t=inputs_t, dout_t=dout_t:
+                      torch.autograd.grad(th_out, inputs_t, dout_t, retain_graph=True))
+
+    if "attention" in selected:
+        qkv, dout = randn(B, T, 3 * C), randn(B, T, C)
+        out, lse = ops.attention_forward(qkv, NH)
+        qkv_t, dout_t = tt(qkv), torch.from_numpy(dout)
+        hs = C // NH
+
+        def th_fwd():
+            q, k, v = qkv_t.split(C, dim=2)
+            q, k, v = (t.view(B, T, NH, hs).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return y.transpose(1, 2).contiguous().view(B, T, C)
+        th_out = th_fwd()
+        bench("attention", f"qkv({B},{T},{3 * C}) heads {NH} causal",
+              lambda: ops.attention_forward(qkv, NH)[0],
+              lambda: ops.attention_backward(dout, qkv, out, lse, NH),
+              th_fwd,
+              lambda: torch.autograd.grad(th_out, qkv_t, dout_t, retain_graph=True)[0])
+
+    if "gelu" in selected:
+        x, dout = randn(B, T, 4 * C), randn(B, T, 4 * C)
+        x_t, dout_t = tt(x), torch.from_numpy(dout)
+
+        def th_fwd():
+            return F.gelu(x_t, approximate="tanh")
+        th_out = th_fwd()
+        bench("gelu", f"x({B},{T},{4 * C}) tanh",
+              lambda: ops.gelu_forward(x),
+              lambda: ops.gelu_backward(dout, x),
+              th_fwd,
+              lambda: torch.autograd.grad(th_out, x_t, dout_t, retain_graph=True)[0])
+
+    if "cross_entropy" in selected:
+        logits, targets = randn(N, V), ids(N)
+        _, _, lse = ops.cross_entropy_forward(logits, targets)
+        logits_t, targets_t = tt(logits), torch.from_numpy(targets)
+
+        def th_fwd():
+            return F.cross_entropy(logits_t, targets_t)
+        th_out = th_fwd()
+        bench("cross_entropy", f"logits({N},{V}) mean",
+              lambda: ops.cross_entropy_forward(logits, targets)[0],
+              lambda: ops.cross_entropy_backward(logits, targets, lse),
+              th_fwd,
+              lambda: torch.autograd.grad(th_out, logits_t, retain_graph=True)[0])
+
+    if "adamw" in selected:
+        L = args.n_layer
+        n = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C  # the parameter count of that GPT-2 config
+        hp = dict(lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        p0, g = randn(n, scale=0.02), randn(n, scale=1e-2)
+        param, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+        p_t = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+        p_t.grad = torch.from_numpy(g.copy())
+        opt = torch.optim.AdamW([p_t], **hp)  # foreach=None: torch's default implementation for this device
+        state = {"step": 0}
+
+        def fg_step():
+            state["step"] += 1
+            ops.adamw_update(param, g, m, v, state["step"], **hp)
+            return param
+
+        def th_step():
+            opt.step()
+            return p_t
+        bench("adamw", f"flat param {n:,} (L{L} C{C} V{V}) wd 0.1", fg_step, None, th_step, None,
+              passes=("step",))
+        rows[-1]["note"] = "max_abs_diff is after the first update (both from the same param, grad)"
+    return rows
+
+
+HEADER = f"{'op':<14} {'pass':<5} {'shape':<42} {'fastgpt ms':>11} {'torch ms':>10} {'torch/fastgpt':>14} {'max|diff|':>10}"
+
+
+def print_header():
+    print(HEADER)
+    print("-" * len(HEADER))
+
+
+def print_row(r, flush=False):
+    print(f"{r['op']:<14} {r['pass']:<5} {r['shape']:<42} {r['fastgpt_ms']:>11.3f} {r['torch_ms']:>10.3f} "
+          f"{r['ratio']:>13.2f}x {r['max_abs_diff']:>10.2e}", flush=flush)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    threads = args.threads or default_threads()
+    # Before importing either library, so fastgpt's OpenMP runtime and torch start with the same count.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    torch.set_num_threads(threads)
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    env = environment(threads)
+    print(f"bench_ops: B={args.B} T={args.T} C={args.C} n_head={args.n_head} vocab={args.vocab} | "
+          f"threads {threads} (torch {torch.get_num_threads()}) | warmup {args.warmup}, median of {args.repeats} | "
+          f"seed {args.seed}")
+    print(f"torch {env['torch']}, fastgpt {env['fastgpt']}, {env['host_cpu']}, load average {env['loadavg_1m']:.2f}")
+    busy = OtherLoad()
+    rows = run_cases(args)
+    print("ratio = torch ms / fastgpt ms: above 1 means fastgpt is faster.")
+    env["other_cpu_share"] = busy.other_share()
+    report_other_load(env["other_cpu_share"])
+    if args.json:
+        payload = {"benchmark": "bench_ops", "env": env,
+                   "config": {k: getattr(args, k) for k in ("B", "T", "C", "n_head", "n_layer", "vocab", "linears",
+                                                            "warmup", "repeats", "seed")},
+                   "results": rows}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

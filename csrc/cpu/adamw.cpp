@@ -1,0 +1,47 @@
+// AdamW exactly as torch.optim.AdamW computes it (decoupled decay applied to the parameter first, then the Adam
+// update with bias corrections), plus the deterministic global gradient norm used for clipping.
+#include <cmath>
+#include <vector>
+
+#include "cpu/kernels.h"
+
+namespace fastgpt::cpu {
+
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h) {
+  const float decay = 1.f - h.lr * h.weight_decay;
+  const float step_size = h.lr / h.bias_correction1;
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    const float g = grad[i];
+    const float mi = m[i] + (1.f - h.beta1) * (g - m[i]);  // torch's lerp form
+    const float vi = h.beta2 * v[i] + (1.f - h.beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) / h.bias_correction2_sqrt + h.eps;
+    param[i] = param[i] * decay - step_size * mi / denom;
+  }
+}
+
+double sum_squares(const float* x, int64_t n) {
+  constexpr int64_t kChunk = 1 << 16;  // fixed, so the combine order never depends on the thread count
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(nchunks);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < nchunks; c++) {
+    const int64_t i1 = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = c * kChunk; i < i1; i++) s += (double)x[i] * x[i];
+    partial[c] = s;
+  }
+  double total = 0.0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+void scale_inplace(float* x, int64_t n, float s) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
+
+}  // namespace fastgpt::cpu

@@ -1,0 +1,85 @@
+// LayerNorm over the last dimension (eps 1e-5, biased variance, as torch.nn.LayerNorm), forward and backward.
+// Row statistics are accumulated in double: the CPU backend is the reference the CUDA kernels are judged against.
+// dweight/dbias sum over all rows; rows are cut into fixed chunks whose partial sums are added in chunk order,
+// so the result does not depend on the thread count.
+#include <cmath>
+#include <vector>
+
+#include "cpu/kernels.h"
+
+namespace fastgpt::cpu {
+
+namespace {
+constexpr float kEps = 1e-5f;
+constexpr int64_t kRowsPerChunk = 64;
+}  // namespace
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const float* x = inp + n * C;
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int c = 0; c < C; c++) s += x[c];
+    const double m = s / C;
+    double v = 0.0;
+#pragma omp simd reduction(+ : v)
+    for (int c = 0; c < C; c++) v += (x[c] - m) * (x[c] - m);
+    const float r = (float)(1.0 / std::sqrt(v / C + kEps));
+    const float mf = (float)m;
+    float* o = out + n * C;
+#pragma omp simd
+    for (int c = 0; c < C; c++) o[c] = (x[c] - mf) * r * weight[c] + bias[c];
+    mean[n] = mf;
+    rstd[n] = r;
+  }
+}
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int C) {
+  const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  std::vector<float> partial((size_t)nchunks * 2 * C);  // per chunk: dweight (C) | dbias (C)
+#pragma omp parallel for schedule(static)
+  for (int64_t ch = 0; ch < nchunks; ch++) {
+    float* pw = partial.data() + ch * 2 * C;
+    float* pb = pw + C;
+    for (int c = 0; c < C; c++) pw[c] = pb[c] = 0.f;
+    const int64_t n1 = (ch + 1) * kRowsPerChunk < N ? (ch + 1) * kRowsPerChunk : N;
+    for (int64_t n = ch * kRowsPerChunk; n < n1; n++) {
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      const float m = mean[n], r = rstd[n];
+      // dx = r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w
+      double sd = 0.0, sdn = 0.0;
+#pragma omp simd reduction(+ : sd, sdn)
+      for (int c = 0; c < C; c++) {
+        const float norm = (x[c] - m) * r;
+        const float dn = dy[c] * weight[c];
+        sd += dn;
+        sdn += dn * norm;
+      }
+      const float md = (float)(sd / C), mdn = (float)(sdn / C);
+      float* dx = dinp + n * C;
+#pragma omp simd
+      for (int c = 0; c < C; c++) {
+        const float norm = (x[c] - m) * r;
+        dx[c] += (dy[c] * weight[c] - md - norm * mdn) * r;
+        pw[c] += dy[c] * norm;
+        pb[c] += dy[c];
+      }
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int c = 0; c < C; c++) {
+    double w = 0.0, b = 0.0;
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+      w += partial[ch * 2 * C + c];
+      b += partial[ch * 2 * C + C + c];
+    }
+    dweight[c] += (float)w;
+    dbias[c] += (float)b;
+  }
+}
+
+}  // namespace fastgpt::cpu

@@ -1,0 +1,57 @@
+// Device queries and a smoke-test kernel: the slot the CUDA engine (issue 3) and flash attention (issue 4) grow in.
+// Built only with FASTGPT_WITH_CUDA; csrc/binding.cpp supplies the CPU-only stand-ins otherwise.
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/runtime.h"
+
+namespace fastgpt::cuda {
+
+namespace {
+__global__ void axpy_kernel(float* y, const float* x, float a, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] += a * x[i];
+}
+}  // namespace
+
+bool built_with_cuda() { return true; }
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error so later calls start clean
+    return 0;
+  }
+  return n;
+}
+
+std::string device_name(int device) {
+  cudaDeviceProp prop;
+  FASTGPT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
+}
+
+bool smoke_test(int device) {
+  FASTGPT_CUDA_CHECK(cudaSetDevice(device));
+  const int n = 1000;
+  std::vector<float> x(n), y(n);
+  for (int i = 0; i < n; i++) {
+    x[i] = (float)i;
+    y[i] = 1.f;
+  }
+  float *dx = nullptr, *dy = nullptr;
+  FASTGPT_CUDA_CHECK(cudaMalloc(&dx, n * sizeof(float)));
+  FASTGPT_CUDA_CHECK(cudaMalloc(&dy, n * sizeof(float)));
+  FASTGPT_CUDA_CHECK(cudaMemcpy(dx, x.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  FASTGPT_CUDA_CHECK(cudaMemcpy(dy, y.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  axpy_kernel<<<(n + 255) / 256, 256>>>(dy, dx, 2.f, n);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+  FASTGPT_CUDA_CHECK(cudaMemcpy(y.data(), dy, n * sizeof(float), cudaMemcpyDeviceToHost));
+  FASTGPT_CUDA_CHECK(cudaFree(dx));
+  FASTGPT_CUDA_CHECK(cudaFree(dy));
+  for (int i = 0; i < n; i++)
+    if (y[i] != 1.f + 2.f * i) return false;
+  return true;
+}
+
+}  // namespace fastgpt::cuda

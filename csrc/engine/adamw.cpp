@@ -1,0 +1,42 @@
+// AdamW step over the flat parameter buffer (see adamw.h).
+#include "engine/adamw.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "cpu/kernels.h"
+
+namespace fastgpt {
+
+void AdamWConfig::validate() const {
+  auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(msg);
+  };
+  need(std::isfinite(lr) && lr >= 0.f, "lr must be a finite number >= 0, got " + std::to_string(lr));
+  need(beta1 >= 0.f && beta1 < 1.f, "betas[0] must be in [0, 1), got " + std::to_string(beta1));
+  need(beta2 >= 0.f && beta2 < 1.f, "betas[1] must be in [0, 1), got " + std::to_string(beta2));
+  need(eps > 0.f, "eps must be > 0, got " + std::to_string(eps));
+  need(std::isfinite(weight_decay) && weight_decay >= 0.f,
+       "weight_decay must be a finite number >= 0, got " + std::to_string(weight_decay));
+}
+
+AdamW::AdamW(GPT& model, const AdamWConfig& cfg)
+    : model_(model), cfg_(cfg), m_(model.num_parameters(), 0.f), v_(model.num_parameters(), 0.f) {
+  cfg_.validate();
+}
+
+void AdamW::step(float lr) {
+  if (!(std::isfinite(lr) && lr >= 0.f)) throw std::invalid_argument("lr must be a finite number >= 0");
+  t_++;
+  cpu::AdamWHyper h{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, 0.f,
+                    (float)(1.0 - std::pow((double)cfg_.beta1, (double)t_)),
+                    (float)std::sqrt(1.0 - std::pow((double)cfg_.beta2, (double)t_))};
+  for (const ParamTensor& t : model_.tensors()) {
+    h.weight_decay = t.decay ? cfg_.weight_decay : 0.f;
+    cpu::adamw_update(model_.params() + t.offset, model_.grads() + t.offset, m_.data() + t.offset,
+                      v_.data() + t.offset, t.numel, h);
+  }
+}
+
+}  // namespace fastgpt

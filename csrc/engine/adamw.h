@@ -1,0 +1,33 @@
+// AdamW over the model's whole parameter buffer: moment buffers m and v share the parameter layout, so one step is
+// one pass over three flat buffers, split only where weight decay switches on and off (2-D weights decay;
+// biases and LayerNorm parameters do not, as in build-nanogpt's optimizer groups).
+#pragma once
+#include <vector>
+
+#include "engine/gpt.h"
+
+namespace fastgpt {
+
+struct AdamWConfig {
+  float lr = 6e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+  void validate() const;  // throws std::invalid_argument naming the bad field
+};
+
+class AdamW {
+ public:
+  AdamW(GPT& model, const AdamWConfig& cfg);
+  void step(float lr);  // one update with this learning rate; the step counter advances first (torch's rule)
+  int64_t step_count() const { return t_; }
+  int64_t size() const { return (int64_t)m_.size(); }
+  float* m() { return m_.data(); }
+  float* v() { return v_.data(); }
+  const AdamWConfig& config() const { return cfg_; }
+
+ private:
+  GPT& model_;
+  AdamWConfig cfg_;
+  int64_t t_ = 0;
+  std::vector<float> m_, v_;  // same layout as the parameters
+};
+
+}  // namespace fastgpt

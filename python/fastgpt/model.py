@@ -1,0 +1,175 @@
+"""fastgpt.GPT: the GPT-2 model of build-nanogpt, run by the compiled engine.
+
+All parameters live in one float32 buffer inside the engine (llm.c's layout); `state_dict()` and `grads()` hand out
+zero-copy NumPy views of it under build-nanogpt's names and nn.Linear (out, in) shapes, so the weights load into a
+PyTorch GPT-2 as they are. The training step is three calls into C++ (forward, backward, optimizer step); Python
+never loops over layers.
+"""
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import _C
+from ._convert import as_ids, check_float, check_int, to_numpy
+
+DEVICES = ("cpu", "cuda")
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # max sequence length
+    vocab_size: int = 50257  # GPT-2's; 50304 is the "nice number" padding the speed-up progression uses
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+    def validate(self):
+        for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            check_int(getattr(self, field), f"config.{field}", low=1)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"config.n_embd ({self.n_embd}) must be a multiple of config.n_head ({self.n_head})")
+        return self
+
+
+def _check_device(device, precision):
+    if not isinstance(device, str) or device.split(":")[0] not in DEVICES:
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if device.startswith("cuda"):
+        if not _C.built_with_cuda:
+            raise RuntimeError("device='cuda': this fastgpt was built without CUDA; reinstall where nvcc is on "
+                               "PATH (or with FASTGPT_CUDA=ON)")
+        raise NotImplementedError("device='cuda': the CUDA training engine is not implemented yet; use device='cpu'")
+    if precision != "fp32":
+        raise ValueError(f"precision={precision!r} needs device='cuda'; the CPU backend computes in 'fp32'")
+
+
+class GPT:
+    def __init__(self, config=None, device="cpu", precision="fp32", seed=0):
+        self.config = (GPTConfig() if config is None else config).validate()
+        _check_device(device, precision)
+        self.device, self.precision = device, precision
+        seed = check_int(seed, "seed", low=0, high=2**64 - 1)
+        c = self.config
+        self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed)
+        self._layout = [(name, tuple(shape), offset) for name, shape, offset in self._engine.named_views()]
+        self._params = self._views(self._engine.params)
+        self._grads = self._views(self._engine.grads)
+
+    def _views(self, flat):
+        return {name: flat[off:off + int(np.prod(shape))].reshape(shape) for name, shape, off in self._layout}
+
+    # ---- running the model
+    def _ids(self, idx, name):
+        ids = as_ids(idx, name, ndim=2)
+        if ids.shape[1] > self.config.block_size:
+            raise ValueError(f"{name} has sequence length T={ids.shape[1]} > block_size={self.config.block_size}")
+        if ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ValueError(f"{name} must have B >= 1 and T >= 1, got shape {ids.shape}")
+        return ids
+
+    def forward(self, idx, targets=None, *, return_logits=True):
+        """idx, targets: int arrays (B, T). Returns (logits (B, T, vocab_size) float32 copy, mean loss or None)."""
+        ids = self._ids(idx, "idx")
+        tgt = None
+        if targets is not None:
+            tgt = self._ids(targets, "targets")
+            if tgt.shape != ids.shape:
+                raise ValueError(f"targets shape {tgt.shape} must equal idx shape {ids.shape}")
+        loss = self._engine.forward(ids, tgt, False)
+        logits = np.array(self._engine.logits()) if return_logits else None
+        return logits, (float(loss) if tgt is not None else None)
+
+    __call__ = forward
+
+    def backward(self, grad_scale=1.0):
+        """Adds the gradients of grad_scale * (last forward's mean loss) to the gradient buffer."""
+        self._engine.backward(check_float(grad_scale, "grad_scale"))
+
+    def zero_grad(self):
+        self._engine.zero_grad()
+
+    # ---- parameters
+    def num_parameters(self):
+        return int(self._engine.num_parameters())
+
+    def state_dict(self):
+        """name -> zero-copy float32 view; lm_head.weight is the same storage as transformer.wte.weight."""
+        return dict(self._params)
+
+    def grads(self):
+        return dict(self._grads)
+
+    def load_state_dict(self, state_dict):
+        """Copies weights in from NumPy arrays or torch tensors with build-nanogpt names (a torch.compile or DDP
+        prefix is accepted). Every name and shape is checked before anything is written."""
+        if not hasattr(state_dict, "items"):
+            raise TypeError(f"state_dict must be a mapping of name -> array, got {type(state_dict).__name__}")
+        given = {}
+        for key, value in state_dict.items():
+            name = str(key)
+            for prefix in ("_orig_mod.", "module."):
+                name = name[len(prefix):] if name.startswith(prefix) else name
+            given[name] = value
+        expected = {name: shape for name, shape, _ in self._layout}
+        missing = [n for n in expected if n not in given and n != "lm_head.weight"]
+        unexpected = [n for n in given if n not in expected]
+        if missing or unexpected:
+            raise KeyError(f"state_dict does not match the model: missing {missing[:8]}"
+                           f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                           f"{' ...' if len(unexpected) > 8 else ''}")
+        arrays = {}
+        for name, value in given.items():
+            a = to_numpy(value, f"state_dict[{name!r}]")
+            if not np.issubdtype(a.dtype, np.floating):
+                raise TypeError(f"state_dict[{name!r}] must be floating point, got dtype {a.dtype}")
+            if a.shape != expected[name]:
+                raise ValueError(f"state_dict[{name!r}] has shape {a.shape}, expected {expected[name]}")
+            arrays[name] = a
+        if "lm_head.weight" in arrays and not np.array_equal(arrays["lm_head.weight"],
+                                                             arrays["transformer.wte.weight"]):
+            raise ValueError("state_dict['lm_head.weight'] must equal 'transformer.wte.weight' (the weights are tied)")
+        for name, a in arrays.items():
+            self._params[name][...] = a
+
+    # ---- sampling
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None):
+        """Appends max_new_tokens sampled tokens to each row of idx (B, T) and returns (B, T + max_new_tokens) int64.
+        temperature 0 picks the most likely token; the same seed gives the same tokens."""
+        ids = as_ids(idx, "idx")
+        squeeze = ids.ndim == 1
+        ids = ids[None] if squeeze else ids
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ValueError(f"idx must be (B, T) with B, T >= 1, got shape {ids.shape}")
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", low=0)
+        temperature = check_float(temperature, "temperature", low=0.0)
+        V = self.config.vocab_size
+        if top_k is not None:
+            top_k = check_int(top_k, "top_k", low=1, high=V)
+        if seed is not None:
+            seed = check_int(seed, "seed", low=0)
+        rng = np.random.default_rng(seed)
+        out = ids.astype(np.int64)
+        for _ in range(max_new_tokens):
+            cond = np.ascontiguousarray(out[:, -self.config.block_size:], dtype=np.int32)
+            self._engine.forward(cond, None, True)
+            logits = self._engine.logits()[:, 0, :].astype(np.float64)
+            if temperature == 0.0:
+                nxt = logits.argmax(axis=1)
+            else:
+                logits /= temperature
+                if top_k is not None and top_k < V:
+                    kth = np.partition(logits, V - top_k, axis=1)[:, V - top_k][:, None]
+                    logits[logits < kth] = -np.inf
+                probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+                cdf = np.cumsum(probs, axis=1)
+                u = rng.random((len(cdf), 1)) * cdf[:, -1:]
+                nxt = np.minimum((cdf <= u).sum(axis=1), V - 1)
+            out = np.concatenate([out, nxt[:, None].astype(np.int64)], axis=1)
+        return out[0] if squeeze else out
+
+    def __repr__(self):
+        return (f"fastgpt.GPT({asdict(self.config)}, device={self.device!r}, precision={self.precision!r}, "
+                f"{self.num_parameters():,} parameters)")

@@ -1,0 +1,41 @@
+"""fastgpt.AdamW: torch.optim.AdamW's update over the model's flat parameter buffer, in C++.
+
+Weight decay applies to the 2-D weights only (embeddings and matmul weights), never to biases or LayerNorm
+parameters: build-nanogpt's two parameter groups. Moments live in buffers of the parameter layout.
+"""
+from . import _C
+from ._convert import check_float
+
+
+class AdamW:
+    def __init__(self, model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+        if not hasattr(model, "_engine"):
+            raise TypeError(f"model must be a fastgpt.GPT, got {type(model).__name__}")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        self.model = model
+        self.lr = check_float(lr, "lr", low=0.0)
+        self.betas = (check_float(betas[0], "betas[0]", 0.0, 0.999999), check_float(betas[1], "betas[1]", 0.0, 0.999999))
+        self.eps = check_float(eps, "eps", low=0.0, low_open=True)
+        self.weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
+        self._opt = _C.AdamW(model._engine, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay)
+
+    def step(self, lr=None):
+        """One update of every parameter from the gradient buffer; lr overrides the default for this step."""
+        self._opt.step(self.lr if lr is None else check_float(lr, "lr", low=0.0))
+
+    def clip_grad_norm(self, max_norm):
+        """Scales the gradients so their global L2 norm is at most max_norm; returns the norm before clipping
+        (what torch.nn.utils.clip_grad_norm_ returns)."""
+        return float(self.model._engine.clip_grad_norm(check_float(max_norm, "max_norm", low=0.0, low_open=True)))
+
+    def zero_grad(self):
+        self.model.zero_grad()
+
+    @property
+    def step_count(self):
+        return int(self._opt.step_count)
+
+    def moments(self):
+        """(exp_avg, exp_avg_sq) as flat zero-copy views in the parameter layout."""
+        return self._opt.m, self._opt.v

@@ -1,0 +1,226 @@
+"""The fastgpt trainer: `python train.py ...` and the console script `fastgpt-train` both run main().
+
+build-nanogpt's training loop over the compiled engine: GPT-2 BPE tokens from a text file (or llm.c shards), AdamW
+with a linear-warmup + cosine learning rate, gradient accumulation up to --total-batch-size tokens per step,
+gradient clipping, periodic val loss and samples. Every step goes to <out-dir>/log.jsonl (one JSON object a line)
+and the final weights to <out-dir>/model.safetensors.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from .checkpoint import save_checkpoint
+from .data import DataLoader, tokenize_file
+from .model import GPT, GPTConfig
+from .optim import AdamW
+from .tokenizer import EOT, N_VOCAB, get_gpt2_encoding
+
+PRESETS = {"tiny": (4, 4, 128), "small": (6, 6, 384), "gpt2": (12, 12, 768)}  # (n_layer, n_head, n_embd)
+
+
+def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
+    """build-nanogpt's schedule: linear warmup to max_lr, then cosine decay to min_lr at max_steps."""
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= max_steps:  # build-nanogpt says `>`; at == the cosine gives min_lr too, and this avoids 0/0
+        return min_lr
+    decay_ratio = (step - warmup_steps) / (max_steps - warmup_steps)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # 1 -> 0
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def _number(kind, low, low_open=False, high=None):
+    # argparse type: its error names the flag ("argument --max-steps: must be >= 1, got -5").
+    def parse(text):
+        value = kind(text)
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse's message for unparsable text: "invalid int value"
+    return parse
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="fastgpt-train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pos, nonneg, posf = _number(int, 1), _number(int, 0), _number(float, 0.0, low_open=True)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--input", default=os.environ.get("FASTGPT_DATA"), help="UTF-8 text file (env FASTGPT_DATA)")
+    src.add_argument("--shards", help="glob or folder of llm.c shards (*_train_*.bin, *_val_*.bin)")
+    p.add_argument("--encoder", help="GPT-2 encoder.json (default: env FASTGPT_GPT2_ENCODER, else tiktoken)")
+    p.add_argument("--model", choices=PRESETS, default="tiny", help="size preset, L/H/C: " +
+                   ", ".join(f"{k} {v[0]}/{v[1]}/{v[2]}" for k, v in PRESETS.items()))
+    p.add_argument("--n-layer", type=pos)
+    p.add_argument("--n-head", type=pos)
+    p.add_argument("--n-embd", type=pos)
+    p.add_argument("--block-size", type=pos, help="max context (default: --seq-len)")
+    p.add_argument("--vocab-size", type=_number(int, N_VOCAB), default=50304, help="50304: GPT-2's padded up")
+    p.add_argument("-B", "--batch-size", type=pos, default=8)
+    p.add_argument("-T", "--seq-len", type=pos, default=128)
+    p.add_argument("--total-batch-size", type=pos, help="tokens per optimizer step (default: B*T)")
+    p.add_argument("--max-steps", type=pos, default=200)
+    p.add_argument("--max-lr", type=posf, default=1e-3)
+    p.add_argument("--min-lr-ratio", type=_number(float, 0.0, high=1.0), default=0.1)
+    p.add_argument("--warmup-steps", type=nonneg, default=10)
+    p.add_argument("--weight-decay", type=_number(float, 0.0), default=0.1)
+    p.add_argument("--grad-clip", type=posf, default=1.0)
+    p.add_argument("--eval-interval", type=pos, default=50, help="steps between val losses (also at the end)")
+    p.add_argument("--eval-steps", type=pos, default=10, help="val batches per estimate")
+    p.add_argument("--sample-interval", type=pos, default=100, help="steps between samples (also at the end)")
+    p.add_argument("--sample-tokens", type=nonneg, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--seed", type=nonneg, default=1337)
+    p.add_argument("--out-dir", help="default: runs/<timestamp>")
+    p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
+    return p
+
+
+def main(argv=None):
+    """Train; returns a dict of the run's numbers when argv is given. From the command line (argv None) it returns
+    None, because console scripts call sys.exit(main()) and would print a returned dict and exit with status 1."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = 1  # DDP arrives with the CUDA engine; the accumulation arithmetic already counts ranks
+
+    # ---- flags that depend on each other: checked up front, so no mistake surfaces deep inside a run
+    n_layer, n_head, n_embd = (o if o is not None else d for o, d in
+                               zip((args.n_layer, args.n_head, args.n_embd), PRESETS[args.model]))
+    B, T = args.batch_size, args.seq_len
+    block_size = args.block_size or T
+    if T > block_size:
+        parser.error(f"-T/--seq-len {T} exceeds --block-size {block_size}")
+    if n_embd % n_head:
+        parser.error(f"--n-embd {n_embd} must be a multiple of --n-head {n_head}")
+    total = args.total_batch_size or B * T * world_size
+    if total % (B * T * world_size):
+        parser.error(f"--total-batch-size {total} must be a multiple of B*T*world_size = {B}*{T}*{world_size}")
+    grad_accum = total // (B * T * world_size)
+    if not args.shards and not args.input:
+        parser.error("no data: pass --input TEXT_FILE (or set FASTGPT_DATA), or --shards GLOB")
+    if args.input and not os.path.isfile(args.input):
+        parser.error(f"--input {args.input}: file not found")
+    out_dir = args.out_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    say = tqdm.write  # prints above a live progress bar instead of through it
+
+    # ---- tokenizer, data, model
+    try:
+        if args.input:
+            files = tokenize_file(args.input, os.path.join(out_dir, "data"), encoder_json=args.encoder,
+                                  val_fraction=0.1)
+            train_src, val_src = files["train"], files["val"]
+        else:
+            train_src = val_src = args.shards
+        train_loader = DataLoader(train_src, B, T, split="train" if args.shards else None)
+        val_loader = DataLoader(val_src, B, T, split="val" if args.shards else None)
+    except (OSError, ValueError) as e:
+        parser.error(f"data: {e}")
+    try:
+        enc = get_gpt2_encoding(args.encoder)
+    except (OSError, ValueError, RuntimeError) as e:
+        if args.input or args.encoder:
+            parser.error(f"--encoder: {e}")
+        enc = None  # shards train without a tokenizer; samples then print as token ids
+        say(f"warning: no GPT-2 tokenizer ({e}); samples will be token ids")
+    config = GPTConfig(block_size=block_size, vocab_size=args.vocab_size, n_layer=n_layer, n_head=n_head,
+                       n_embd=n_embd)
+    try:
+        model = GPT(config, device=args.device, precision=args.precision, seed=args.seed)
+    except (ValueError, RuntimeError, NotImplementedError) as e:
+        parser.error(f"--device/--precision: {e}")
+    opt = AdamW(model, lr=args.max_lr, weight_decay=args.weight_decay)
+    min_lr = args.max_lr * args.min_lr_ratio
+
+    log = open(os.path.join(out_dir, "log.jsonl"), "w", encoding="utf-8")
+
+    def record(entry):
+        log.write(json.dumps(entry) + "\n")
+        log.flush()  # a run killed midway still leaves every finished step on disk
+
+    header = {"config": vars(config), "num_parameters": model.num_parameters(), "grad_accum": grad_accum,
+              "total_batch_size": total, "world_size": world_size, "args": vars(args)}
+    record({"header": header})
+    say(f"fastgpt: {model.num_parameters():,} parameters (L{n_layer} H{n_head} C{n_embd}), "
+        f"B={B} T={T}, grad_accum={grad_accum} ({total} tokens/step), {args.max_steps} steps -> {out_dir}")
+
+    def evaluate():
+        val_loader.reset()  # the same val batches every time, so estimates are comparable across steps
+        return sum(model.forward(*val_loader.next_batch(), return_logits=False)[1]
+                   for _ in range(args.eval_steps)) / args.eval_steps
+
+    def sample():
+        prompt = np.array([[EOT]], dtype=np.int64)  # start as a new document
+        out = model.generate(prompt, args.sample_tokens, top_k=min(50, config.vocab_size), seed=args.seed)
+        ids = out[0, 1:].tolist()
+        if enc is None:
+            return " ".join(map(str, ids))
+        return enc.decode([t for t in ids if t < N_VOCAB])  # padded ids (>= 50257) have no text
+
+    # ---- training: step == max_steps is the extra pass that evaluates and samples the final weights
+    val_losses, samples, times, losses = [], [], [], []
+    bar = tqdm(total=args.max_steps, disable=args.no_progress, unit="step", dynamic_ncols=True)
+    for step in range(args.max_steps + 1):
+        last = step == args.max_steps
+        if step % args.eval_interval == 0 or last:
+            val_loss = evaluate()
+            val_losses.append(val_loss)
+            record({"step": step, "val_loss": val_loss})
+            say(f"step {step:5d} | val loss {val_loss:.4f}")
+        if (step > 0 and step % args.sample_interval == 0) or (last and args.sample_tokens > 0):
+            text = sample()
+            samples.append(text)
+            say(f"---- sample at step {step} ----\n{text}\n----")
+        if last:
+            break
+
+        t0 = time.perf_counter()
+        model.zero_grad()
+        loss = 0.0
+        for _ in range(grad_accum):
+            x, y = train_loader.next_batch()
+            loss += model.forward(x, y, return_logits=False)[1] / grad_accum
+            model.backward(grad_scale=1.0 / grad_accum)  # the mean over micro steps, as one big batch would
+        norm = opt.clip_grad_norm(args.grad_clip)
+        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+        opt.step(lr)
+        dt = time.perf_counter() - t0
+        tok_per_s = total / dt
+        losses.append(loss)
+        times.append(dt)
+        record({"step": step, "loss": loss, "lr": lr, "norm": norm, "dt_ms": dt * 1e3, "tok_per_s": tok_per_s})
+        if args.no_progress:
+            print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | {dt * 1e3:.1f} ms | "
+                  f"{tok_per_s:.0f} tok/s", flush=True)
+        else:
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", norm=f"{norm:.3f}", ms=f"{dt * 1e3:.1f}",
+                            tok_s=f"{tok_per_s:.0f}", refresh=False)
+            bar.update(1)
+    bar.close()
+
+    # ---- the end: weights, summary
+    ckpt = save_checkpoint(model, os.path.join(out_dir, "model.safetensors"), metadata={
+        "step": args.max_steps, "train_loss": losses[-1], "val_loss": val_losses[-1]})
+    print(f"saved {ckpt}")
+    steady = times[1:] or times  # the first step pays one-off costs (allocations, page faults)
+    mean_tok_per_s = total * len(steady) / sum(steady)
+    result = {"final_train_loss": losses[-1], "first_val_loss": val_losses[0], "last_val_loss": val_losses[-1],
+              "mean_tok_per_s": mean_tok_per_s, "mean_ms_per_step": 1e3 * sum(steady) / len(steady),
+              "grad_accum": grad_accum, "steps": args.max_steps, "num_parameters": model.num_parameters(),
+              "samples": samples, "checkpoint": ckpt, "out_dir": out_dir, "model": model}
+    record({"summary": {k: v for k, v in result.items() if k != "model"}})
+    log.close()
+    print(f"done: train loss {losses[-1]:.4f} | val loss {val_losses[0]:.4f} -> {val_losses[-1]:.4f} | "
+          f"{mean_tok_per_s:.0f} tok/s | {result['mean_ms_per_step']:.1f} ms/step")
+    return result if argv is not None else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: build fastgpt with CUDA, run the whole test suite (the GPU tests no longer skip),
+# run the benchmarks, and print a short table last (the device tool returns only the tail of the output).
+# Raw evidence goes to $OUT (or ./gpu_out): pytest log, benchmark JSON, nvidia-smi line.
+# Before calling: copy ../shared/data into .device/shared/data here (ignored by git) and carry .device.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 FASTGPT_CUDA=ON FASTGPT_SHARED=${FASTGPT_SHARED:-$PWD/.device/shared}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/nvidia-smi.txt"
+
+build=FAIL tests=FAIL bench=FAIL
+python3 -m pip install --no-build-isolation -q . > "$out/build.log" 2>&1 && build=ok
+tail -5 "$out/build.log"
+if [ $build = ok ]; then
+  python3 -m pytest -q tests 2>&1 | tee "$out/pytest.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] && tests=ok
+  { python3 bench/bench_ops.py --json "$out/bench_ops.json" && python3 bench/bench_train.py --json "$out/bench_train.json"; } \
+    > "$out/bench.log" 2>&1 && bench=ok
+  tail -30 "$out/bench.log"
+fi
+echo
+echo "== gpu_check $(git rev-parse --short HEAD 2>/dev/null) on $(head -1 "$out/nvidia-smi.txt")"
+printf '%-8s %s\n' build "$build" tests "$tests ($(tail -1 "$out/pytest.log" 2>/dev/null))" bench "$bench"

@@ -1,0 +1,54 @@
+"""attention: fastgpt.ops forward and backward on the fused qkv (B, T, 3C) vs torch's scaled_dot_product_attention
+in float64, causal and not, odd head counts and lengths; lse checked against logsumexp of the scores."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastgpt import ops
+from reference_gpt import rel_err
+
+TOL = 1e-5
+
+
+def torch_attention(qkv, n_head, causal):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in qkv.split(C, dim=2))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(C // n_head)
+    if causal:
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return y.transpose(1, 2).reshape(B, T, C), torch.logsumexp(scores, dim=-1)
+
+
+@pytest.mark.parametrize("B,T,n_head,hs", [(2, 32, 4, 16), (3, 17, 3, 8), (1, 1, 1, 4), (2, 100, 5, 12),
+                                           (1, 64, 12, 64)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_forward_backward(rng, B, T, n_head, hs, causal):
+    C = n_head * hs
+    qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+
+    out, lse = ops.attention_forward(qkv, n_head, causal=causal)
+    dqkv = ops.attention_backward(dout, qkv, out, lse, n_head, causal=causal)
+
+    qt = torch.tensor(qkv, dtype=torch.float64, requires_grad=True)
+    ref, ref_lse = torch_attention(qt, n_head, causal)
+    ref.backward(torch.tensor(dout, dtype=torch.float64))
+    assert out.shape == (B, T, C) and lse.shape == (B, n_head, T) and dqkv.shape == qkv.shape
+    assert rel_err(out, ref.detach()) < TOL
+    assert rel_err(lse, ref_lse.detach()) < TOL
+    assert rel_err(dqkv, qt.grad) < TOL
+
+
+def test_attention_is_causal(rng):
+    # Changing a future token must not change earlier outputs.
+    qkv = rng.standard_normal((1, 10, 3 * 8)).astype(np.float32)
+    out1, _ = ops.attention_forward(qkv, 2)
+    qkv[0, 7:] = rng.standard_normal((3, 24)).astype(np.float32)
+    out2, _ = ops.attention_forward(qkv, 2)
+    assert np.array_equal(out1[0, :7], out2[0, :7])
+    assert not np.array_equal(out1[0, 7:], out2[0, 7:])

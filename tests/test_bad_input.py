@@ -1,0 +1,211 @@
+"""Bad input gets a Python exception that names the problem; never a crash. One test per case."""
+import numpy as np
+import pytest
+
+import fastgpt
+from fastgpt import ops
+
+CONFIG = fastgpt.GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fastgpt.GPT(CONFIG, seed=0)
+
+
+def ids(*shape, high=100):
+    return np.random.default_rng().integers(0, high, shape)
+
+
+def test_idx_wrong_ndim(model):
+    with pytest.raises(ValueError, match="idx must be 2-D"):
+        model.forward(ids(16))
+
+
+def test_idx_float_dtype(model):
+    with pytest.raises(TypeError, match="idx must be an integer array"):
+        model.forward(np.zeros((2, 4), np.float32))
+
+
+def test_targets_shape_mismatch(model):
+    with pytest.raises(ValueError, match="targets shape"):
+        model.forward(ids(2, 8), ids(2, 7))
+
+
+def test_negative_token_id(model):
+    x = ids(2, 8)
+    x[1, 3] = -1
+    with pytest.raises(ValueError, match=r"idx must hold token ids in \[0, vocab_size=100\), found -1"):
+        model.forward(x)
+
+
+def test_token_id_too_large(model):
+    x = ids(2, 8)
+    x[0, 0] = 100
+    with pytest.raises(ValueError, match="found 100"):
+        model.forward(x)
+
+
+def test_target_id_too_large(model):
+    y = ids(2, 8)
+    y[0, 5] = 1000
+    with pytest.raises(ValueError, match="targets must hold token ids"):
+        model.forward(ids(2, 8), y)
+
+
+def test_id_beyond_int32(model):
+    x = ids(1, 4).astype(np.int64)
+    x[0, 0] = 2**40
+    with pytest.raises(ValueError, match="int32 range"):
+        model.forward(x)
+
+
+def test_sequence_longer_than_block_size(model):
+    with pytest.raises(ValueError, match="T=17 > block_size=16"):
+        model.forward(ids(1, 17))
+
+
+def test_empty_batch(model):
+    with pytest.raises(ValueError, match="B >= 1 and T >= 1"):
+        model.forward(np.zeros((0, 4), np.int64))
+
+
+def test_backward_without_targets():
+    m = fastgpt.GPT(CONFIG, seed=0)
+    m.forward(ids(1, 4))
+    with pytest.raises(RuntimeError, match="forward\\(\\) with targets"):
+        m.backward()
+
+
+def test_backward_twice_after_one_forward():
+    m = fastgpt.GPT(CONFIG, seed=0)
+    m.forward(ids(1, 4), ids(1, 4))
+    m.backward()
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        m.backward()
+
+
+def test_state_dict_missing_key(model):
+    sd = dict(model.state_dict())
+    del sd["transformer.h.0.mlp.c_fc.bias"]
+    with pytest.raises(KeyError, match="missing.*mlp.c_fc.bias"):
+        model.load_state_dict(sd)
+
+
+def test_state_dict_unexpected_key(model):
+    sd = dict(model.state_dict(), extra=np.zeros(3, np.float32))
+    with pytest.raises(KeyError, match="unexpected.*extra"):
+        model.load_state_dict(sd)
+
+
+def test_state_dict_wrong_shape_changes_nothing(model):
+    before = model.state_dict()["transformer.wpe.weight"].copy()
+    sd = {k: v + 1 for k, v in model.state_dict().items()}
+    sd["transformer.h.0.attn.c_attn.weight"] = np.zeros((16, 48), np.float32)  # transposed
+    with pytest.raises(ValueError, match=r"c_attn.weight'\] has shape \(16, 48\), expected \(48, 16\)"):
+        model.load_state_dict(sd)
+    assert np.array_equal(model.state_dict()["transformer.wpe.weight"], before)  # nothing was written
+
+
+def test_state_dict_untied_lm_head(model):
+    sd = dict(model.state_dict())
+    sd["lm_head.weight"] = sd["transformer.wte.weight"] + 1
+    with pytest.raises(ValueError, match="tied"):
+        model.load_state_dict(sd)
+
+
+def test_state_dict_integer_values(model):
+    sd = dict(model.state_dict())
+    sd["transformer.ln_f.bias"] = np.zeros(16, np.int64)
+    with pytest.raises(TypeError, match="ln_f.bias.*floating point"):
+        model.load_state_dict(sd)
+
+
+def test_config_head_mismatch():
+    with pytest.raises(ValueError, match="multiple of config.n_head"):
+        fastgpt.GPT(fastgpt.GPTConfig(n_embd=30, n_head=4))
+
+
+def test_config_non_positive():
+    with pytest.raises(ValueError, match="config.n_layer must be >= 1"):
+        fastgpt.GPT(fastgpt.GPTConfig(n_layer=0))
+
+
+def test_unknown_device():
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        fastgpt.GPT(CONFIG, device="tpu")
+
+
+def test_bf16_on_cpu():
+    with pytest.raises(ValueError, match="precision='bf16' needs device='cuda'"):
+        fastgpt.GPT(CONFIG, precision="bf16")
+
+
+def test_unknown_precision():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        fastgpt.GPT(CONFIG, precision="fp8")
+
+
+def test_cuda_device_is_a_clear_error():
+    with pytest.raises((RuntimeError, NotImplementedError), match="device='cuda'"):
+        fastgpt.GPT(CONFIG, device="cuda")
+
+
+def test_adamw_negative_lr(model):
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        fastgpt.AdamW(model, lr=-1.0)
+
+
+def test_adamw_bad_betas(model):
+    with pytest.raises(ValueError, match="betas"):
+        fastgpt.AdamW(model, betas=(0.9,))
+
+
+def test_adamw_wrong_model():
+    with pytest.raises(TypeError, match="fastgpt.GPT"):
+        fastgpt.AdamW(object())
+
+
+def test_clip_non_positive(model):
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        fastgpt.AdamW(model).clip_grad_norm(0.0)
+
+
+def test_generate_negative_temperature(model):
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        model.generate(ids(1, 3), 2, temperature=-1.0)
+
+
+def test_generate_bad_top_k(model):
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        model.generate(ids(1, 3), 2, top_k=0)
+
+
+def test_op_matmul_inner_dim():
+    with pytest.raises(ValueError, match="x must have last dimension 8"):
+        ops.matmul_forward(np.ones((4, 7), np.float32), np.ones((3, 8), np.float32))
+
+
+def test_op_matmul_bias_length():
+    with pytest.raises(ValueError, match=r"bias must be \(3,\)"):
+        ops.matmul_forward(np.ones((4, 8), np.float32), np.ones((3, 8), np.float32), np.ones(4, np.float32))
+
+
+def test_op_layernorm_weight_length():
+    with pytest.raises(ValueError, match="last dimension 5"):
+        ops.layernorm_forward(np.ones((2, 4), np.float32), np.ones(5, np.float32), np.ones(5, np.float32))
+
+
+def test_op_attention_heads_do_not_divide():
+    with pytest.raises(ValueError, match="n_head must divide C=8"):
+        ops.attention_forward(np.ones((1, 4, 24), np.float32), 3)
+
+
+def test_op_cross_entropy_target_out_of_range():
+    with pytest.raises(ValueError, match="targets must hold ids in"):
+        ops.cross_entropy_forward(np.ones((2, 5), np.float32), np.array([1, 5]))
+
+
+def test_op_string_input():
+    with pytest.raises(TypeError, match="x must be a floating-point array"):
+        ops.gelu_forward(np.array(["a", "b"]))

@@ -1,0 +1,24 @@
+"""gelu (tanh approximation): fastgpt.ops forward and backward vs torch in float64."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastgpt import ops
+from reference_gpt import rel_err
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("shape", [(4, 32, 256), (3, 17, 5), (1,), (1000,)])
+def test_gelu_forward_backward(rng, shape):
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    dout = rng.standard_normal(shape).astype(np.float32)
+    out = ops.gelu_forward(x)
+    dx = ops.gelu_backward(dout, x)
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ref = F.gelu(xt, approximate="tanh")
+    ref.backward(torch.tensor(dout, dtype=torch.float64))
+    assert out.shape == shape
+    assert rel_err(out, ref.detach()) < TOL
+    assert rel_err(dx, xt.grad) < TOL

@@ -1,0 +1,207 @@
+"""The trainer (fastgpt.train) and checkpoints (fastgpt.checkpoint): the learning-rate schedule against
+build-nanogpt's formula, a short real run end to end (log, val loss going down, checkpoint round trip, sample),
+gradient accumulation, atomic saves, and bad flags failing with messages that name them."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+import fastgpt
+from fastgpt import checkpoint
+from fastgpt.checkpoint import load_checkpoint, save_checkpoint
+from fastgpt.train import get_lr, main
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "-B", "4", "-T", "32", "--no-progress"]
+
+
+def _nanogpt_lr(it, max_lr, min_lr, warmup_steps, max_steps):
+    # build-nanogpt train_gpt2.py, verbatim but for the parameters
+    if it < warmup_steps:
+        return max_lr * (it + 1) / warmup_steps
+    if it > max_steps:
+        return min_lr
+    decay_ratio = (it - warmup_steps) / (max_steps - warmup_steps)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def _read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+# ---- learning-rate schedule ----
+
+@pytest.mark.parametrize("max_lr, warmup, max_steps", [(6e-4, 10, 50), (1e-3, 715, 19073), (3e-4, 0, 7)])
+def test_get_lr_matches_build_nanogpt(max_lr, warmup, max_steps):
+    min_lr = 0.1 * max_lr
+    checks = [0, warmup // 2, max(warmup - 1, 0), warmup, (warmup + max_steps) // 2, max_steps - 1, max_steps,
+              max_steps + 5]
+    for step in checks:
+        assert get_lr(step, max_lr, min_lr, warmup, max_steps) == pytest.approx(
+            _nanogpt_lr(step, max_lr, min_lr, warmup, max_steps), rel=1e-12, abs=1e-18), step
+    if warmup:
+        assert get_lr(warmup - 1, max_lr, min_lr, warmup, max_steps) == pytest.approx(max_lr)
+    assert get_lr(max_steps, max_lr, min_lr, warmup, max_steps) == pytest.approx(min_lr)
+    # cosine midpoint: exactly halfway between max_lr and min_lr
+    if (max_steps - warmup) % 2 == 0:
+        mid = warmup + (max_steps - warmup) // 2
+        assert get_lr(mid, max_lr, min_lr, warmup, max_steps) == pytest.approx((max_lr + min_lr) / 2)
+    after = [get_lr(s, max_lr, min_lr, warmup, max_steps) for s in range(warmup, max_steps + 3)]
+    assert all(a >= b for a, b in zip(after, after[1:])), "lr must not rise after warmup"
+    during = [get_lr(s, max_lr, min_lr, warmup, max_steps) for s in range(warmup)]
+    assert all(a < b for a, b in zip(during, during[1:])), "lr must rise during warmup"
+
+
+def test_get_lr_warmup_equals_max_steps():
+    # build-nanogpt's formula divides by zero here at step == max_steps; ours gives min_lr
+    assert get_lr(5, 1.0, 0.1, 5, 5) == 0.1
+    assert get_lr(4, 1.0, 0.1, 5, 5) == 1.0
+
+
+# ---- a real run ----
+
+def test_short_run(shakespeare_txt, encoder_json, tmp_path, capsys):
+    out = tmp_path / "run"
+    result = main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "30",
+                   "--eval-interval", "15", "--eval-steps", "4", "--sample-interval", "30",
+                   "--sample-tokens", "32", "--out-dir", str(out)])
+    printed = capsys.readouterr().out
+
+    log = _read_log(out)
+    assert log[0]["header"]["grad_accum"] == 1
+    steps = [e for e in log if "loss" in e]
+    assert [e["step"] for e in steps] == list(range(30))
+    for e in steps:
+        assert math.isfinite(e["loss"]) and math.isfinite(e["norm"]) and e["dt_ms"] > 0 and e["tok_per_s"] > 0
+        assert e["lr"] == pytest.approx(get_lr(e["step"], 1e-3, 1e-4, 10, 30))
+    vals = [e for e in log if "val_loss" in e]
+    assert [e["step"] for e in vals] == [0, 15, 30]
+    assert all(math.isfinite(e["val_loss"]) for e in vals)
+    assert vals[-1]["val_loss"] < vals[0]["val_loss"]
+    assert result["first_val_loss"] == vals[0]["val_loss"] and result["last_val_loss"] == vals[-1]["val_loss"]
+    assert result["final_train_loss"] == steps[-1]["loss"] and result["mean_tok_per_s"] > 0
+    assert "summary" in log[-1]
+
+    # the checkpoint rebuilds the trained model exactly, and stores no lm_head (tied to wte)
+    ckpt = out / "model.safetensors"
+    assert result["checkpoint"] == str(ckpt) and str(ckpt) in printed
+    loaded = load_checkpoint(ckpt)
+    assert loaded.config == result["model"].config
+    trained, back = result["model"].state_dict(), loaded.state_dict()
+    assert trained.keys() == back.keys()
+    for name in trained:
+        np.testing.assert_array_equal(back[name], trained[name], err_msg=name)
+    meta = checkpoint.read_metadata(ckpt)
+    assert meta["n_layer"] == "2" and meta["n_embd"] == "64" and "lm_head.weight" in meta["tied_weights"]
+    from safetensors.numpy import load_file
+    assert "lm_head.weight" not in load_file(ckpt)
+
+    assert len(result["samples"]) == 1 and result["samples"][0].strip()
+    assert result["samples"][0] in printed
+    assert "sample at step 30" in printed and "done:" in printed
+
+
+def test_grad_accumulation(shakespeare_txt, encoder_json, tmp_path, capsys):
+    out = tmp_path / "accum"
+    result = main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "2",
+                   "--total-batch-size", str(2 * 4 * 32), "--eval-steps", "1", "--sample-tokens", "0",
+                   "--out-dir", str(out)])
+    assert result["grad_accum"] == 2
+    log = _read_log(out)
+    assert log[0]["header"]["grad_accum"] == 2 and log[0]["header"]["total_batch_size"] == 256
+    steps = [e for e in log if "loss" in e]
+    assert len(steps) == 2 and all(math.isfinite(e["loss"]) for e in steps)
+    assert "grad_accum=2" in capsys.readouterr().out
+
+    # the shards just cut train through --shards too (a folder: *_train_* and *_val_* picked by split)
+    again = main(["--shards", str(out / "data"), "--encoder", str(encoder_json), *TINY, "--max-steps", "1",
+                  "--eval-steps", "1", "--sample-tokens", "0", "--out-dir", str(tmp_path / "from_shards")])
+    assert math.isfinite(again["final_train_loss"]) and again["grad_accum"] == 1
+
+
+# ---- checkpoints ----
+
+def _model(seed):
+    return fastgpt.GPT(fastgpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16), seed=seed)
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    save_checkpoint(_model(1), path, metadata={"note": "first"})
+    before = path.read_bytes()
+
+    def half_written(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:  # a partial file under the temp name, then the failure
+            f.write(b"\0" * 100)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(_model(2), path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["model.safetensors"], "the temp file must be removed"
+    assert checkpoint.read_metadata(path)["note"] == "first"
+
+    monkeypatch.undo()
+    second = _model(2)
+    save_checkpoint(second, path)  # overwriting goes through a temp file too
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    np.testing.assert_array_equal(load_checkpoint(path).state_dict()["transformer.wte.weight"],
+                                  second.state_dict()["transformer.wte.weight"])
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_checkpoint(tmp_path / "nope.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        load_checkpoint(junk)
+    from safetensors.numpy import save_file
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w": np.zeros(3, dtype=np.float32)}, str(foreign))
+    with pytest.raises(ValueError, match="not a fastgpt checkpoint"):
+        load_checkpoint(foreign)
+    with pytest.raises(ValueError, match="reserved"):
+        save_checkpoint(_model(0), tmp_path / "m.safetensors", metadata={"n_layer": 3})
+
+
+# ---- bad flags ----
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max-steps", "-5"], "--max-steps"),
+    (["--max-steps", "ten"], "--max-steps"),
+    (["--max-lr", "0"], "--max-lr"),
+    (["-T", "64", "--block-size", "32"], "--block-size"),
+    (["--total-batch-size", "200"], "--total-batch-size"),
+    (["--n-embd", "65"], "--n-head"),
+    (["--vocab-size", "1000"], "--vocab-size"),
+    (["--model", "huge"], "--model"),
+])
+def test_bad_flags(flags, named, shakespeare_txt, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--input", str(shakespeare_txt), *TINY, "--out-dir", str(tmp_path / "bad"), *flags])
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_missing_input(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        main(["--input", str(tmp_path / "missing.txt"), *TINY, "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert "--input" in err and "missing.txt" in err
+    monkeypatch.delenv("FASTGPT_DATA", raising=False)
+    with pytest.raises(SystemExit):
+        main([*TINY, "--out-dir", str(tmp_path / "o")])
+    assert "--input" in capsys.readouterr().err
+
+
+def test_bad_shards(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--shards", str(tmp_path / "none_*.bin"), "--encoder", "unused.json", *TINY,
+              "--out-dir", str(tmp_path / "o")])
+    assert "no shards" in capsys.readouterr().err

@@ -1,0 +1,3 @@
+"""Train a GPT-2 with fastgpt: `python train.py --help`; the same trainer as the console script fastgpt-train."""
+from fastgpt.train import main
+main()
