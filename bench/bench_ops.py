@@ -34,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--linears", default=",".join(LINEARS),
                    help=f"matmul shapes to time, comma-separated from {','.join(LINEARS)}")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls of each side before timing")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls of each side, alternating; the median is reported")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed calls of each side, alternating; the median is reported")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for both fastgpt (OpenMP) and torch (default: $OMP_NUM_THREADS or os.cpu_count())")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
@@ -51,9 +52,9 @@ def parse_args(argv=None):
     return args
 
 
-def paired_median_ms(fg, th, warmup, repeats):
-    """Median ms of fg and of th. The calls alternate (fg, th, fg, th, ...) so that both sides see the same load
-    when the machine is shared; warm-up calls of each come first and are not timed."""
+def paired_timings(fg, th, warmup, repeats):
+    """[(median ms, min ms) of fg, (median ms, min ms) of th]. The calls alternate (fg, th, fg, th, ...) so that both
+    sides see the same load when the machine is shared; warm-up calls of each come first and are not timed."""
     for _ in range(warmup):
         fg()
         th()
@@ -63,7 +64,7 @@ def paired_median_ms(fg, th, warmup, repeats):
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[0]), 1e3 * statistics.median(times[1])
+    return [(1e3 * statistics.median(t), 1e3 * min(t)) for t in times]
 
 
 def max_diff(a, b):
@@ -94,20 +95,20 @@ def run_cases(args):
     def ids(*shape):
         return rng.integers(0, V, size=shape, dtype=np.int64)
 
-    def tt(a, grad=True):  # torch tensor sharing a's memory (a copy, so torch never writes into fastgpt's inputs)
-        return torch.from_numpy(a.copy()).requires_grad_(grad)
+    def tt(a):  # a leaf torch tensor with a's values (its own copy: nothing shares memory across the two sides)
+        return torch.from_numpy(a.copy()).requires_grad_(True)
 
     rows = []
 
     def bench(op, shape, fg_fwd, fg_bwd, th_fwd, th_bwd, passes=("fwd", "bwd")):
-        """fg_*/th_* are zero-argument callables; *_bwd run on a saved forward. Each returns its outputs."""
+        """fg_*/th_* are zero-argument callables returning their outputs; *_bwd reuse a saved forward."""
         for pas, fg, th in zip(passes, (fg_fwd, fg_bwd), (th_fwd, th_bwd)):
             if fg is None:
                 continue
             diff = max_diff(fg(), th())
-            fg_ms, th_ms = paired_median_ms(fg, th, args.warmup, args.repeats)
+            (fg_ms, fg_min), (th_ms, th_min) = paired_timings(fg, th, args.warmup, args.repeats)
             rows.append(dict(op=op, shape=shape, **{"pass": pas}, fastgpt_ms=fg_ms, torch_ms=th_ms,
-                             ratio=th_ms / fg_ms, max_abs_diff=diff))
+                             ratio=th_ms / fg_ms, max_abs_diff=diff, fastgpt_min_ms=fg_min, torch_min_ms=th_min))
             print_row(rows[-1], flush=True)
 
     selected = [args.case] if args.case else list(CASES)
@@ -235,7 +236,8 @@ def run_cases(args):
     return rows
 
 
-HEADER = f"{'op':<14} {'pass':<5} {'shape':<42} {'fastgpt ms':>11} {'torch ms':>10} {'torch/fastgpt':>14} {'max|diff|':>10}"
+HEADER = (f"{'op':<14} {'pass':<5} {'shape':<42} {'fastgpt ms':>11} {'torch ms':>10} {'torch/fastgpt':>14} "
+          f"{'max|diff|':>10}")
 
 
 def print_header():

@@ -84,8 +84,7 @@ def build_parser():
 
 
 def main(argv=None):
-    """Train; returns a dict of the run's numbers when argv is given. From the command line (argv None) it returns
-    None, because console scripts call sys.exit(main()) and would print a returned dict and exit with status 1."""
+    """Train; returns a dict of the run's numbers (final losses, tok/s, the model)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     world_size = 1  # DDP arrives with the CUDA engine; the accumulation arithmetic already counts ranks
@@ -219,8 +218,14 @@ def main(argv=None):
     log.close()
     print(f"done: train loss {losses[-1]:.4f} | val loss {val_losses[0]:.4f} -> {val_losses[-1]:.4f} | "
           f"{mean_tok_per_s:.0f} tok/s | {result['mean_ms_per_step']:.1f} ms/step")
-    return result if argv is not None else None
+    return result
+
+
+def cli():
+    """Entry point of `python train.py` and the console script: exit status 0 on success."""
+    main()
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
