@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu/kernels.h"
+#include "cpu/vmath.h"
 
 namespace fastgpt::cpu {
 
@@ -38,8 +39,9 @@ void attention_forward(float* out, float* lse, const float* qkv, int B, int T, i
             mx = p[j] > mx ? p[j] : mx;
           }
           double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
           for (int j = 0; j < jn; j++) {
-            p[j] = std::exp(p[j] - mx);
+            p[j] = vexp(p[j] - mx);
             sum += p[j];
           }
           float* o = out + ((int64_t)b * T + i) * C + h * hs;
@@ -83,7 +85,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
         for (int j = 0; j < jn; j++) {
           const float* k = base + j * C3 + C;
           const float* v = base + j * C3 + 2 * C;
-          const float p = std::exp(dot(q, k, hs) * scale - li);
+          const float p = vexp(dot(q, k, hs) * scale - li);
           const float ds = p * (dot(dy, v, hs) - Di) * scale;
           float* dk = dbase + j * C3 + C;
           float* dv = dbase + j * C3 + 2 * C;

@@ -1,7 +1,8 @@
 // GELU with the tanh approximation (GPT-2's, torch's approximate="tanh"), forward and backward.
-#include <cmath>
-
+// 0.5 * (1 + tanh(a)) is the logistic sigmoid of 2a, so gelu(x) = x * sigmoid(2a): one vectorisable exp per element
+// (cpu/vmath.h) instead of a libm tanh, and no cancellation in 1 + tanh(a) for large negative x.
 #include "cpu/kernels.h"
+#include "cpu/vmath.h"
 
 namespace fastgpt::cpu {
 
@@ -14,7 +15,8 @@ void gelu_forward(float* out, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) {
     const float x = inp[i];
-    out[i] = 0.5f * x * (1.f + std::tanh(kSqrt2OverPi * (x + kCoef * x * x * x)));
+    const float a = kSqrt2OverPi * (x + kCoef * x * x * x);
+    out[i] = x / (1.f + vexp(-2.f * a));
   }
 }
 
@@ -22,9 +24,10 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) 
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) {
     const float x = inp[i];
-    const float t = std::tanh(kSqrt2OverPi * (x + kCoef * x * x * x));
-    const float dt = kSqrt2OverPi * (1.f + 3.f * kCoef * x * x) * (1.f - t * t);
-    dinp[i] = dout[i] * (0.5f * (1.f + t) + 0.5f * x * dt);
+    const float a = kSqrt2OverPi * (x + kCoef * x * x * x);
+    const float s = 1.f / (1.f + vexp(-2.f * a));  // sigmoid(2a) = 0.5 * (1 + tanh(a))
+    const float da = kSqrt2OverPi * (1.f + 3.f * kCoef * x * x);
+    dinp[i] = dout[i] * (s + x * 2.f * s * (1.f - s) * da);
   }
 }
 
