@@ -3,6 +3,7 @@ every result, and a measure of how much CPU other processes took during a run (t
 only trustworthy when that is near zero).
 """
 import datetime
+import json
 import os
 import platform
 import time
@@ -64,3 +65,11 @@ def environment(threads):
             "fastgpt": fastgpt.__version__, "platform": platform.platform()}
 
 
+
+
+def write_json(path, payload):
+    """The benchmark's raw numbers, for bench/results/ and BENCHMARKS.md."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}")

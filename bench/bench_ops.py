@@ -10,13 +10,12 @@ the max |fastgpt - torch| column is only there to show both sides computed the s
     python3 bench/bench_ops.py --case matmul --json /tmp/ops.json
 """
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
-from _common import OtherLoad, default_threads, environment, report_other_load
+from _common import OtherLoad, default_threads, environment, report_other_load, write_json
 
 CASES = ("embedding", "layernorm", "matmul", "attention", "gelu", "cross_entropy", "adamw")
 LINEARS = ("attn", "attn_proj", "fc", "fc_proj", "lm_head")  # every distinct nn.Linear shape of GPT-2
@@ -274,10 +273,7 @@ def main(argv=None):
                    "config": {k: getattr(args, k) for k in ("B", "T", "C", "n_head", "n_layer", "vocab", "linears",
                                                             "warmup", "repeats", "seed")},
                    "results": rows}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, payload)
     return 0
 
 

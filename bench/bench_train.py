@@ -12,7 +12,6 @@ timed steps is printed as a sanity line (reported, not timed, not asserted: benc
                                                                   # $FASTGPT_GPT2_ENCODER
 """
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -20,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from _common import OtherLoad, default_threads, environment, report_other_load
+from _common import OtherLoad, default_threads, environment, report_other_load, write_json
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -172,10 +171,7 @@ def main(argv=None):
                                                             "warmup", "steps", "seed")},
                    "optimizer": {**hp, "betas": list(hp["betas"]), "clip": clip},
                    "results": res, "ratio_fastgpt_over_torch": ratio, "max_abs_loss_diff": max_diff}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, payload)
     return 0
 
 

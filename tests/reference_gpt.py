@@ -2,7 +2,6 @@
 fastgpt's weights load into it by name; every parity test compares against it. Attention goes through
 F.scaled_dot_product_attention(is_causal=True), exactly as in build-nanogpt.
 """
-import math
 from dataclasses import dataclass
 
 import torch

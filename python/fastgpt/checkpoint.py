@@ -6,12 +6,12 @@ the biggest tensor. The GPTConfig travels as string metadata, which is all load_
 model. Writes are atomic: a crash or error mid-save leaves whatever was at the path before untouched.
 """
 import os
-import tempfile
 
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ._io import atomic_path
 from .model import GPT, GPTConfig
 
 MARKER = "fastgpt_checkpoint"  # metadata key that tells our files from other safetensors files
@@ -32,30 +32,8 @@ def save_checkpoint(model, path, metadata=None):
     tensors = {k: np.ascontiguousarray(v) for k, v in model.state_dict().items() if k != TIED}
 
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    # The temp file sits in the same folder so that os.replace is a rename on one filesystem, hence atomic.
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata={**meta, **ours})
-        with open(tmp, "rb+") as f:  # the bytes must be on disk before the rename makes them the checkpoint
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:  # make the rename itself durable; best effort, not every platform lets a folder be opened
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
     return path
 
 

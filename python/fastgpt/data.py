@@ -8,9 +8,10 @@ ranks the way build-nanogpt's DataLoaderLite does, sequentially or in a seeded s
 import glob
 import json
 import os
-import tempfile
 
 import numpy as np
+
+from ._io import atomic_write_bytes
 
 MAGIC = 20240520
 VERSION = 1
@@ -19,36 +20,6 @@ HEADER_BYTES = HEADER_INTS * 4
 _HEADER_DTYPE = np.dtype("<i4")
 _TOKEN_DTYPE = np.dtype("<u2")
 _MANIFEST_VERSION = 1
-
-
-def _atomic_write(path, chunks):
-    # A crash mid-write must never leave a half shard under the final name, where it would look complete.
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:  # make the rename itself durable; not every platform lets a folder be opened
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def write_shard(path, tokens):
@@ -64,7 +35,7 @@ def write_shard(path, tokens):
         )
     header = np.zeros(HEADER_INTS, dtype=_HEADER_DTYPE)
     header[:3] = (MAGIC, VERSION, tokens.size)
-    _atomic_write(path, [header.tobytes(), tokens.astype(_TOKEN_DTYPE).tobytes()])
+    atomic_write_bytes(path, [header.tobytes(), tokens.astype(_TOKEN_DTYPE).tobytes()])
 
 
 def read_shard(path):
@@ -177,7 +148,7 @@ def tokenize_file(text_path, out_dir, name=None, encoder_json=None, val_fraction
     manifest = {"params": params, "train_tokens": result["train_tokens"], "val_tokens": result["val_tokens"],
                 "train": [os.path.basename(p) for p in result["train"]],
                 "val": [os.path.basename(p) for p in result["val"]]}
-    _atomic_write(manifest_path, [json.dumps(manifest, indent=1).encode()])
+    atomic_write_bytes(manifest_path, [json.dumps(manifest, indent=1).encode()])
     return result
 
 

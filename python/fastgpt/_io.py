@@ -1,0 +1,37 @@
+"""Atomic file writes: a file appears under its final name complete or not at all, and whatever was there before
+survives a failure. Shards and checkpoints both go through here."""
+import contextlib
+import os
+import tempfile
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yields a temp path in the destination folder; on a clean exit the file is fsynced and renamed over `path`
+    (one filesystem, so the rename is atomic); on an exception it is removed and the old `path` is untouched."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:  # the bytes must be on disk before the rename makes them the real file
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable; not every platform lets a folder be opened
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def atomic_write_bytes(path, chunks):
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
