@@ -1,5 +1,5 @@
-// The one binding file: exposes the engine (GPT, AdamW), the CPU ops and the CUDA slot to Python as fastgpt._C.
-// It owns every conversion between NumPy arrays and raw pointers and checks every shape before a kernel sees it,
+// The one binding file: exposes the engine (GPT, AdamW), the ops (CPU, and CUDA through DLPack) and the CUDA slot
+// to Python as fastgpt._C. It owns every conversion between arrays and raw pointers and checks every shape before a kernel sees it,
 // so bad input becomes a Python exception here, never a crash below. Arrays handed out (parameters, gradients,
 // logits, optimizer moments) are zero-copy views that keep their owner alive.
 #include <pybind11/numpy.h>
@@ -12,7 +12,9 @@
 #include <string>
 
 #include "cpu/kernels.h"
+#include "cuda/ops.h"
 #include "cuda/runtime.h"
+#include "interop/dlpack.h"
 #include "engine/adamw.h"
 #include "engine/gpt.h"
 
@@ -28,6 +30,7 @@ bool built_with_cuda() { return false; }
 int device_count() { return 0; }
 std::string device_name(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 bool smoke_test(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
+void set_device(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 }  // namespace fastgpt::cuda
 #endif
 
@@ -37,36 +40,6 @@ void need(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
 }
 
-std::string shape_str(const py::array& a) {
-  std::string s = "(";
-  for (py::ssize_t i = 0; i < a.ndim(); i++) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
-
-// Rows x cols view of an array whose last dimension is `cols` (leading dimensions flattened).
-int64_t rows_of(const py::array& a, int64_t cols, const char* name) {
-  need(a.ndim() >= 1 && a.shape(a.ndim() - 1) == cols,
-       std::string(name) + " must have last dimension " + std::to_string(cols) + ", got shape " + shape_str(a));
-  return cols == 0 ? 0 : a.size() / cols;
-}
-
-void same_shape(const py::array& a, const py::array& b, const char* na, const char* nb) {
-  bool ok = a.ndim() == b.ndim();
-  for (py::ssize_t i = 0; ok && i < a.ndim(); i++) ok = a.shape(i) == b.shape(i);
-  need(ok, std::string(na) + " and " + nb + " must have the same shape, got " + shape_str(a) + " and " +
-               shape_str(b));
-}
-
-FArray like(const py::array& a) {
-  std::vector<py::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-  return FArray(shape);
-}
-
-FArray zeros(std::vector<py::ssize_t> shape) {
-  FArray out(shape);
-  std::fill(out.mutable_data(), out.mutable_data() + out.size(), 0.f);
-  return out;
-}
 
 // A view of engine memory that keeps `owner` (the Python object holding the engine) alive.
 FArray view(float* ptr, std::vector<py::ssize_t> shape, py::handle owner) {
@@ -79,174 +52,318 @@ FArray view(float* ptr, std::vector<py::ssize_t> shape, py::handle owner) {
   return FArray(shape, strides, ptr, owner);
 }
 
-void check_ids(const IArray& ids, int64_t V, const char* name) {
-  const int32_t* p = ids.data();
-  for (py::ssize_t i = 0; i < ids.size(); i++)
-    need(p[i] >= 0 && p[i] < V, std::string(name) + " must hold ids in [0, " + std::to_string(V) + "), found " +
-                                    std::to_string(p[i]));
+// ---- ops on arrays that live on the CPU (NumPy) or on a GPU (DLPack capsules): one shape check per op, then the
+// kernel of the device the arrays are on, on the caller's stream. Outputs are allocated by the caller (fastgpt.ops),
+// in the caller's framework, so no memory crosses ownership here; gradient outputs arrive zeroed.
+struct View {
+  void* data = nullptr;
+  std::vector<int64_t> shape;
+  bool cuda = false;
+  int device = -1;
+  int64_t size() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+  int ndim() const { return (int)shape.size(); }
+  float* f() const { return static_cast<float*>(data); }
+  int32_t* i() const { return static_cast<int32_t*>(data); }
+};
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); i++) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
 }
 
+// kind 'f': float32, 'i': int32. NumPy arrays must be C-contiguous (fastgpt.ops converts them); DLPack tensors must
+// be compact row-major on a CUDA device.
+View view_of(py::handle obj, const std::string& name, char kind) {
+  View v;
+  const char* want = kind == 'f' ? "float32" : "int32";
+  if (py::isinstance<py::array>(obj)) {
+    auto a = py::reinterpret_borrow<py::array>(obj);
+    const bool ok = kind == 'f' ? a.dtype().is(py::dtype::of<float>()) : a.dtype().is(py::dtype::of<int32_t>());
+    need(ok, name + " must be " + want + ", got " + std::string(py::str(a.dtype())));
+    need(a.flags() & py::array::c_style, name + " must be C-contiguous");
+    v.data = a.request().ptr;
+    v.shape.assign(a.shape(), a.shape() + a.ndim());
+    return v;
+  }
+  if (py::isinstance<py::capsule>(obj)) {
+    auto cap = py::reinterpret_borrow<py::capsule>(obj);
+    need(cap.name() && std::string(cap.name()) == "dltensor", name + ": expected an unused DLPack capsule");
+    const DLTensor& t = cap.get_pointer<DLManagedTensor>()->dl_tensor;
+    const uint8_t code = kind == 'f' ? kDLFloat : kDLInt;
+    need(t.dtype.code == code && t.dtype.bits == 32 && t.dtype.lanes == 1, name + " must be " + want);
+    need(t.device.device_type == kDLCUDA || t.device.device_type == kDLCUDAManaged,
+         name + " must be on a CUDA device (CPU arrays go through NumPy)");
+    v.shape.assign(t.shape, t.shape + t.ndim);
+    if (t.strides) {
+      int64_t expect = 1;
+      for (int d = t.ndim - 1; d >= 0; d--) {
+        need(t.shape[d] == 1 || t.strides[d] == expect, name + " must be contiguous (row-major)");
+        expect *= t.shape[d];
+      }
+    }
+    v.data = static_cast<char*>(t.data) + t.byte_offset;
+    v.cuda = true;
+    v.device = t.device.device_id;
+    return v;
+  }
+  throw py::type_error(name + " must be a NumPy array or a DLPack capsule");
+}
+
+struct Ctx {
+  bool cuda = false;
+#ifdef FASTGPT_WITH_CUDA
+  cuda::Stream stream = nullptr;
+#endif
+};
+
+// All arrays of one call on one device; selects that device for the kernels that follow.
+Ctx context(std::initializer_list<const View*> views, uintptr_t stream) {
+  const View* first = *views.begin();
+  for (const View* v : views)
+    need(v->cuda == first->cuda && v->device == first->device,
+         "all arrays of an op must be on the same device (got " + std::string(first->cuda ? "cuda:" : "cpu") +
+             (first->cuda ? std::to_string(first->device) : "") + " and " + (v->cuda ? "cuda:" : "cpu") +
+             (v->cuda ? std::to_string(v->device) : "") + ")");
+  Ctx c;
+  c.cuda = first->cuda;
+  if (c.cuda) {
+#ifdef FASTGPT_WITH_CUDA
+    cuda::set_device(first->device);
+    c.stream = reinterpret_cast<cuda::Stream>(stream);
+#else
+    throw std::runtime_error("CUDA arrays need a fastgpt built with CUDA (reinstall where nvcc is on PATH)");
+#endif
+  }
+  return c;
+}
+
+#ifdef FASTGPT_WITH_CUDA
+#define FASTGPT_DISPATCH(ctx, fn, ...)              \
+  do {                                              \
+    if ((ctx).cuda)                                 \
+      cuda::fn(__VA_ARGS__, (ctx).stream);          \
+    else                                            \
+      cpu::fn(__VA_ARGS__);                         \
+  } while (0)
+#else
+#define FASTGPT_DISPATCH(ctx, fn, ...) cpu::fn(__VA_ARGS__)
+#endif
+
+// Rows of an array whose last dimension is `cols` (leading dimensions flattened).
+int64_t rows_of(const View& a, int64_t cols, const std::string& name) {
+  need(a.ndim() >= 1 && a.shape.back() == cols,
+       name + " must have last dimension " + std::to_string(cols) + ", got shape " + shape_str(a.shape));
+  return a.size() / cols;
+}
+
+void same_shape(const View& a, const View& b, const std::string& na, const std::string& nb) {
+  need(a.shape == b.shape, na + " and " + nb + " must have the same shape, got " + shape_str(a.shape) + " and " +
+                               shape_str(b.shape));
+}
+
+void shape_is(const View& a, std::vector<int64_t> shape, const std::string& name) {
+  need(a.shape == shape, name + " must have shape " + shape_str(shape) + ", got " + shape_str(a.shape));
+}
+
+// Token ids in range; on a GPU the caller (fastgpt.ops) checks, since reading device memory here would sync.
+void check_ids(const View& ids, int64_t V, const std::string& name) {
+  if (ids.cuda) return;
+  for (int64_t i = 0; i < ids.size(); i++)
+    need(ids.i()[i] >= 0 && ids.i()[i] < V, name + " must hold ids in [0, " + std::to_string(V) + "), found " +
+                                                std::to_string(ids.i()[i]));
+}
+
+using H = py::handle;
+
 void bind_ops(py::module_& m) {
-  m.def("encoder_forward", [](const IArray& idx, const FArray& wte, const FArray& wpe) {
-    need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(idx));
-    need(wte.ndim() == 2 && wpe.ndim() == 2 && wte.shape(1) == wpe.shape(1),
-         "wte (V, C) and wpe (maxT, C) must be 2-D with the same C, got " + shape_str(wte) + " and " + shape_str(wpe));
-    const int B = idx.shape(0), T = idx.shape(1), C = wte.shape(1);
-    need(T <= wpe.shape(0), "T must be <= wpe rows (" + std::to_string(wpe.shape(0)) + "), got " + std::to_string(T));
-    check_ids(idx, wte.shape(0), "idx");
-    FArray out({(py::ssize_t)B, (py::ssize_t)T, (py::ssize_t)C});
+  m.def("encoder_forward", [](H out_, H idx_, H wte_, H wpe_, uintptr_t stream) {
+    View out = view_of(out_, "out", 'f'), idx = view_of(idx_, "idx", 'i'), wte = view_of(wte_, "wte", 'f'),
+         wpe = view_of(wpe_, "wpe", 'f');
+    need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(idx.shape));
+    need(wte.ndim() == 2 && wpe.ndim() == 2 && wte.shape[1] == wpe.shape[1],
+         "wte (V, C) and wpe (maxT, C) must be 2-D with the same C, got " + shape_str(wte.shape) + " and " +
+             shape_str(wpe.shape));
+    const int B = idx.shape[0], T = idx.shape[1], C = wte.shape[1];
+    need(T <= wpe.shape[0], "T must be <= wpe rows (" + std::to_string(wpe.shape[0]) + "), got " + std::to_string(T));
+    shape_is(out, {B, T, C}, "out");
+    check_ids(idx, wte.shape[0], "idx");
+    Ctx c = context({&out, &idx, &wte, &wpe}, stream);
     py::gil_scoped_release nogil;
-    cpu::encoder_forward(out.mutable_data(), idx.data(), wte.data(), wpe.data(), B, T, C);
-    return out;
+    FASTGPT_DISPATCH(c, encoder_forward, out.f(), idx.i(), wte.f(), wpe.f(), B, T, C);
   });
-  m.def("encoder_backward", [](const FArray& dout, const IArray& idx, int V, int maxT) {
-    need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(idx));
-    const int B = idx.shape(0), T = idx.shape(1);
-    need(dout.ndim() == 3 && dout.shape(0) == B && dout.shape(1) == T,
-         "dout must be (B, T, C) matching idx " + shape_str(idx) + ", got " + shape_str(dout));
-    need(T <= maxT, "T must be <= maxT");
+  m.def("encoder_backward", [](H dwte_, H dwpe_, H dout_, H idx_, uintptr_t stream) {
+    View dwte = view_of(dwte_, "dwte", 'f'), dwpe = view_of(dwpe_, "dwpe", 'f'), dout = view_of(dout_, "dout", 'f'),
+         idx = view_of(idx_, "idx", 'i');
+    need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(idx.shape));
+    const int B = idx.shape[0], T = idx.shape[1];
+    need(dout.ndim() == 3 && dout.shape[0] == B && dout.shape[1] == T,
+         "dout must be (B, T, C) matching idx " + shape_str(idx.shape) + ", got " + shape_str(dout.shape));
+    const int C = dout.shape[2];
+    need(dwte.ndim() == 2 && dwte.shape[1] == C && dwpe.ndim() == 2 && dwpe.shape[1] == C,
+         "dwte and dwpe must be (V, C) and (maxT, C)");
+    need(T <= dwpe.shape[0], "T must be <= maxT");
+    const int V = dwte.shape[0];
     check_ids(idx, V, "idx");
-    const int C = dout.shape(2);
-    FArray dwte = zeros({V, C}), dwpe = zeros({maxT, C});
-    {
-      py::gil_scoped_release nogil;
-      cpu::encoder_backward(dwte.mutable_data(), dwpe.mutable_data(), dout.data(), idx.data(), B, T, C);
-    }
-    return py::make_tuple(dwte, dwpe);
-  });
-  m.def("layernorm_forward", [](const FArray& x, const FArray& w, const FArray& b) {
-    need(w.ndim() == 1 && b.ndim() == 1 && w.shape(0) == b.shape(0),
-         "weight and bias must be 1-D of the same length, got " + shape_str(w) + " and " + shape_str(b));
-    const int C = w.shape(0);
-    const int64_t N = rows_of(x, C, "x");
-    FArray out = like(x), mean({(py::ssize_t)N}), rstd({(py::ssize_t)N});
-    {
-      py::gil_scoped_release nogil;
-      cpu::layernorm_forward(out.mutable_data(), mean.mutable_data(), rstd.mutable_data(), x.data(), w.data(),
-                             b.data(), N, C);
-    }
-    return py::make_tuple(out, mean, rstd);
-  });
-  m.def("layernorm_backward", [](const FArray& dout, const FArray& x, const FArray& w, const FArray& mean,
-                                 const FArray& rstd) {
-    same_shape(dout, x, "dout", "x");
-    need(w.ndim() == 1, "weight must be 1-D, got " + shape_str(w));
-    const int C = w.shape(0);
-    const int64_t N = rows_of(x, C, "x");
-    need(mean.size() == N && rstd.size() == N, "mean and rstd must hold one value per row (" + std::to_string(N) + ")");
-    FArray dx = zeros(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
-    FArray dw = zeros({C}), db = zeros({C});
-    {
-      py::gil_scoped_release nogil;
-      cpu::layernorm_backward(dx.mutable_data(), dw.mutable_data(), db.mutable_data(), dout.data(), x.data(),
-                              w.data(), mean.data(), rstd.data(), N, C);
-    }
-    return py::make_tuple(dx, dw, db);
-  });
-  m.def("matmul_forward", [](const FArray& x, const FArray& w, std::optional<FArray> bias) {
-    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w));
-    const int OC = w.shape(0), C = w.shape(1);
-    const int64_t N = rows_of(x, C, "x");
-    if (bias) need(bias->ndim() == 1 && bias->shape(0) == OC, "bias must be (" + std::to_string(OC) + ",), got " +
-                                                                     shape_str(*bias));
-    std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim());
-    shape.back() = OC;
-    FArray out(shape);
-    const float* bp = bias ? bias->data() : nullptr;
+    Ctx c = context({&dwte, &dwpe, &dout, &idx}, stream);
     py::gil_scoped_release nogil;
-    cpu::matmul_forward(out.mutable_data(), x.data(), w.data(), bp, N, C, OC);
-    return out;
-  }, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("matmul_backward", [](const FArray& dout, const FArray& x, const FArray& w, bool with_bias) {
-    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w));
-    const int OC = w.shape(0), C = w.shape(1);
+#ifdef FASTGPT_WITH_CUDA
+    if (c.cuda) return cuda::encoder_backward(dwte.f(), dwpe.f(), dout.f(), idx.i(), B, T, C, V, c.stream);
+#endif
+    cpu::encoder_backward(dwte.f(), dwpe.f(), dout.f(), idx.i(), B, T, C);
+  });
+  m.def("layernorm_forward", [](H out_, H mean_, H rstd_, H x_, H w_, H b_, uintptr_t stream) {
+    View out = view_of(out_, "out", 'f'), mean = view_of(mean_, "mean", 'f'), rstd = view_of(rstd_, "rstd", 'f'),
+         x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f'), b = view_of(b_, "bias", 'f');
+    need(w.ndim() == 1 && b.shape == w.shape,
+         "weight and bias must be 1-D of the same length, got " + shape_str(w.shape) + " and " + shape_str(b.shape));
+    const int C = w.shape[0];
+    const int64_t N = rows_of(x, C, "x");
+    same_shape(out, x, "out", "x");
+    need(mean.size() == N && rstd.size() == N, "mean and rstd must hold one value per row (" + std::to_string(N) + ")");
+    Ctx c = context({&out, &mean, &rstd, &x, &w, &b}, stream);
+    py::gil_scoped_release nogil;
+    FASTGPT_DISPATCH(c, layernorm_forward, out.f(), mean.f(), rstd.f(), x.f(), w.f(), b.f(), N, C);
+  });
+  m.def("layernorm_backward", [](H dx_, H dw_, H db_, H dout_, H x_, H w_, H mean_, H rstd_, uintptr_t stream) {
+    View dx = view_of(dx_, "dx", 'f'), dw = view_of(dw_, "dweight", 'f'), db = view_of(db_, "dbias", 'f'),
+         dout = view_of(dout_, "dout", 'f'), x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f'),
+         mean = view_of(mean_, "mean", 'f'), rstd = view_of(rstd_, "rstd", 'f');
+    need(w.ndim() == 1, "weight must be 1-D, got " + shape_str(w.shape));
+    const int C = w.shape[0];
+    const int64_t N = rows_of(x, C, "x");
+    same_shape(dout, x, "dout", "x");
+    same_shape(dx, x, "dx", "x");
+    shape_is(dw, {C}, "dweight");
+    shape_is(db, {C}, "dbias");
+    need(mean.size() == N && rstd.size() == N, "mean and rstd must hold one value per row (" + std::to_string(N) + ")");
+    Ctx c = context({&dx, &dw, &db, &dout, &x, &w, &mean, &rstd}, stream);
+    py::gil_scoped_release nogil;
+    FASTGPT_DISPATCH(c, layernorm_backward, dx.f(), dw.f(), db.f(), dout.f(), x.f(), w.f(), mean.f(), rstd.f(), N, C);
+  });
+  m.def("matmul_forward", [](H out_, H x_, H w_, std::optional<H> bias_, uintptr_t stream) {
+    View out = view_of(out_, "out", 'f'), x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f');
+    View bias = bias_ ? view_of(*bias_, "bias", 'f') : x;
+    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
+    const int OC = w.shape[0], C = w.shape[1];
+    const int64_t N = rows_of(x, C, "x");
+    if (bias_) shape_is(bias, {OC}, "bias");
+    need(rows_of(out, OC, "out") == N, "out must have as many rows as x");
+    Ctx c = context({&out, &x, &w, &bias}, stream);
+    const float* bp = bias_ ? bias.f() : nullptr;
+    py::gil_scoped_release nogil;
+    FASTGPT_DISPATCH(c, matmul_forward, out.f(), x.f(), w.f(), bp, N, C, OC);
+  });
+  m.def("matmul_backward", [](H dx_, H dw_, std::optional<H> db_, H dout_, H x_, H w_, uintptr_t stream) {
+    View dx = view_of(dx_, "dx", 'f'), dw = view_of(dw_, "dweight", 'f'), dout = view_of(dout_, "dout", 'f'),
+         x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f');
+    View db = db_ ? view_of(*db_, "dbias", 'f') : x;
+    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
+    const int OC = w.shape[0], C = w.shape[1];
     const int64_t N = rows_of(x, C, "x");
     need(rows_of(dout, OC, "dout") == N, "dout must have as many rows as x");
-    FArray dx = like(x), dw = zeros({OC, C}), db = zeros({OC});
-    {
-      py::gil_scoped_release nogil;
-      cpu::matmul_backward(dx.mutable_data(), dw.mutable_data(), with_bias ? db.mutable_data() : nullptr,
-                           dout.data(), x.data(), w.data(), N, C, OC);
-    }
-    return py::make_tuple(dx, dw, with_bias ? py::object(db) : py::object(py::none()));
-  });
-  m.def("gelu_forward", [](const FArray& x) {
-    FArray out = like(x);
+    same_shape(dx, x, "dx", "x");
+    same_shape(dw, w, "dweight", "weight");
+    if (db_) shape_is(db, {OC}, "dbias");
+    Ctx c = context({&dx, &dw, &db, &dout, &x, &w}, stream);
+    float* dbp = db_ ? db.f() : nullptr;
     py::gil_scoped_release nogil;
-    cpu::gelu_forward(out.mutable_data(), x.data(), x.size());
-    return out;
+    FASTGPT_DISPATCH(c, matmul_backward, dx.f(), dw.f(), dbp, dout.f(), x.f(), w.f(), N, C, OC);
   });
-  m.def("gelu_backward", [](const FArray& dout, const FArray& x) {
+  m.def("gelu_forward", [](H out_, H x_, uintptr_t stream) {
+    View out = view_of(out_, "out", 'f'), x = view_of(x_, "x", 'f');
+    same_shape(out, x, "out", "x");
+    Ctx c = context({&out, &x}, stream);
+    py::gil_scoped_release nogil;
+    FASTGPT_DISPATCH(c, gelu_forward, out.f(), x.f(), x.size());
+  });
+  m.def("gelu_backward", [](H dx_, H dout_, H x_, uintptr_t stream) {
+    View dx = view_of(dx_, "dx", 'f'), dout = view_of(dout_, "dout", 'f'), x = view_of(x_, "x", 'f');
     same_shape(dout, x, "dout", "x");
-    FArray dx = like(x);
+    same_shape(dx, x, "dx", "x");
+    Ctx c = context({&dx, &dout, &x}, stream);
     py::gil_scoped_release nogil;
-    cpu::gelu_backward(dx.mutable_data(), x.data(), dout.data(), x.size());
-    return dx;
+    FASTGPT_DISPATCH(c, gelu_backward, dx.f(), x.f(), dout.f(), x.size());
   });
-  auto attn_dims = [](const FArray& qkv, int n_head) {
-    need(qkv.ndim() == 3 && qkv.shape(2) % 3 == 0, "qkv must be (B, T, 3C), got " + shape_str(qkv));
-    const int C = qkv.shape(2) / 3;
+  auto attn_dims = [](const View& qkv, int n_head) {
+    need(qkv.ndim() == 3 && qkv.shape[2] % 3 == 0, "qkv must be (B, T, 3C), got " + shape_str(qkv.shape));
+    const int C = qkv.shape[2] / 3;
     need(n_head >= 1 && C % n_head == 0, "n_head must divide C=" + std::to_string(C) + ", got " +
                                              std::to_string(n_head));
-    return std::make_tuple((int)qkv.shape(0), (int)qkv.shape(1), C);
+    return std::make_tuple((int)qkv.shape[0], (int)qkv.shape[1], C);
   };
-  m.def("attention_forward", [attn_dims](const FArray& qkv, int n_head, bool causal) {
+  m.def("attention_forward", [attn_dims](H out_, H lse_, H qkv_, int n_head, bool causal, uintptr_t stream) {
+    View out = view_of(out_, "out", 'f'), lse = view_of(lse_, "lse", 'f'), qkv = view_of(qkv_, "qkv", 'f');
     auto [B, T, C] = attn_dims(qkv, n_head);
-    FArray out({B, T, C}), lse({B, n_head, T});
-    {
-      py::gil_scoped_release nogil;
-      cpu::attention_forward(out.mutable_data(), lse.mutable_data(), qkv.data(), B, T, C, n_head, causal);
-    }
-    return py::make_tuple(out, lse);
-  });
-  m.def("attention_backward", [attn_dims](const FArray& dout, const FArray& qkv, const FArray& out,
-                                          const FArray& lse, int n_head, bool causal) {
-    auto [B, T, C] = attn_dims(qkv, n_head);
-    need(dout.ndim() == 3 && dout.shape(0) == B && dout.shape(1) == T && dout.shape(2) == C,
-         "dout must be (B, T, C) = (" + std::to_string(B) + ", " + std::to_string(T) + ", " + std::to_string(C) +
-             "), got " + shape_str(dout));
-    same_shape(dout, out, "dout", "out");
-    need(lse.size() == (py::ssize_t)B * n_head * T, "lse must be (B, n_head, T)");
-    FArray dqkv = like(qkv);
+    shape_is(out, {B, T, C}, "out");
+    shape_is(lse, {B, n_head, T}, "lse");
+    Ctx c = context({&out, &lse, &qkv}, stream);
     py::gil_scoped_release nogil;
-    cpu::attention_backward(dqkv.mutable_data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, n_head,
-                            causal);
-    return dqkv;
+    FASTGPT_DISPATCH(c, attention_forward, out.f(), lse.f(), qkv.f(), B, T, C, n_head, causal);
   });
-  m.def("cross_entropy_forward", [](const FArray& logits, const IArray& targets) {
-    need(logits.ndim() >= 1 && logits.shape(logits.ndim() - 1) >= 1, "logits must be (..., V) with V >= 1");
-    const int V = logits.shape(logits.ndim() - 1);
+  m.def("attention_backward", [attn_dims](H dqkv_, H dout_, H qkv_, H out_, H lse_, int n_head, bool causal,
+                                          uintptr_t stream) {
+    View dqkv = view_of(dqkv_, "dqkv", 'f'), dout = view_of(dout_, "dout", 'f'), qkv = view_of(qkv_, "qkv", 'f'),
+         out = view_of(out_, "out", 'f'), lse = view_of(lse_, "lse", 'f');
+    auto [B, T, C] = attn_dims(qkv, n_head);
+    shape_is(dout, {B, T, C}, "dout");
+    same_shape(dout, out, "dout", "out");
+    shape_is(lse, {B, n_head, T}, "lse");
+    same_shape(dqkv, qkv, "dqkv", "qkv");
+    Ctx c = context({&dqkv, &dout, &qkv, &out, &lse}, stream);
+    py::gil_scoped_release nogil;
+    FASTGPT_DISPATCH(c, attention_backward, dqkv.f(), dout.f(), qkv.f(), out.f(), lse.f(), B, T, C, n_head, causal);
+  });
+  m.def("cross_entropy_forward", [](H losses_, H lse_, H logits_, H targets_, uintptr_t stream) {
+    View losses = view_of(losses_, "losses", 'f'), lse = view_of(lse_, "lse", 'f'),
+         logits = view_of(logits_, "logits", 'f'), targets = view_of(targets_, "targets", 'i');
+    need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
+    const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
     need(targets.size() == N, "targets must hold one id per row of logits (" + std::to_string(N) + "), got " +
-                                  shape_str(targets));
+                                  shape_str(targets.shape));
+    need(losses.size() == N && lse.size() == N, "losses and lse must hold one value per row");
     check_ids(targets, V, "targets");
-    FArray losses({(py::ssize_t)N}), lse({(py::ssize_t)N});
-    {
-      py::gil_scoped_release nogil;
-      cpu::cross_entropy_forward(losses.mutable_data(), lse.mutable_data(), logits.data(), targets.data(), N, V);
-    }
-    return py::make_tuple(losses, lse);
+    Ctx c = context({&losses, &lse, &logits, &targets}, stream);
+    py::gil_scoped_release nogil;
+    FASTGPT_DISPATCH(c, cross_entropy_forward, losses.f(), lse.f(), logits.f(), targets.i(), N, V);
   });
-  m.def("cross_entropy_backward", [](const FArray& logits, const IArray& targets, const FArray& lse, float dloss) {
-    const int V = logits.shape(logits.ndim() - 1);
+  m.def("cross_entropy_backward", [](H dlogits_, H logits_, H targets_, H lse_, float dloss, uintptr_t stream) {
+    View dlogits = view_of(dlogits_, "dlogits", 'f'), logits = view_of(logits_, "logits", 'f'),
+         targets = view_of(targets_, "targets", 'i'), lse = view_of(lse_, "lse", 'f');
+    need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
+    const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
     need(targets.size() == N && lse.size() == N, "targets and lse must hold one value per row of logits");
+    same_shape(dlogits, logits, "dlogits", "logits");
     check_ids(targets, V, "targets");
-    FArray dlogits = like(logits);
+    Ctx c = context({&dlogits, &logits, &targets, &lse}, stream);
     py::gil_scoped_release nogil;
-    cpu::cross_entropy_backward(dlogits.mutable_data(), logits.data(), lse.data(), targets.data(), dloss, N, V);
-    return dlogits;
+    FASTGPT_DISPATCH(c, cross_entropy_backward, dlogits.f(), logits.f(), lse.f(), targets.i(), dloss, N, V);
   });
-  m.def("adamw_update", [](FArray param, const FArray& grad, FArray m_, FArray v_, float lr, float beta1,
-                           float beta2, float eps, float weight_decay, int64_t step) {
+  m.def("adamw_update", [](H param_, H grad_, H m_, H v_, float lr, float beta1, float beta2, float eps,
+                           float weight_decay, int64_t step, uintptr_t stream) {
+    View param = view_of(param_, "param", 'f'), grad = view_of(grad_, "grad", 'f'), m = view_of(m_, "exp_avg", 'f'),
+         v = view_of(v_, "exp_avg_sq", 'f');
     same_shape(param, grad, "param", "grad");
-    same_shape(param, m_, "param", "m");
-    same_shape(param, v_, "param", "v");
+    same_shape(param, m, "param", "exp_avg");
+    same_shape(param, v, "param", "exp_avg_sq");
     need(step >= 1, "step must be >= 1 (the count after this update), got " + std::to_string(step));
-    cpu::AdamWHyper h{lr, beta1, beta2, eps, weight_decay, (float)(1.0 - std::pow((double)beta1, (double)step)),
-                      (float)std::sqrt(1.0 - std::pow((double)beta2, (double)step))};
+    const float bc1 = (float)(1.0 - std::pow((double)beta1, (double)step));
+    const float bc2 = (float)std::sqrt(1.0 - std::pow((double)beta2, (double)step));
+    Ctx c = context({&param, &grad, &m, &v}, stream);
     py::gil_scoped_release nogil;
-    cpu::adamw_update(param.mutable_data(), grad.data(), m_.mutable_data(), v_.mutable_data(), param.size(), h);
+#ifdef FASTGPT_WITH_CUDA
+    if (c.cuda)
+      return cuda::adamw_update(param.f(), grad.f(), m.f(), v.f(), param.size(),
+                                cuda::AdamWHyper{lr, beta1, beta2, eps, weight_decay, bc1, bc2}, c.stream);
+#endif
+    cpu::adamw_update(param.f(), grad.f(), m.f(), v.f(), param.size(),
+                      cpu::AdamWHyper{lr, beta1, beta2, eps, weight_decay, bc1, bc2});
   });
 }
 
@@ -289,8 +406,8 @@ PYBIND11_MODULE(_C, m) {
       })
       .def("forward",
            [](GPT& g, const IArray& idx, std::optional<IArray> targets, bool last_only) {
-             need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(idx));
-             if (targets) same_shape(idx, *targets, "idx", "targets");
+             need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
+             if (targets) same_shape(view_of(idx, "idx", 'i'), view_of(*targets, "targets", 'i'), "idx", "targets");
              const int B = idx.shape(0), T = idx.shape(1);
              const int32_t* tp = targets ? targets->data() : nullptr;
              py::gil_scoped_release nogil;

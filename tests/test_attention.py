@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
+from devices import DEVICES, host, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -27,13 +28,15 @@ def torch_attention(qkv, n_head, causal):
 @pytest.mark.parametrize("B,T,n_head,hs", [(2, 32, 4, 16), (3, 17, 3, 8), (1, 1, 1, 4), (2, 100, 5, 12),
                                            (1, 64, 12, 64)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_forward_backward(rng, B, T, n_head, hs, causal):
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_forward_backward(rng, B, T, n_head, hs, causal, device):
     C = n_head * hs
     qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
 
-    out, lse = ops.attention_forward(qkv, n_head, causal=causal)
-    dqkv = ops.attention_backward(dout, qkv, out, lse, n_head, causal=causal)
+    out, lse = ops.attention_forward(on(device, qkv), n_head, causal=causal)
+    dqkv = ops.attention_backward(on(device, dout), on(device, qkv), out, lse, n_head, causal=causal)
+    out, lse, dqkv = map(host, (out, lse, dqkv))
 
     qt = torch.tensor(qkv, dtype=torch.float64, requires_grad=True)
     ref, ref_lse = torch_attention(qt, n_head, causal)

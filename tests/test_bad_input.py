@@ -187,7 +187,7 @@ def test_op_matmul_inner_dim():
 
 
 def test_op_matmul_bias_length():
-    with pytest.raises(ValueError, match=r"bias must be \(3,\)"):
+    with pytest.raises(ValueError, match=r"bias must have shape \(3,\)"):
         ops.matmul_forward(np.ones((4, 8), np.float32), np.ones((3, 8), np.float32), np.ones(4, np.float32))
 
 

@@ -6,19 +6,22 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
+from devices import DEVICES, host, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
 
 
 @pytest.mark.parametrize("N,V,scale", [(64, 50304, 1.0), (17, 50257, 3.0), (1, 2, 1.0), (33, 1000, 40.0)])
-def test_cross_entropy_forward_backward(rng, N, V, scale):
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_forward_backward(rng, N, V, scale, device):
     logits = (rng.standard_normal((N, V)) * scale).astype(np.float32)
     targets = rng.integers(0, V, N)
     grad = float(rng.uniform(0.5, 2.0))
 
-    loss, losses, lse = ops.cross_entropy_forward(logits, targets)
-    dlogits = ops.cross_entropy_backward(logits, targets, lse, grad=grad)
+    loss, losses, lse = ops.cross_entropy_forward(on(device, logits), on(device, targets))
+    dlogits = host(ops.cross_entropy_backward(on(device, logits), on(device, targets), lse, grad=grad))
+    losses = host(losses)
 
     lt = torch.tensor(logits, dtype=torch.float64, requires_grad=True)
     tt = torch.tensor(targets)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
+from devices import DEVICES, host, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -14,14 +15,15 @@ TOL = 1e-5
 @pytest.mark.parametrize("lead,C,OC", [((4, 32), 64, 192), ((3, 17), 48, 50), ((1, 1), 7, 3), ((2, 65), 129, 257),
                                        ((8, 16), 64, 50304)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matmul_forward_backward(rng, lead, C, OC, bias):
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_forward_backward(rng, lead, C, OC, bias, device):
     x = rng.standard_normal(lead + (C,)).astype(np.float32)
     w = (rng.standard_normal((OC, C)) * 0.1).astype(np.float32)
     b = rng.standard_normal(OC).astype(np.float32) if bias else None
     dout = rng.standard_normal(lead + (OC,)).astype(np.float32)
 
-    out = ops.matmul_forward(x, w, b)
-    dx, dw, db = ops.matmul_backward(dout, x, w, bias=bias)
+    out = host(ops.matmul_forward(on(device, x), on(device, w), on(device, b)))
+    dx, dw, db = map(host, ops.matmul_backward(on(device, dout), on(device, x), on(device, w), bias=bias))
 
     xt, wt = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, w))
     bt = torch.tensor(b, dtype=torch.float64, requires_grad=True) if bias else None

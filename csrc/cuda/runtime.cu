@@ -31,6 +31,8 @@ std::string device_name(int device) {
   return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
 }
 
+void set_device(int device) { FASTGPT_CUDA_CHECK(cudaSetDevice(device)); }
+
 bool smoke_test(int device) {
   FASTGPT_CUDA_CHECK(cudaSetDevice(device));
   const int n = 1000;

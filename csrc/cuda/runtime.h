@@ -10,6 +10,8 @@ bool built_with_cuda();
 int device_count();
 // "name (sm_XY)" of a device; throws std::runtime_error when it cannot be queried.
 std::string device_name(int device);
+// Makes `device` current for the calling thread (the ops select the device their arrays are on).
+void set_device(int device);
 // Runs a tiny kernel on the device and checks its result: proves that the build's architectures run there.
 bool smoke_test(int device);
 

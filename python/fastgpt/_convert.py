@@ -11,6 +11,11 @@ def to_numpy(x, name):
         if str(x.dtype) == "torch.bfloat16":
             x = x.float()
         x = x.numpy()
+    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):  # any other CPU array speaking DLPack
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, RuntimeError, BufferError):
+            pass  # e.g. a dtype NumPy lacks: fall back to the array protocol
     try:
         return np.asarray(x)
     except Exception as e:  # ragged lists and the like

@@ -1,91 +1,265 @@
 """fastgpt.ops: each kernel of the engine, forward and backward, on arrays, so every op can be checked against
-PyTorch on its own. Inputs may be NumPy arrays or CPU torch tensors; outputs are NumPy float32 arrays.
-Gradients of parameters are returned fresh (the engine accumulates them; here they start from zero).
+PyTorch on its own. Arrays on the CPU (NumPy arrays, CPU torch tensors, anything with DLPack) run the C++ CPU
+kernels and come back as NumPy float32 arrays. CUDA arrays (torch tensors, CuPy arrays) are passed zero-copy
+through DLPack to the CUDA kernels, run on the caller's current stream, and come back as arrays of the caller's
+framework. Parameter gradients are returned fresh (the engine accumulates them; here they start from zero).
 """
 import numpy as np
 
 from . import _C
-from ._convert import as_float32, as_ids, check_float, check_int
+from ._convert import as_float32, as_ids, check_float, check_int, to_numpy
 
 _ops = _C.ops
+_CUDA_DEVICES = (2, 13)  # DLPack kDLCUDA, kDLCUDAManaged
+
+
+def _on_cuda(x):
+    dev = getattr(x, "__dlpack_device__", None)
+    return not isinstance(x, np.ndarray) and dev is not None and dev()[0] in _CUDA_DEVICES
+
+
+class _Host:
+    """Arrays on the CPU: NumPy in, NumPy out."""
+    stream = 0
+
+    def f32(self, x, name):
+        return as_float32(x, name)
+
+    def ids(self, x, name, ndim=None):
+        return as_ids(x, name, ndim)
+
+    def empty(self, shape):
+        return np.empty(shape, np.float32)
+
+    def zeros(self, shape):
+        return np.zeros(shape, np.float32)
+
+    def arg(self, a):
+        return a
+
+
+class _Device:
+    """Arrays on a GPU, in the framework of `like` (torch or CuPy): outputs are allocated there, on its current stream,
+    and handed to the kernels as DLPack capsules."""
+
+    def __init__(self, like):
+        self.module = type(like).__module__.split(".")[0]
+        if self.module == "torch":
+            import torch
+            self.torch, self.device = torch, like.device
+            self.stream = torch.cuda.current_stream(like.device).cuda_stream
+        elif self.module == "cupy":
+            import cupy
+            self.cupy, self.device = cupy, like.device
+            self.stream = cupy.cuda.get_current_stream().ptr
+        else:
+            raise TypeError(f"CUDA arrays from {self.module} are not supported (torch tensors or CuPy arrays)")
+
+    def _check(self, x, name):
+        if not _on_cuda(x):
+            raise ValueError(f"{name} must be on the GPU like the other arrays of this op")
+        if type(x).__module__.split(".")[0] != self.module:
+            raise TypeError(f"{name} must be a {self.module} array like the other arrays of this op")
+
+    def f32(self, x, name):
+        self._check(x, name)
+        if str(x.dtype) not in ("torch.float32", "float32"):
+            raise TypeError(f"{name} must be float32 on the GPU, got {x.dtype}")
+        return x if self._contiguous(x) else self._contiguous_copy(x)
+
+    def ids(self, x, name, ndim=None):
+        self._check(x, name)
+        if ndim is not None and x.ndim != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+        if "int" not in str(x.dtype) or "uint8" in str(x.dtype):
+            raise TypeError(f"{name} must be an integer array of token ids, got dtype {x.dtype}")
+        if x.numel() if self.module == "torch" else x.size:
+            lo, hi = int(x.min()), int(x.max())  # one device sync: the kernels index memory with these ids
+            if lo < 0 or hi >= 2**31:
+                raise ValueError(f"{name} holds ids outside [0, 2**31) (min {lo}, max {hi})")
+            self.id_max = max(getattr(self, "id_max", -1), hi)
+        if self.module == "torch":
+            return x.to(self.torch.int32).contiguous()
+        return self.cupy.ascontiguousarray(x, dtype=self.cupy.int32)
+
+    def check_vocab(self, V, name):
+        if getattr(self, "id_max", -1) >= V:
+            raise ValueError(f"{name} must hold ids in [0, {V}), found {self.id_max}")
+
+    def _contiguous(self, x):
+        return x.is_contiguous() if self.module == "torch" else x.flags.c_contiguous
+
+    def _contiguous_copy(self, x):
+        return x.contiguous() if self.module == "torch" else self.cupy.ascontiguousarray(x)
+
+    def empty(self, shape):
+        if self.module == "torch":
+            return self.torch.empty(shape, dtype=self.torch.float32, device=self.device)
+        with self.device:
+            return self.cupy.empty(shape, self.cupy.float32)
+
+    def zeros(self, shape):
+        if self.module == "torch":
+            return self.torch.zeros(shape, dtype=self.torch.float32, device=self.device)
+        with self.device:
+            return self.cupy.zeros(shape, self.cupy.float32)
+
+    def arg(self, a):
+        return a.__dlpack__(stream=self.stream)
+
+
+def _where(*arrays):
+    like = next((a for a in arrays if a is not None and _on_cuda(a)), None)
+    return _Host() if like is None else _Device(like)
+
+
+def _shape(a):
+    return tuple(a.shape)
 
 
 def embedding_forward(idx, wte, wpe):
     """Token + position embedding: idx (B, T) -> (B, T, C)."""
-    return _ops.encoder_forward(as_ids(idx, "idx", ndim=2), as_float32(wte, "wte"), as_float32(wpe, "wpe"))
+    d = _where(idx, wte, wpe)
+    idx, wte, wpe = d.ids(idx, "idx", ndim=2), d.f32(wte, "wte"), d.f32(wpe, "wpe")
+    if isinstance(d, _Device):
+        d.check_vocab(_shape(wte)[0], "idx")
+    out = d.empty(_shape(idx) + _shape(wte)[1:])
+    _ops.encoder_forward(d.arg(out), d.arg(idx), d.arg(wte), d.arg(wpe), d.stream)
+    return out
 
 
 def embedding_backward(dout, idx, vocab_size, block_size):
     """-> (dwte (vocab_size, C), dwpe (block_size, C))."""
-    return _ops.encoder_backward(as_float32(dout, "dout"), as_ids(idx, "idx", ndim=2),
-                                 check_int(vocab_size, "vocab_size", 1), check_int(block_size, "block_size", 1))
+    d = _where(dout, idx)
+    dout, idx = d.f32(dout, "dout"), d.ids(idx, "idx", ndim=2)
+    V, maxT = check_int(vocab_size, "vocab_size", 1), check_int(block_size, "block_size", 1)
+    if isinstance(d, _Device):
+        d.check_vocab(V, "idx")
+    C = _shape(dout)[-1]
+    dwte, dwpe = d.zeros((V, C)), d.zeros((maxT, C))
+    _ops.encoder_backward(d.arg(dwte), d.arg(dwpe), d.arg(dout), d.arg(idx), d.stream)
+    return dwte, dwpe
 
 
 def layernorm_forward(x, weight, bias):
     """x (..., C) -> (out (..., C), mean (N,), rstd (N,)), eps 1e-5."""
-    return _ops.layernorm_forward(as_float32(x, "x"), as_float32(weight, "weight"), as_float32(bias, "bias"))
+    d = _where(x, weight, bias)
+    x, weight, bias = d.f32(x, "x"), d.f32(weight, "weight"), d.f32(bias, "bias")
+    n = int(np.prod(_shape(x)[:-1], dtype=np.int64)) if len(_shape(x)) else 0
+    out, mean, rstd = d.empty(_shape(x)), d.empty((n,)), d.empty((n,))
+    _ops.layernorm_forward(d.arg(out), d.arg(mean), d.arg(rstd), d.arg(x), d.arg(weight), d.arg(bias), d.stream)
+    return out, mean, rstd
 
 
 def layernorm_backward(dout, x, weight, mean, rstd):
     """-> (dx, dweight, dbias)."""
-    return _ops.layernorm_backward(as_float32(dout, "dout"), as_float32(x, "x"), as_float32(weight, "weight"),
-                                   as_float32(mean, "mean"), as_float32(rstd, "rstd"))
+    d = _where(dout, x, weight, mean, rstd)
+    dout, x, weight = d.f32(dout, "dout"), d.f32(x, "x"), d.f32(weight, "weight")
+    mean, rstd = d.f32(mean, "mean"), d.f32(rstd, "rstd")
+    dx, dw, db = d.zeros(_shape(x)), d.zeros(_shape(weight)), d.zeros(_shape(weight))
+    _ops.layernorm_backward(d.arg(dx), d.arg(dw), d.arg(db), d.arg(dout), d.arg(x), d.arg(weight), d.arg(mean),
+                            d.arg(rstd), d.stream)
+    return dx, dw, db
 
 
 def matmul_forward(x, weight, bias=None):
     """nn.Linear: x (..., in) @ weight (out, in)^T + bias (out) -> (..., out)."""
-    return _ops.matmul_forward(as_float32(x, "x"), as_float32(weight, "weight"),
-                               None if bias is None else as_float32(bias, "bias"))
+    d = _where(x, weight, bias)
+    x, weight = d.f32(x, "x"), d.f32(weight, "weight")
+    bias = None if bias is None else d.f32(bias, "bias")
+    out = d.empty(_shape(x)[:-1] + _shape(weight)[:1])
+    _ops.matmul_forward(d.arg(out), d.arg(x), d.arg(weight), None if bias is None else d.arg(bias), d.stream)
+    return out
 
 
 def matmul_backward(dout, x, weight, bias=True):
     """-> (dx, dweight, dbias or None)."""
-    return _ops.matmul_backward(as_float32(dout, "dout"), as_float32(x, "x"), as_float32(weight, "weight"),
-                                bool(bias))
+    d = _where(dout, x, weight)
+    dout, x, weight = d.f32(dout, "dout"), d.f32(x, "x"), d.f32(weight, "weight")
+    dx, dw = d.empty(_shape(x)), d.zeros(_shape(weight))
+    db = d.zeros(_shape(weight)[:1]) if bias else None
+    _ops.matmul_backward(d.arg(dx), d.arg(dw), None if db is None else d.arg(db), d.arg(dout), d.arg(x),
+                         d.arg(weight), d.stream)
+    return dx, dw, db
 
 
 def gelu_forward(x):
     """GELU, tanh approximation."""
-    return _ops.gelu_forward(as_float32(x, "x"))
+    d = _where(x)
+    x = d.f32(x, "x")
+    out = d.empty(_shape(x))
+    _ops.gelu_forward(d.arg(out), d.arg(x), d.stream)
+    return out
 
 
 def gelu_backward(dout, x):
-    return _ops.gelu_backward(as_float32(dout, "dout"), as_float32(x, "x"))
+    d = _where(dout, x)
+    dout, x = d.f32(dout, "dout"), d.f32(x, "x")
+    dx = d.empty(_shape(x))
+    _ops.gelu_backward(d.arg(dx), d.arg(dout), d.arg(x), d.stream)
+    return dx
 
 
 def attention_forward(qkv, n_head, causal=True):
     """Scaled dot-product attention on the fused projection qkv (B, T, 3C) = q | k | v, n_head heads.
     -> (out (B, T, C), lse (B, n_head, T)): lse is all backward needs besides the inputs."""
-    return _ops.attention_forward(as_float32(qkv, "qkv"), check_int(n_head, "n_head", 1), bool(causal))
+    d = _where(qkv)
+    qkv, n_head = d.f32(qkv, "qkv"), check_int(n_head, "n_head", 1)
+    B, T, C3 = _shape(qkv) if len(_shape(qkv)) == 3 else (0, 0, 0)
+    out, lse = d.empty((B, T, C3 // 3)), d.empty((B, n_head, T))
+    _ops.attention_forward(d.arg(out), d.arg(lse), d.arg(qkv), n_head, bool(causal), d.stream)
+    return out, lse
 
 
 def attention_backward(dout, qkv, out, lse, n_head, causal=True):
     """-> dqkv (B, T, 3C)."""
-    return _ops.attention_backward(as_float32(dout, "dout"), as_float32(qkv, "qkv"), as_float32(out, "out"),
-                                   as_float32(lse, "lse"), check_int(n_head, "n_head", 1), bool(causal))
+    d = _where(dout, qkv, out, lse)
+    dout, qkv, out, lse = d.f32(dout, "dout"), d.f32(qkv, "qkv"), d.f32(out, "out"), d.f32(lse, "lse")
+    dqkv = d.empty(_shape(qkv))
+    _ops.attention_backward(d.arg(dqkv), d.arg(dout), d.arg(qkv), d.arg(out), d.arg(lse),
+                            check_int(n_head, "n_head", 1), bool(causal), d.stream)
+    return dqkv
 
 
 def cross_entropy_forward(logits, targets):
     """logits (..., V), targets (...) -> (mean loss, losses (N,), lse (N,))."""
-    losses, lse = _ops.cross_entropy_forward(as_float32(logits, "logits"), as_ids(targets, "targets"))
-    return float(np.mean(losses, dtype=np.float64)) if losses.size else float("nan"), losses, lse
+    d = _where(logits, targets)
+    logits, targets = d.f32(logits, "logits"), d.ids(targets, "targets")
+    if isinstance(d, _Device):
+        d.check_vocab(_shape(logits)[-1], "targets")
+    n = int(np.prod(_shape(logits)[:-1], dtype=np.int64))
+    losses, lse = d.empty((n,)), d.empty((n,))
+    _ops.cross_entropy_forward(d.arg(losses), d.arg(lse), d.arg(logits), d.arg(targets), d.stream)
+    host = to_numpy(losses, "losses").astype(np.float64)
+    return (float(host.mean()) if n else float("nan")), losses, lse
 
 
 def cross_entropy_backward(logits, targets, lse, grad=1.0):
     """Gradient of grad * mean cross-entropy with respect to logits."""
-    logits = as_float32(logits, "logits")
-    n = max(1, logits.size // max(1, logits.shape[-1]))
-    return _ops.cross_entropy_backward(logits, as_ids(targets, "targets"), as_float32(lse, "lse"),
-                                       check_float(grad, "grad") / n)
+    d = _where(logits, targets, lse)
+    logits, targets, lse = d.f32(logits, "logits"), d.ids(targets, "targets"), d.f32(lse, "lse")
+    if isinstance(d, _Device):
+        d.check_vocab(_shape(logits)[-1], "targets")
+    n = max(1, int(np.prod(_shape(logits)[:-1], dtype=np.int64)))
+    dlogits = d.empty(_shape(logits))
+    _ops.cross_entropy_backward(d.arg(dlogits), d.arg(logits), d.arg(targets), d.arg(lse),
+                                check_float(grad, "grad") / n, d.stream)
+    return dlogits
 
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
-    """One torch.optim.AdamW update, in place on param, exp_avg and exp_avg_sq (float32 contiguous NumPy arrays).
-    step counts updates including this one."""
+    """One torch.optim.AdamW update, in place on param, exp_avg and exp_avg_sq (float32, contiguous: NumPy arrays on
+    the CPU, torch/CuPy arrays on a GPU). step counts updates including this one."""
+    d = _where(param, grad, exp_avg, exp_avg_sq)
     for name, a in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable):
-            raise TypeError(f"{name} is updated in place: it must be a writeable C-contiguous float32 NumPy array")
-    _ops.adamw_update(param, as_float32(grad, "grad"), exp_avg, exp_avg_sq, check_float(lr, "lr", 0.0),
-                      check_float(betas[0], "betas[0]", 0.0, 0.999999), check_float(betas[1], "betas[1]", 0.0, 0.999999),
-                      check_float(eps, "eps", 0.0, low_open=True), check_float(weight_decay, "weight_decay", 0.0),
-                      check_int(step, "step", 1))
+        if isinstance(d, _Host):
+            ok = isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+        else:
+            ok = _on_cuda(a) and str(a.dtype) in ("torch.float32", "float32") and d._contiguous(a)
+        if not ok:
+            raise TypeError(f"{name} is updated in place: it must be a writeable contiguous float32 array "
+                            "(NumPy on the CPU, torch or CuPy on a GPU)")
+    _ops.adamw_update(d.arg(param), d.arg(d.f32(grad, "grad")), d.arg(exp_avg), d.arg(exp_avg_sq),
+                      check_float(lr, "lr", 0.0), check_float(betas[0], "betas[0]", 0.0, 0.999999),
+                      check_float(betas[1], "betas[1]", 0.0, 0.999999), check_float(eps, "eps", 0.0, low_open=True),
+                      check_float(weight_decay, "weight_decay", 0.0), check_int(step, "step", 1), d.stream)

@@ -1,0 +1,225 @@
+// The cuBLASLt wrapper behind every dense product on the GPU (see cublaslt.h for the contract).
+// cuBLASLt is column-major; a row-major (R, S) matrix with row stride ld is, byte for byte, the column-major (S, R)
+// matrix with leading dimension ld. So row-major C = op(A) op(B) is computed as the column-major product
+// C^T = op(B)^T op(A)^T: cuBLASLt's "A" is our B and its "B" is our A, with m = N, n = M, k = K, and the transpose
+// flags carried over unchanged (a transposed row-major operand is a transposed column-major one too).
+// Why cache: building descriptors and asking the heuristic costs far more than the product for small shapes, and a
+// training step repeats the same few shapes forever; the cache key holds everything the heuristic looks at
+// (shape, strides, transposes, batch, epilogue, compute type and the pointers' alignments).
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "cuda/check.h"
+#include "cuda/cublaslt.h"
+
+namespace fastgpt::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // 32 MiB: enough for split-K / stream-K algorithms on H100
+
+struct DeviceState {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+};
+
+// Everything cuBLASLt needs for one problem, built once. use_epilogue is false when the bias epilogue was asked
+// for but is not usable (misaligned bias, batched call, or no algorithm): the bias is then added by a kernel.
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A, B, C (= D), i.e. our B, A, C
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace = 0;
+  bool use_epilogue = false;
+};
+
+using Key = std::array<int64_t, 18>;
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+    for (int64_t v : k) {
+      h ^= (uint64_t)v;
+      h *= 1099511628211ull;
+    }
+    return (size_t)h;
+  }
+};
+
+// One lock for the device table, the plan cache and the call itself: the call sets the bias pointer on a shared
+// descriptor, and cublasLtMatmul only enqueues work, so holding the lock across it costs little.
+std::mutex g_mutex;
+std::unordered_map<int, DeviceState> g_devices;
+std::unordered_map<Key, Plan, KeyHash> g_plans;
+
+// Handle and workspace of the current device, created on first use and never freed: they live as long as the
+// process, and destroying them from a static destructor could run after the CUDA context is gone.
+DeviceState& device_state(int device) {
+  auto it = g_devices.find(device);
+  if (it != g_devices.end()) return it->second;
+  DeviceState s;
+  FASTGPT_CUBLAS_CHECK(cublasLtCreate(&s.handle));
+  FASTGPT_CUDA_CHECK(cudaMalloc(&s.workspace, kWorkspaceBytes));
+  return g_devices.emplace(device, s).first->second;
+}
+
+// Largest power of two (4..256) dividing the address of every batch entry: what the heuristic must be told,
+// since by default it assumes 256-byte alignment and may pick an algorithm that then fails on our pointer.
+uint32_t alignment(const void* p, int64_t stride_elems, int batch) {
+  uint64_t a = (uint64_t)(uintptr_t)p;
+  if (batch > 1) a |= (uint64_t)stride_elems * sizeof(float);
+  uint32_t al = 256;
+  while (al > 4 && (a % al) != 0) al >>= 1;
+  return al;
+}
+
+cublasLtMatrixLayout_t make_layout(uint64_t rows, uint64_t cols, int64_t ld, int batch, int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  FASTGPT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, rows, cols, ld));
+  if (batch > 1) {
+    int32_t count = batch;
+    FASTGPT_CUBLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    FASTGPT_CUBLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+  return l;
+}
+
+// Descriptor for the given transposes and epilogue; bias (a representative pointer) is set so that the heuristic
+// sees its alignment.
+cublasLtMatmulDesc_t make_desc(cublasComputeType_t compute, cublasOperation_t op_a, cublasOperation_t op_b,
+                               const float* bias) {
+  cublasLtMatmulDesc_t d = nullptr;
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, CUDA_R_32F));
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (bias) {
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  return d;
+}
+
+// Best algorithm for the plan's descriptor and layouts; false if cuBLASLt has none (not an error for the
+// epilogue attempt, which then falls back to the plain product).
+bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, uint32_t al_c) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t ws = kWorkspaceBytes;
+  FASTGPT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  // cuBLASLt's A is our B, its B our A.
+  FASTGPT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_b, sizeof(al_b)));
+  FASTGPT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_a, sizeof(al_a)));
+  FASTGPT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+  FASTGPT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+  cublasLtMatmulHeuristicResult_t result;
+  std::memset(&result, 0, sizeof(result));
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) return false;
+  FASTGPT_CUBLAS_CHECK(st);
+  p.algo = result.algo;
+  p.workspace = result.workspaceSize;
+  return true;
+}
+
+// C(M,N) (row-major, row stride ldc, batch stride sc) = beta * C + bias[col] (bias may be null): the K == 0 product,
+// and the bias when the epilogue cannot add it (then beta = 1). beta == 0 writes without reading C, as BLAS does.
+__global__ void scale_add_bias_kernel(float* c, const float* bias, float beta, int64_t M, int64_t N, int64_t ldc,
+                                      int64_t sc, int64_t total) {
+  for (int64_t n = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; n < total; n += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t col = n % N, row = (n / N) % M, b = n / (N * M);
+    float* p = c + b * sc + row * ldc + col;
+    float v = beta == 0.f ? 0.f : beta * *p;
+    if (bias) v += bias[col];
+    *p = v;
+  }
+}
+
+void scale_add_bias(float* c, const float* bias, float beta, int64_t M, int64_t N, int64_t ldc, int batch,
+                    int64_t sc, cudaStream_t stream) {
+  const int64_t total = (int64_t)batch * M * N;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 1 << 20);  // grid-stride beyond
+  scale_add_bias_kernel<<<(unsigned)blocks, threads, 0, stream>>>(c, bias, beta, M, N, ldc, sc, total);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias, cudaStream_t stream,
+          int batch, int64_t stride_a, int64_t stride_b, int64_t stride_c, cublasComputeType_t compute) {
+  if (M <= 0 || N <= 0 || batch <= 0) return;
+  if (K <= 0) {  // empty sum: cuBLASLt may reject k = 0, and the answer is just beta * C (+ bias)
+    scale_add_bias(C, bias, beta, M, N, ldc, batch, stride_c, stream);
+    return;
+  }
+  int device = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  const uint32_t al_a = alignment(A, stride_a, batch), al_b = alignment(B, stride_b, batch),
+                 al_c = alignment(C, stride_c, batch);
+  // The epilogue wants a 16-byte aligned bias (found by others to fail otherwise) and one vector for the batch.
+  const bool want_epilogue = bias != nullptr && batch == 1 && alignment(bias, 0, 1) >= 16;
+  const uint32_t al_bias = want_epilogue ? alignment(bias, 0, 1) : 0;
+  const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, batch, stride_a, stride_b, stride_c,
+                   (int64_t)compute, al_a, al_b, al_c, al_bias};
+
+  bool used_epilogue = false;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceState& dev = device_state(device);
+    auto it = g_plans.find(key);
+    if (it == g_plans.end()) {
+      Plan p;
+      // cuBLASLt's A = our B: stored column-major (K, N) when trans_b (row-major (N, K)), else (N, K).
+      p.a = make_layout(trans_b ? K : N, trans_b ? N : K, ldb, batch, stride_b);
+      // cuBLASLt's B = our A: column-major (M, K) when trans_a (row-major (K, M)), else (K, M).
+      p.b = make_layout(trans_a ? M : K, trans_a ? K : M, lda, batch, stride_a);
+      p.c = make_layout(N, M, ldc, batch, stride_c);  // C^T: column-major (N, M)
+      const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+      const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+      bool ok = false;
+      if (want_epilogue) {
+        p.desc = make_desc(compute, op_a, op_b, bias);
+        ok = pick_algo(dev.handle, p, al_a, al_b, al_c);
+        if (ok) {
+          p.use_epilogue = true;
+        } else {
+          FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
+          p.desc = nullptr;
+        }
+      }
+      if (!ok) {
+        p.desc = make_desc(compute, op_a, op_b, nullptr);
+        if (!pick_algo(dev.handle, p, al_a, al_b, al_c))
+          fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for M=" + std::to_string(M) +
+                   " N=" + std::to_string(N) + " K=" + std::to_string(K) + " batch=" + std::to_string(batch),
+               __FILE__, __LINE__);
+      }
+      it = g_plans.emplace(key, p).first;
+    }
+    Plan& p = it->second;
+    if (p.use_epilogue)
+      FASTGPT_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    FASTGPT_CUBLAS_CHECK(cublasLtMatmul(dev.handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                                        dev.workspace, p.workspace, stream));
+    used_epilogue = p.use_epilogue;
+  }
+  if (bias && !used_epilogue) scale_add_bias(C, bias, 1.f, M, N, ldc, batch, stride_c, stream);
+}
+
+}  // namespace fastgpt::cuda

@@ -1,0 +1,141 @@
+// LayerNorm over the last dimension (eps 1e-5, biased variance), forward and backward; CUDA twin of
+// csrc/cpu/layernorm.cpp. One warp per row for everything that reduces across a row (two-pass mean then variance in
+// float, warp-shuffle sums). dinp accumulates (+=), as on the CPU: the residual stream sums into it.
+// dweight/dbias sum over all rows without atomics: partial sums over fixed chunks of kRowsPerChunk rows (the CPU's
+// chunking: each partial is the same in-order float sum) go to a scratch buffer, then one thread per channel adds
+// the chunks in order in double, as the CPU does. The result never depends on launch configuration or timing.
+#include <cmath>
+
+#include "cuda/check.h"
+#include "cuda/ops.h"
+
+namespace fastgpt::cuda {
+
+namespace {
+constexpr float kEps = 1e-5f;
+constexpr int kRowsPerChunk = 64;  // must stay equal to the CPU's for the partial sums to match it
+constexpr int kWarpsPerBlock = 8;
+constexpr int kColThreads = 128;
+
+__device__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;  // every lane holds the total
+}
+
+__global__ void layernorm_forward_kernel(float* __restrict__ out, float* __restrict__ mean,
+                                         float* __restrict__ rstd, const float* __restrict__ inp,
+                                         const float* __restrict__ weight, const float* __restrict__ bias,
+                                         int64_t N, int C) {
+  const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  if (n >= N) return;  // whole warp leaves together: the shuffles below see all 32 lanes
+  const int lane = threadIdx.x % 32;
+  const float* x = inp + n * C;
+  float s = 0.f;
+  for (int c = lane; c < C; c += 32) s += x[c];
+  const float m = warp_sum(s) / C;
+  float v = 0.f;
+  for (int c = lane; c < C; c += 32) {
+    const float d = x[c] - m;
+    v += d * d;
+  }
+  const float r = 1.f / sqrtf(warp_sum(v) / C + kEps);  // IEEE sqrt and divide: closer to the CPU than rsqrtf
+  float* o = out + n * C;
+  for (int c = lane; c < C; c += 32) o[c] = (x[c] - m) * r * weight[c] + bias[c];
+  if (lane == 0) {
+    mean[n] = m;
+    rstd[n] = r;
+  }
+}
+
+// dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w. One warp per row.
+__global__ void layernorm_backward_dinp_kernel(float* __restrict__ dinp, const float* __restrict__ dout,
+                                               const float* __restrict__ inp, const float* __restrict__ weight,
+                                               const float* __restrict__ mean, const float* __restrict__ rstd,
+                                               int64_t N, int C) {
+  const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  if (n >= N) return;
+  const int lane = threadIdx.x % 32;
+  const float* x = inp + n * C;
+  const float* dy = dout + n * C;
+  const float m = mean[n], r = rstd[n];
+  float sd = 0.f, sdn = 0.f;
+  for (int c = lane; c < C; c += 32) {
+    const float norm = (x[c] - m) * r;
+    const float dn = dy[c] * weight[c];
+    sd += dn;
+    sdn += dn * norm;
+  }
+  const float md = warp_sum(sd) / C, mdn = warp_sum(sdn) / C;
+  float* dx = dinp + n * C;
+  for (int c = lane; c < C; c += 32) {
+    const float norm = (x[c] - m) * r;
+    dx[c] += (dy[c] * weight[c] - md - norm * mdn) * r;
+  }
+}
+
+// grid: (nchunks, ceil(C / kColThreads)); one thread per (chunk, channel), rows of the chunk in order.
+// partial layout per chunk: dweight (C) | dbias (C).
+__global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, const float* __restrict__ dout,
+                                                  const float* __restrict__ inp, const float* __restrict__ mean,
+                                                  const float* __restrict__ rstd, int64_t N, int C) {
+  const int64_t ch = blockIdx.x;
+  const int c = blockIdx.y * kColThreads + threadIdx.x;
+  if (c >= C) return;
+  const int64_t n0 = ch * kRowsPerChunk;
+  const int64_t n1 = n0 + kRowsPerChunk < N ? n0 + kRowsPerChunk : N;
+  float pw = 0.f, pb = 0.f;
+  for (int64_t n = n0; n < n1; n++) {
+    const float dy = dout[n * C + c];
+    const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
+    pw += dy * norm;
+    pb += dy;
+  }
+  partial[ch * 2 * C + c] = pw;
+  partial[ch * 2 * C + C + c] = pb;
+}
+
+__global__ void layernorm_backward_combine_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
+                                                  const float* __restrict__ partial, int64_t nchunks, int C) {
+  const int c = blockIdx.x * kColThreads + threadIdx.x;
+  if (c >= C) return;
+  double w = 0.0, b = 0.0;
+  for (int64_t ch = 0; ch < nchunks; ch++) {
+    w += partial[ch * 2 * C + c];
+    b += partial[ch * 2 * C + C + c];
+  }
+  dweight[c] += (float)w;
+  dbias[c] += (float)b;
+}
+}  // namespace
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int C, Stream stream) {
+  if (N <= 0 || C <= 0) return;
+  const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  layernorm_forward_kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight,
+                                                                                 bias, N, C);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int C,
+                        Stream stream) {
+  if (N <= 0 || C <= 0) return;
+  const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  layernorm_backward_dinp_kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(dinp, dout, inp, weight,
+                                                                                       mean, rstd, N, C);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+
+  const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  const unsigned col_blocks = (unsigned)((C + kColThreads - 1) / kColThreads);
+  float* partial = nullptr;  // stream-ordered scratch: freed after the combine kernel without a sync
+  FASTGPT_CUDA_CHECK(cudaMallocAsync(&partial, (size_t)nchunks * 2 * C * sizeof(float), stream));
+  layernorm_backward_partial_kernel<<<dim3((unsigned)nchunks, col_blocks), kColThreads, 0, stream>>>(
+      partial, dout, inp, mean, rstd, N, C);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+  layernorm_backward_combine_kernel<<<col_blocks, kColThreads, 0, stream>>>(dweight, dbias, partial, nchunks, C);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+  FASTGPT_CUDA_CHECK(cudaFreeAsync(partial, stream));
+}
+
+}  // namespace fastgpt::cuda

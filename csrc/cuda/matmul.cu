@@ -1,0 +1,90 @@
+// nn.Linear on the GPU: out = inp @ weight^T + bias, and its backward; the twin of csrc/cpu/matmul.cpp.
+// The three products go through the cuBLASLt wrapper (the forward bias rides in its epilogue). The bias gradient is
+// a column sum of dout done by our own two-pass kernel, not by atomics, so that it is bitwise reproducible:
+// pass 1 sums fixed chunks of kRowChunk rows per column (fixed order within a chunk), pass 2 adds the chunk sums
+// per column in chunk order. Nothing in the order depends on the GPU or the launch, only on N.
+#include <algorithm>
+
+#include "cuda/check.h"
+#include "cuda/cublaslt.h"
+#include "cuda/ops.h"
+
+namespace fastgpt::cuda {
+
+namespace {
+
+constexpr int kCols = 32;       // columns per block: one warp reads 128 contiguous bytes of a row
+constexpr int kLanes = 8;       // row lanes per block; lane y takes rows y, y + 8, ... of the chunk
+constexpr int kRowChunk = 512;  // rows per pass-1 partial sum
+
+// Pass 1: block (chunk, column block). Writes the chunk's column sums to partial (nchunks, OC), or, when there is
+// only one chunk, adds them straight into dbias.
+__global__ void bias_partial_kernel(float* partial, float* dbias, const float* dout, int64_t N, int OC,
+                                    int nchunks) {
+  __shared__ float sums[kLanes][kCols + 1];
+  const int64_t chunk = blockIdx.x;
+  const int64_t r0 = chunk * kRowChunk, r1 = r0 + kRowChunk < N ? r0 + kRowChunk : N;
+  const int ncb = (OC + kCols - 1) / kCols;
+  for (int cb = blockIdx.y; cb < ncb; cb += gridDim.y) {
+    const int col = cb * kCols + threadIdx.x;
+    float s = 0.f;
+    if (col < OC)
+      for (int64_t r = r0 + threadIdx.y; r < r1; r += kLanes) s += dout[r * OC + col];
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < OC) {
+      float t = 0.f;
+      for (int y = 0; y < kLanes; y++) t += sums[y][threadIdx.x];  // lanes in order
+      if (nchunks == 1)
+        dbias[col] += t;
+      else
+        partial[chunk * OC + col] = t;
+    }
+    __syncthreads();  // sums is reused by the next column block
+  }
+}
+
+// Pass 2: one thread per column adds the chunk sums in chunk order.
+__global__ void bias_final_kernel(float* dbias, const float* partial, int OC, int nchunks) {
+  const int64_t col = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (col >= OC) return;
+  float t = 0.f;
+  for (int c = 0; c < nchunks; c++) t += partial[(int64_t)c * OC + col];
+  dbias[col] += t;
+}
+
+void bias_backward(float* dbias, const float* dout, int64_t N, int OC, Stream stream) {
+  if (N <= 0 || OC <= 0) return;
+  const int64_t nchunks = (N + kRowChunk - 1) / kRowChunk;
+  const int ncb = (OC + kCols - 1) / kCols;
+  float* partial = nullptr;
+  if (nchunks > 1)
+    FASTGPT_CUDA_CHECK(cudaMallocAsync((void**)&partial, (size_t)nchunks * OC * sizeof(float), stream));
+  const dim3 grid((unsigned)nchunks, (unsigned)std::min(ncb, 65535)), block(kCols, kLanes);
+  bias_partial_kernel<<<grid, block, 0, stream>>>(partial, dbias, dout, N, OC, (int)nchunks);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+  if (nchunks > 1) {
+    bias_final_kernel<<<(OC + 255) / 256, 256, 0, stream>>>(dbias, partial, OC, (int)nchunks);
+    FASTGPT_CUDA_CHECK_LAUNCH();
+    FASTGPT_CUDA_CHECK(cudaFreeAsync(partial, stream));
+  }
+}
+
+}  // namespace
+
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C, int OC,
+                    Stream stream) {
+  // out (N, OC) = inp (N, C) @ weight^T, weight stored (OC, C): B transposed.
+  gemm(false, true, N, OC, C, 1.f, inp, C, weight, C, 0.f, out, OC, bias, stream);
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int C, int OC, Stream stream) {
+  // dinp (N, C) = dout (N, OC) @ weight (OC, C), overwritten.
+  if (dinp) gemm(false, false, N, C, OC, 1.f, dout, OC, weight, C, 0.f, dinp, C, nullptr, stream);
+  // dweight (OC, C) += dout^T (OC, N) @ inp (N, C): A = dout stored (N, OC), transposed; beta = 1 accumulates.
+  gemm(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C, nullptr, stream);
+  if (dbias) bias_backward(dbias, dout, N, OC, stream);
+}
+
+}  // namespace fastgpt::cuda

@@ -1,0 +1,24 @@
+"""Where op tests run: the CPU always, a CUDA GPU when one is visible and fastgpt was built with CUDA. Inputs are
+made as NumPy arrays; `on` moves them to the device under test as torch tensors (through DLPack inside
+fastgpt.ops), `host` brings results back for comparison with the float64 reference."""
+import numpy as np
+import pytest
+import torch
+
+import fastgpt
+
+HAVE_CUDA = fastgpt.cuda_available() and torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a fastgpt built with CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def on(device, a):
+    if device == "cpu" or a is None:
+        return a
+    return torch.from_numpy(np.ascontiguousarray(a)).to("cuda")
+
+
+def host(a):
+    if a is None or isinstance(a, np.ndarray):
+        return a
+    return a.detach().cpu().numpy()
