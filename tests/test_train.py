@@ -205,3 +205,13 @@ def test_bad_shards(tmp_path, capsys):
         main(["--shards", str(tmp_path / "none_*.bin"), "--encoder", "unused.json", *TINY,
               "--out-dir", str(tmp_path / "o")])
     assert "no shards" in capsys.readouterr().err
+
+
+def test_existing_run_is_not_overwritten(tmp_path, shakespeare_txt, encoder_json):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.jsonl").write_text("earlier run\n")
+    with pytest.raises(SystemExit):
+        main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), "--max-steps", "1",
+                    "--out-dir", str(out), "--no-progress"])
+    assert (out / "log.jsonl").read_text() == "earlier run\n"

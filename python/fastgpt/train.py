@@ -107,6 +107,8 @@ def main(argv=None):
     if args.input and not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: file not found")
     out_dir = args.out_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run's log and checkpoint
+        parser.error(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder")
     os.makedirs(out_dir, exist_ok=True)
     say = tqdm.write  # prints above a live progress bar instead of through it
 
