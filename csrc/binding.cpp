@@ -52,6 +52,30 @@ FArray view(float* ptr, std::vector<py::ssize_t> shape, py::handle owner) {
   return FArray(shape, strides, ptr, owner);
 }
 
+// Engine memory as NumPy: a zero-copy view that keeps `owner` alive on the CPU, a host copy of device memory.
+FArray host_array(Backend& be, float* ptr, std::vector<py::ssize_t> shape, py::handle owner) {
+  if (!be.is_cuda()) return view(ptr, shape, owner);
+  FArray out(shape);
+  py::gil_scoped_release nogil;
+  be.download(out.mutable_data(), ptr, out.size() * sizeof(float));
+  return out;
+}
+
+std::unique_ptr<Backend> backend_for(const std::string& device) {
+  if (device == "cpu") return make_cpu_backend();
+  if (device == "cuda") return make_cuda_backend(0);
+  if (device.rfind("cuda:", 0) == 0) {
+    int index = -1;
+    try {
+      index = std::stoi(device.substr(5));
+    } catch (const std::exception&) {
+    }
+    need(index >= 0, "device must be 'cpu', 'cuda' or 'cuda:N', got '" + device + "'");
+    return make_cuda_backend(index);
+  }
+  throw std::invalid_argument("device must be 'cpu', 'cuda' or 'cuda:N', got '" + device + "'");
+}
+
 // ---- ops on arrays that live on the CPU (NumPy) or on a GPU (DLPack capsules): one shape check per op, then the
 // kernel of the device the arrays are on, on the caller's stream. Outputs are allocated by the caller (fastgpt.ops),
 // in the caller's framework, so no memory crosses ownership here; gradient outputs arrive zeroed.
@@ -377,12 +401,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_smoke_test", &cuda::smoke_test);
 
   py::class_<GPT>(m, "GPT")
-      .def(py::init([](int block_size, int vocab_size, int n_layer, int n_head, int n_embd, uint64_t seed) {
+      .def(py::init([](int block_size, int vocab_size, int n_layer, int n_head, int n_embd, uint64_t seed,
+                       const std::string& device) {
              GPTConfig c{block_size, vocab_size, n_layer, n_head, n_embd};
-             return new GPT(c, seed);
+             return new GPT(c, seed, backend_for(device));
            }),
            py::arg("block_size"), py::arg("vocab_size"), py::arg("n_layer"), py::arg("n_head"), py::arg("n_embd"),
-           py::arg("seed"))
+           py::arg("seed"), py::arg("device") = "cpu")
+      .def_property_readonly("device", [](GPT& g) { return g.backend().name(); })
       .def("num_parameters", &GPT::num_parameters)
       .def("named_views",
            [](const GPT& g) {
@@ -396,14 +422,22 @@ PYBIND11_MODULE(_C, m) {
              for (const ParamTensor& t : g.tensors()) out.append(py::make_tuple(t.name, t.offset, t.numel, t.decay));
              return out;
            })
+      // The flat buffers: zero-copy views on the CPU, host copies from a GPU.
       .def_property_readonly("params", [](py::object self) {
         GPT& g = self.cast<GPT&>();
-        return view(g.params(), {(py::ssize_t)g.num_parameters()}, self);
+        return host_array(g.backend(), g.params(), {(py::ssize_t)g.num_parameters()}, self);
       })
       .def_property_readonly("grads", [](py::object self) {
         GPT& g = self.cast<GPT&>();
-        return view(g.grads(), {(py::ssize_t)g.num_parameters()}, self);
+        return host_array(g.backend(), g.grads(), {(py::ssize_t)g.num_parameters()}, self);
       })
+      .def("load_params",
+           [](GPT& g, const FArray& flat) {
+             need(flat.ndim() == 1 && flat.size() == g.num_parameters(),
+                  "params must be a flat float32 array of " + std::to_string(g.num_parameters()) + " values");
+             py::gil_scoped_release nogil;
+             g.backend().upload(g.params(), flat.data(), g.num_parameters() * sizeof(float));
+           })
       .def("forward",
            [](GPT& g, const IArray& idx, std::optional<IArray> targets, bool last_only) {
              need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
@@ -418,7 +452,8 @@ PYBIND11_MODULE(_C, m) {
            [](py::object self) {
              GPT& g = self.cast<GPT&>();
              if (!g.logits_valid()) throw std::logic_error("no logits: call forward() (backward() overwrites them)");
-             return view(const_cast<float*>(g.logits()), {g.last_B(), g.last_T(), g.config().vocab_size}, self);
+             return host_array(g.backend(), const_cast<float*>(g.logits()),
+                               {g.last_B(), g.last_T(), g.config().vocab_size}, self);
            })
       .def("backward",
            [](GPT& g, float grad_scale) {
@@ -447,13 +482,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("step_count", &AdamW::step_count)
       .def_property_readonly("m", [](py::object self) {
         AdamW& o = self.cast<AdamW&>();
-        return view(o.m(), {(py::ssize_t)o.size()}, self);
+        return host_array(o.backend(), o.m(), {(py::ssize_t)o.size()}, self);
       })
       .def_property_readonly("v", [](py::object self) {
         AdamW& o = self.cast<AdamW&>();
-        return view(o.v(), {(py::ssize_t)o.size()}, self);
+        return host_array(o.backend(), o.v(), {(py::ssize_t)o.size()}, self);
       });
 
-  py::module_ ops = m.def_submodule("ops", "CPU kernels on NumPy float32/int32 arrays");
+  py::module_ ops = m.def_submodule("ops", "the kernels on NumPy arrays (CPU) or DLPack capsules (CUDA)");
   bind_ops(ops);
 }

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fastgpt
+from devices import needs_cuda
 from reference_gpt import RefConfig, RefGPT, ref_from_fastgpt, rel_err
 
 TOL = 1e-5
@@ -118,3 +119,23 @@ def test_load_state_dict_from_torch_and_back(rng):
     other = fastgpt.GPT(SMALL, seed=1)
     other.load_state_dict({"_orig_mod." + k: v for k, v in model.state_dict().items()})
     assert np.array_equal(other.state_dict()["transformer.wpe.weight"], model.state_dict()["transformer.wpe.weight"])
+
+
+@needs_cuda
+def test_cuda_model_matches_torch(rng):
+    # The same model on the GPU: same initial weights as on the CPU, and logits, loss and every gradient within
+    # 1e-5 of the float64 PyTorch reference.
+    seed = int(rng.integers(1 << 31))
+    cpu, gpu = fastgpt.GPT(SMALL, seed=seed), fastgpt.GPT(SMALL, device="cuda", seed=seed)
+    assert all(np.array_equal(a, gpu.state_dict()[k]) for k, a in cpu.state_dict().items())
+    ref = ref_from_fastgpt(cpu, torch.float64)
+    x, y = batch(rng, 4, 32, SMALL.vocab_size)
+    logits, loss = gpu.forward(x, y)
+    gpu.backward()
+    ref_logits, ref_loss = ref(torch.tensor(x), torch.tensor(y))
+    ref_loss.backward()
+    assert abs(loss - ref_loss.item()) / ref_loss.item() < TOL
+    assert rel_err(logits, ref_logits.detach()) < TOL
+    grads = gpu.grads()
+    for name, p in ref.named_parameters():
+        assert rel_err(grads[name], p.grad) < TOL, name

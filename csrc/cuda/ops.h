@@ -49,5 +49,8 @@ struct AdamWHyper {
 };
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
                   Stream stream);
+// Sum of squares over fixed chunks, combined in order in double (deterministic); waits for the stream.
+double sum_squares(const float* x, int64_t n, Stream stream);
+void scale_inplace(float* x, int64_t n, float s, Stream stream);
 
 }  // namespace fastgpt::cuda

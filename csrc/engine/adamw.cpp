@@ -5,7 +5,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "cpu/kernels.h"
 
 namespace fastgpt {
 
@@ -22,7 +21,10 @@ void AdamWConfig::validate() const {
 }
 
 AdamW::AdamW(GPT& model, const AdamWConfig& cfg)
-    : model_(model), cfg_(cfg), m_(model.num_parameters(), 0.f), v_(model.num_parameters(), 0.f) {
+    : model_(model),
+      cfg_(cfg),
+      m_(&model.backend(), model.num_parameters()),
+      v_(&model.backend(), model.num_parameters()) {
   cfg_.validate();
 }
 
@@ -34,7 +36,7 @@ void AdamW::step(float lr) {
                     (float)std::sqrt(1.0 - std::pow((double)cfg_.beta2, (double)t_))};
   for (const ParamTensor& t : model_.tensors()) {
     h.weight_decay = t.decay ? cfg_.weight_decay : 0.f;
-    cpu::adamw_update(model_.params() + t.offset, model_.grads() + t.offset, m_.data() + t.offset,
+    model_.backend().adamw_update(model_.params() + t.offset, model_.grads() + t.offset, m_.data() + t.offset,
                       v_.data() + t.offset, t.numel, h);
   }
 }

@@ -2,8 +2,6 @@
 // one pass over three flat buffers, split only where weight decay switches on and off (2-D weights decay;
 // biases and LayerNorm parameters do not, as in build-nanogpt's optimizer groups).
 #pragma once
-#include <vector>
-
 #include "engine/gpt.h"
 
 namespace fastgpt {
@@ -18,8 +16,9 @@ class AdamW {
   AdamW(GPT& model, const AdamWConfig& cfg);
   void step(float lr);  // one update with this learning rate; the step counter advances first (torch's rule)
   int64_t step_count() const { return t_; }
-  int64_t size() const { return (int64_t)m_.size(); }
-  float* m() { return m_.data(); }
+  int64_t size() const { return m_.size(); }
+  Backend& backend() { return model_.backend(); }
+  float* m() { return m_.data(); }  // backend memory, parameter layout
   float* v() { return v_.data(); }
   const AdamWConfig& config() const { return cfg_; }
 
@@ -27,7 +26,7 @@ class AdamW {
   GPT& model_;
   AdamWConfig cfg_;
   int64_t t_ = 0;
-  std::vector<float> m_, v_;  // same layout as the parameters
+  Buffer<float> m_, v_;  // same layout as the parameters, zero at the start
 };
 
 }  // namespace fastgpt

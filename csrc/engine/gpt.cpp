@@ -1,4 +1,4 @@
-// GPT-2 forward and backward on the CPU backend, composed from the kernels in csrc/cpu/.
+// GPT-2 forward and backward, composed from the kernels of a Backend (csrc/cpu/ or csrc/cuda/).
 // Layout and op order follow build-nanogpt's model exactly (pre-LN blocks, fused QKV, tanh GELU, tied lm_head),
 // so a PyTorch model loaded with these weights computes the same function.
 #include "engine/gpt.h"
@@ -7,7 +7,6 @@
 #include <limits>
 #include <stdexcept>
 
-#include "cpu/kernels.h"
 
 namespace fastgpt {
 
@@ -54,7 +53,7 @@ void GPTConfig::validate() const {
                                                 std::to_string(n_head) + "), got " + std::to_string(n_embd));
 }
 
-GPT::GPT(const GPTConfig& cfg, uint64_t seed) : cfg_(cfg) {
+GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend) : cfg_(cfg), be_(std::move(backend)) {
   cfg_.validate();
   const int64_t V = cfg.vocab_size, maxT = cfg.block_size, C = cfg.n_embd, L = cfg.n_layer;
   const float std0 = 0.02f, std_proj = 0.02f / std::sqrt(2.f * (float)L);  // residual projections, GPT-2 style
@@ -85,15 +84,17 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed) : cfg_(cfg) {
     tensors_.push_back({s.name, s.shape, offset, n, s.per_layer, s.decay, s.std, s.value});
     offset += n;
   }
-  params_.assign(offset, 0.f);
-  grads_.assign(offset, 0.f);
+  params_ = Buffer<float>(be_.get(), offset);
+  grads_ = Buffer<float>(be_.get(), offset);
   init_params(seed);
 }
 
 void GPT::init_params(uint64_t seed) {
+  // Drawn on the host (the same stream of numbers whatever the device), then uploaded once.
   Rng rng{seed * 0x2545F4914F6CDD1Dull + 0x1234567ull};
+  std::vector<float> host(params_.size());
   for (const ParamTensor& t : tensors_) {
-    float* p = params_.data() + t.offset;
+    float* p = host.data() + t.offset;
     if (t.init_std == 0.f) {
       for (int64_t i = 0; i < t.numel; i++) p[i] = t.init_value;
       continue;
@@ -105,6 +106,7 @@ void GPT::init_params(uint64_t seed) {
       if (i + 1 < t.numel) p[i + 1] = (float)(b * t.init_std);
     }
   }
+  be_->upload(params_.data(), host.data(), (int64_t)host.size() * sizeof(float));
 }
 
 std::vector<NamedView> GPT::named_views() const {
@@ -138,27 +140,29 @@ void GPT::ensure_activations(int B, int T) {
   const int64_t BT = (int64_t)B * T;
   if (BT <= act_bt_) return;
   const int64_t C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size;
+  Backend* be = be_.get();
   act_bt_ = BT;
-  idx_.resize(BT);
-  targets_.resize(BT);
-  encoded_.resize(BT * C);
-  for (auto* v : {&ln1_, &atty_, &residual2_, &ln2_, &residual3_}) v->resize(L * BT * C);
-  for (auto* v : {&ln1_mean_, &ln1_rstd_, &ln2_mean_, &ln2_rstd_}) v->resize(L * BT);
-  qkv_.resize(L * BT * 3 * C);
-  att_lse_.resize(L * BT * NH);
-  fch_.resize(L * BT * 4 * C);
-  fch_gelu_.resize(L * BT * 4 * C);
-  lnf_.resize(BT * C);
-  lnf_mean_.resize(BT);
-  lnf_rstd_.resize(BT);
-  last_rows_.resize(BT * C);
-  logits_.resize(BT * V);
-  losses_.resize(BT);
-  ce_lse_.resize(BT);
-  dresidual_.resize(BT * C);
-  dbtc_.resize(BT * C);
-  dbt4c_.resize(BT * 4 * C);
-  dqkv_.resize(BT * 3 * C);
+  idx_ = Buffer<int32_t>(be, BT);
+  targets_ = Buffer<int32_t>(be, BT);
+  encoded_ = Buffer<float>(be, BT * C);
+  for (auto* b : {&ln1_, &atty_, &residual2_, &ln2_, &residual3_}) *b = Buffer<float>(be, L * BT * C);
+  for (auto* b : {&ln1_mean_, &ln1_rstd_, &ln2_mean_, &ln2_rstd_}) *b = Buffer<float>(be, L * BT);
+  qkv_ = Buffer<float>(be, L * BT * 3 * C);
+  att_lse_ = Buffer<float>(be, L * BT * NH);
+  fch_ = Buffer<float>(be, L * BT * 4 * C);
+  fch_gelu_ = Buffer<float>(be, L * BT * 4 * C);
+  lnf_ = Buffer<float>(be, BT * C);
+  lnf_mean_ = Buffer<float>(be, BT);
+  lnf_rstd_ = Buffer<float>(be, BT);
+  last_rows_ = Buffer<float>(be, BT * C);
+  logits_ = Buffer<float>(be, BT * V);
+  losses_ = Buffer<float>(be, BT);
+  ce_lse_ = Buffer<float>(be, BT);
+  host_losses_.resize(BT);
+  dresidual_ = Buffer<float>(be, BT * C);
+  dbtc_ = Buffer<float>(be, BT * C);
+  dbt4c_ = Buffer<float>(be, BT * 4 * C);
+  dqkv_ = Buffer<float>(be, BT * 3 * C);
 }
 
 float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only) {
@@ -182,10 +186,11 @@ float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, boo
   ensure_activations(B, T);
   B_ = B;
   T_ = T;
-  std::copy(idx, idx + BT, idx_.begin());
-  if (targets) std::copy(targets, targets + BT, targets_.begin());
+  be_->upload(idx_.data(), idx, BT * sizeof(int32_t));
+  if (targets) be_->upload(targets_.data(), targets, BT * sizeof(int32_t));
+  Backend& k = *be_;
 
-  cpu::encoder_forward(encoded_.data(), idx, P(WTE), P(WPE), B, T, C);
+  k.encoder_forward(encoded_.data(), idx_.data(), P(WTE), P(WPE), B, T, C);
   for (int l = 0; l < L; l++) {
     const float* residual = l == 0 ? encoded_.data() : residual3_.data() + (l - 1) * BT * C;
     float* ln1 = ln1_.data() + l * BT * C;
@@ -196,38 +201,38 @@ float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, boo
     float* fch = fch_.data() + l * BT * 4 * C;
     float* fch_gelu = fch_gelu_.data() + l * BT * 4 * C;
     float* res3 = residual3_.data() + l * BT * C;
-    cpu::layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P(LN1W, l),
+    k.layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P(LN1W, l),
                            P(LN1B, l), BT, C);
-    cpu::matmul_forward(qkv, ln1, P(QKVW, l), P(QKVB, l), BT, C, 3 * C);
-    cpu::attention_forward(atty, att_lse_.data() + l * BT * NH, qkv, B, T, C, NH, true);
+    k.matmul_forward(qkv, ln1, P(QKVW, l), P(QKVB, l), BT, C, 3 * C);
+    k.attention_forward(atty, att_lse_.data() + l * BT * NH, qkv, B, T, C, NH, true);
     // The projection lands in residual2 and the skip is added in place: no separate buffer for it.
-    cpu::matmul_forward(res2, atty, P(ATTPROJW, l), P(ATTPROJB, l), BT, C, C);
-    cpu::residual_forward(res2, res2, residual, BT * C);
-    cpu::layernorm_forward(ln2, ln2_mean_.data() + l * BT, ln2_rstd_.data() + l * BT, res2, P(LN2W, l),
+    k.matmul_forward(res2, atty, P(ATTPROJW, l), P(ATTPROJB, l), BT, C, C);
+    k.residual_forward(res2, res2, residual, BT * C);
+    k.layernorm_forward(ln2, ln2_mean_.data() + l * BT, ln2_rstd_.data() + l * BT, res2, P(LN2W, l),
                            P(LN2B, l), BT, C);
-    cpu::matmul_forward(fch, ln2, P(FCW, l), P(FCB, l), BT, C, 4 * C);
-    cpu::gelu_forward(fch_gelu, fch, BT * 4 * C);
-    cpu::matmul_forward(res3, fch_gelu, P(FCPROJW, l), P(FCPROJB, l), BT, 4 * C, C);
-    cpu::residual_forward(res3, res3, res2, BT * C);
+    k.matmul_forward(fch, ln2, P(FCW, l), P(FCB, l), BT, C, 4 * C);
+    k.gelu_forward(fch_gelu, fch, BT * 4 * C);
+    k.matmul_forward(res3, fch_gelu, P(FCPROJW, l), P(FCPROJB, l), BT, 4 * C, C);
+    k.residual_forward(res3, res3, res2, BT * C);
   }
   const float* final_res = residual3_.data() + (L - 1) * BT * C;
-  cpu::layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), final_res, P(LNFW), P(LNFB), BT, C);
+  k.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), final_res, P(LNFW), P(LNFB), BT, C);
 
   last_only_ = last_only;
   have_targets_ = targets != nullptr;
   logits_valid_ = true;
   if (last_only) {
     for (int b = 0; b < B; b++)
-      std::copy(lnf_.data() + ((int64_t)b * T + T - 1) * C, lnf_.data() + ((int64_t)b * T + T) * C,
-                last_rows_.data() + (int64_t)b * C);
-    cpu::matmul_forward(logits_.data(), last_rows_.data(), P(WTE), nullptr, B, C, V);  // lm_head tied to wte
+      k.copy(last_rows_.data() + (int64_t)b * C, lnf_.data() + ((int64_t)b * T + T - 1) * C, C * sizeof(float));
+    k.matmul_forward(logits_.data(), last_rows_.data(), P(WTE), nullptr, B, C, V);  // lm_head tied to wte
     return std::numeric_limits<float>::quiet_NaN();
   }
-  cpu::matmul_forward(logits_.data(), lnf_.data(), P(WTE), nullptr, BT, C, V);
+  k.matmul_forward(logits_.data(), lnf_.data(), P(WTE), nullptr, BT, C, V);
   if (!targets) return std::numeric_limits<float>::quiet_NaN();
-  cpu::cross_entropy_forward(losses_.data(), ce_lse_.data(), logits_.data(), targets, BT, V);
+  k.cross_entropy_forward(losses_.data(), ce_lse_.data(), logits_.data(), targets_.data(), BT, V);
+  k.download(host_losses_.data(), losses_.data(), BT * sizeof(float));
   double sum = 0.0;
-  for (int64_t i = 0; i < BT; i++) sum += losses_[i];
+  for (int64_t i = 0; i < BT; i++) sum += host_losses_[i];
   return (float)(sum / BT);
 }
 
@@ -237,15 +242,16 @@ void GPT::backward(float grad_scale) {
   const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size, B = B_, T = T_;
   const int64_t BT = (int64_t)B * T;
   logits_valid_ = false;  // the logit gradients overwrite the logits
+  Backend& k = *be_;
 
   float* dlogits = logits_.data();
-  cpu::cross_entropy_backward(dlogits, logits_.data(), ce_lse_.data(), targets_.data(), grad_scale / (float)BT,
+  k.cross_entropy_backward(dlogits, logits_.data(), ce_lse_.data(), targets_.data(), grad_scale / (float)BT,
                               BT, V);
   float* dlnf = dbtc_.data();
-  cpu::matmul_backward(dlnf, G(WTE), nullptr, dlogits, lnf_.data(), P(WTE), BT, C, V);
+  k.matmul_backward(dlnf, G(WTE), nullptr, dlogits, lnf_.data(), P(WTE), BT, C, V);
   float* dres = dresidual_.data();  // d(residual stream), accumulated through the blocks
-  std::fill(dres, dres + BT * C, 0.f);
-  cpu::layernorm_backward(dres, G(LNFW), G(LNFB), dlnf, residual3_.data() + (L - 1) * BT * C, P(LNFW),
+  k.zero(dres, BT * C * sizeof(float));
+  k.layernorm_backward(dres, G(LNFW), G(LNFB), dlnf, residual3_.data() + (L - 1) * BT * C, P(LNFW),
                           lnf_mean_.data(), lnf_rstd_.data(), BT, C);
   for (int l = L - 1; l >= 0; l--) {
     const float* residual = l == 0 ? encoded_.data() : residual3_.data() + (l - 1) * BT * C;
@@ -259,28 +265,28 @@ void GPT::backward(float grad_scale) {
     float* d4c = dbt4c_.data();
     float* dc = dbtc_.data();
     // residual3 = residual2 + mlp(ln2(residual2)): dres flows to both, the MLP branch adds through ln_2.
-    cpu::matmul_backward(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P(FCPROJW, l), BT, 4 * C, C);
-    cpu::gelu_backward(d4c, fch, d4c, BT * 4 * C);
-    cpu::matmul_backward(dc, G(FCW, l), G(FCB, l), d4c, ln2, P(FCW, l), BT, C, 4 * C);
-    cpu::layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P(LN2W, l), ln2_mean_.data() + l * BT,
+    k.matmul_backward(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P(FCPROJW, l), BT, 4 * C, C);
+    k.gelu_backward(d4c, fch, d4c, BT * 4 * C);
+    k.matmul_backward(dc, G(FCW, l), G(FCB, l), d4c, ln2, P(FCW, l), BT, C, 4 * C);
+    k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P(LN2W, l), ln2_mean_.data() + l * BT,
                             ln2_rstd_.data() + l * BT, BT, C);
     // residual2 = residual + attn(ln1(residual)).
-    cpu::matmul_backward(dc, G(ATTPROJW, l), G(ATTPROJB, l), dres, atty, P(ATTPROJW, l), BT, C, C);
-    cpu::attention_backward(dqkv_.data(), dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true);
-    cpu::matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv_.data(), ln1, P(QKVW, l), BT, C, 3 * C);
-    cpu::layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P(LN1W, l), ln1_mean_.data() + l * BT,
+    k.matmul_backward(dc, G(ATTPROJW, l), G(ATTPROJB, l), dres, atty, P(ATTPROJW, l), BT, C, C);
+    k.attention_backward(dqkv_.data(), dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true);
+    k.matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv_.data(), ln1, P(QKVW, l), BT, C, 3 * C);
+    k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P(LN1W, l), ln1_mean_.data() + l * BT,
                             ln1_rstd_.data() + l * BT, BT, C);
   }
-  cpu::encoder_backward(G(WTE), G(WPE), dres, idx_.data(), B, T, C);
+  k.encoder_backward(G(WTE), G(WPE), dres, idx_.data(), B, T, C, V);
 }
 
-void GPT::zero_grad() { std::fill(grads_.begin(), grads_.end(), 0.f); }
+void GPT::zero_grad() { be_->zero(grads_.data(), grads_.size() * sizeof(float)); }
 
 double GPT::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
-  const double norm = std::sqrt(cpu::sum_squares(grads_.data(), (int64_t)grads_.size()));
+  const double norm = std::sqrt(be_->sum_squares(grads_.data(), grads_.size()));
   const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) cpu::scale_inplace(grads_.data(), (int64_t)grads_.size(), (float)coef);
+  if (coef < 1.0) be_->scale_inplace(grads_.data(), grads_.size(), (float)coef);
   return norm;
 }
 

@@ -1,11 +1,14 @@
 // The GPT-2 model engine: one contiguous parameter buffer with named views (llm.c's layout), one gradient buffer
-// of the same layout, the activations of the last forward, and forward/backward composed from the kernels.
-// This is the only place that knows the order of operations in a block; kernels know nothing of the model, and
-// nothing here knows Python (the binding in csrc/binding.cpp wraps it).
+// of the same layout, the activations of the last forward, and forward/backward composed from the kernels of a
+// Backend (CPU or CUDA). This is the only place that knows the order of operations in a block; kernels know
+// nothing of the model, and nothing here knows Python (the binding in csrc/binding.cpp wraps it).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "engine/backend.h"
 
 namespace fastgpt {
 
@@ -40,19 +43,20 @@ struct NamedView {
 
 class GPT {
  public:
-  GPT(const GPTConfig& cfg, uint64_t seed);
+  GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend);
 
   const GPTConfig& config() const { return cfg_; }
-  int64_t num_parameters() const { return (int64_t)params_.size(); }
-  float* params() { return params_.data(); }
+  Backend& backend() { return *be_; }
+  int64_t num_parameters() const { return params_.size(); }
+  float* params() { return params_.data(); }  // backend memory (device memory for CUDA)
   float* grads() { return grads_.data(); }
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   std::vector<NamedView> named_views() const;
 
-  // Runs the model on idx (B, T). With targets, returns the mean cross-entropy loss and keeps what backward needs;
-  // without, returns NaN. last_only computes logits for the last position of each row only (sampling).
+  // Runs the model on idx (B, T), host token ids. With targets, returns the mean cross-entropy loss and keeps what
+  // backward needs; without, returns NaN. last_only computes logits for the last position of each row only.
   float forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only = false);
-  // Logits of the last forward: (B, T, V), or (B, 1, V) after last_only. Overwritten by backward.
+  // Logits of the last forward, in backend memory: (B, T, V), or (B, 1, V) after last_only. Backward overwrites them.
   const float* logits() const { return logits_.data(); }
   bool logits_valid() const { return logits_valid_; }
   int last_B() const { return B_; }
@@ -70,27 +74,29 @@ class GPT {
   float* G(int i, int l = 0);               // gradient tensor i
 
   GPTConfig cfg_;
+  std::unique_ptr<Backend> be_;
   std::vector<ParamTensor> tensors_;
-  std::vector<float> params_, grads_;
+  Buffer<float> params_, grads_;
 
   // Activations of the last forward, sized for the largest (B, T) seen. Per-layer ones are stacked (L, B, T, ...).
   int64_t act_bt_ = 0;
   int B_ = 0, T_ = 0;
   bool have_targets_ = false, last_only_ = false, logits_valid_ = false;
-  std::vector<int32_t> idx_, targets_;  // (B, T)
-  std::vector<float> encoded_;          // (B, T, C)
-  std::vector<float> ln1_, ln1_mean_, ln1_rstd_;  // (L, B, T, C), (L, B, T) x2
-  std::vector<float> qkv_;              // (L, B, T, 3C)
-  std::vector<float> atty_, att_lse_;   // (L, B, T, C), (L, B, NH, T)
-  std::vector<float> residual2_;        // (L, B, T, C)
-  std::vector<float> ln2_, ln2_mean_, ln2_rstd_;
-  std::vector<float> fch_, fch_gelu_;   // (L, B, T, 4C)
-  std::vector<float> residual3_;        // (L, B, T, C)
-  std::vector<float> lnf_, lnf_mean_, lnf_rstd_, last_rows_;
-  std::vector<float> logits_;           // (B, T, V); backward writes dlogits over it
-  std::vector<float> losses_, ce_lse_;  // (B, T)
+  Buffer<int32_t> idx_, targets_;   // (B, T)
+  Buffer<float> encoded_;           // (B, T, C)
+  Buffer<float> ln1_, ln1_mean_, ln1_rstd_;  // (L, B, T, C), (L, B, T) x2
+  Buffer<float> qkv_;               // (L, B, T, 3C)
+  Buffer<float> atty_, att_lse_;    // (L, B, T, C), (L, B, NH, T)
+  Buffer<float> residual2_;         // (L, B, T, C)
+  Buffer<float> ln2_, ln2_mean_, ln2_rstd_;
+  Buffer<float> fch_, fch_gelu_;    // (L, B, T, 4C)
+  Buffer<float> residual3_;         // (L, B, T, C)
+  Buffer<float> lnf_, lnf_mean_, lnf_rstd_, last_rows_;
+  Buffer<float> logits_;            // (B, T, V); backward writes dlogits over it
+  Buffer<float> losses_, ce_lse_;   // (B, T)
+  std::vector<float> host_losses_;  // (B, T)
   // Backward scratch, reused across layers.
-  std::vector<float> dresidual_, dbtc_, dbt4c_, dqkv_;
+  Buffer<float> dresidual_, dbtc_, dbt4c_, dqkv_;
 };
 
 }  // namespace fastgpt

@@ -41,8 +41,11 @@ def _check_device(device, precision):
         if not _C.built_with_cuda:
             raise RuntimeError("device='cuda': this fastgpt was built without CUDA; reinstall where nvcc is on "
                                "PATH (or with FASTGPT_CUDA=ON)")
-        raise NotImplementedError("device='cuda': the CUDA training engine is not implemented yet; use device='cpu'")
-    if precision != "fp32":
+        if _C.cuda_device_count() == 0:
+            raise RuntimeError("device='cuda': no CUDA GPU is visible (no driver or no device)")
+        if precision != "fp32":
+            raise NotImplementedError(f"precision={precision!r} on CUDA is not implemented yet; use 'fp32'")
+    elif precision != "fp32":
         raise ValueError(f"precision={precision!r} needs device='cuda'; the CPU backend computes in 'fp32'")
 
 
@@ -53,10 +56,12 @@ class GPT:
         self.device, self.precision = device, precision
         seed = check_int(seed, "seed", low=0, high=2**64 - 1)
         c = self.config
-        self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed)
+        self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed, device)
         self._layout = [(name, tuple(shape), offset) for name, shape, offset in self._engine.named_views()]
-        self._params = self._views(self._engine.params)
-        self._grads = self._views(self._engine.grads)
+        self._on_cpu = device == "cpu"
+        if self._on_cpu:  # zero-copy views of the engine's buffers, made once
+            self._params = self._views(self._engine.params)
+            self._grads = self._views(self._engine.grads)
 
     def _views(self, flat):
         return {name: flat[off:off + int(np.prod(shape))].reshape(shape) for name, shape, off in self._layout}
@@ -96,11 +101,14 @@ class GPT:
         return int(self._engine.num_parameters())
 
     def state_dict(self):
-        """name -> zero-copy float32 view; lm_head.weight is the same storage as transformer.wte.weight."""
-        return dict(self._params)
+        """name -> float32 array with build-nanogpt's names; lm_head.weight is the same storage as
+        transformer.wte.weight. On the CPU these are zero-copy views of the model (writes change it); on a GPU,
+        host copies."""
+        return dict(self._params) if self._on_cpu else self._views(self._engine.params)
 
     def grads(self):
-        return dict(self._grads)
+        """Like state_dict(), for the gradient buffer."""
+        return dict(self._grads) if self._on_cpu else self._views(self._engine.grads)
 
     def load_state_dict(self, state_dict):
         """Copies weights in from NumPy arrays or torch tensors with build-nanogpt names (a torch.compile or DDP
@@ -131,8 +139,15 @@ class GPT:
         if "lm_head.weight" in arrays and not np.array_equal(arrays["lm_head.weight"],
                                                              arrays["transformer.wte.weight"]):
             raise ValueError("state_dict['lm_head.weight'] must equal 'transformer.wte.weight' (the weights are tied)")
-        for name, a in arrays.items():
-            self._params[name][...] = a
+        if self._on_cpu:
+            for name, a in arrays.items():
+                self._params[name][...] = a
+        else:  # assemble the whole buffer on the host, then one upload
+            flat = self._engine.params
+            views = self._views(flat)
+            for name, a in arrays.items():
+                views[name][...] = a
+            self._engine.load_params(flat)
 
     # ---- sampling
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None):
