@@ -16,8 +16,7 @@ tail -5 "$out/build.log"
 if [ $build = ok ]; then
   python3 -m pytest -q tests 2>&1 | tee "$out/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] && tests=ok
-  { python3 bench/bench_ops.py --json "$out/bench_ops.json" && python3 bench/bench_train.py --json "$out/bench_train.json"; } \
-    > "$out/bench.log" 2>&1 && bench=ok
+  python3 bench/bench_gpu_train.py --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && bench=ok
   tail -30 "$out/bench.log"
 fi
 echo

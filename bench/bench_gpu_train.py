@@ -1,0 +1,298 @@
+"""GPU training throughput: fastgpt's CUDA engine (fp32) against PyTorch on the same GPU, in one process, GPT-2 124M
+by default. Variants, one after the other: fastgpt fp32; torch eager fp32 (TF32 off); torch eager TF32; torch
+compiled bf16 (build-nanogpt's set-up: TF32 matmuls, bf16 autocast, torch.compile, SDPA attention, fused AdamW).
+
+Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
+backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
+arithmetic as fastgpt's fp32 engine, so it is the like-for-like comparison; eager TF32 and compiled bf16 are what
+build-nanogpt actually trains with, i.e. the distance still to go. All variants start from the same weights and see
+the same batches, so their step-0 losses must agree (closely for fp32, less for TF32/bf16): a sanity line, not a test.
+
+    python3 bench/bench_gpu_train.py                      # GPT-2 124M, T 1024, B 8, all four variants
+    python3 bench/bench_gpu_train.py --B 16 --json /tmp/gpu_train.json
+    python3 bench/bench_gpu_train.py --no-compile         # skip torch.compile (about a minute of compiling)
+    python3 bench/bench_gpu_train.py --n-layer 2 --T 256  # a quick smoke run
+"""
+import argparse
+import gc
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+from _common import environment, write_json
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
+LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+VARIANTS = ("fastgpt fp32", "torch eager fp32", "torch eager tf32", "torch compiled bf16")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+    p.add_argument("--T", type=int, default=1024, help="sequence length (also block_size)")
+    p.add_argument("--B", type=int, default=8, help="batch size (micro-batch; no gradient accumulation)")
+    p.add_argument("--vocab", type=int, default=50304, help="vocab size (50304: GPT-2's 50257 padded, as nanoGPT)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first, per variant (they include torch.compile's compilation; keep >= 1)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps; tok/s is B*T / median step time")
+    p.add_argument("--seed", type=int, default=None, help="weights and data seed (default: fresh random)")
+    p.add_argument("--no-compile", action="store_true", help="skip the 'torch compiled bf16' variant")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="the GPU's peak for MFU, in TFLOPS (default 989: H100 SXM bf16 dense; H200 is the same).\n"
+                        "Every variant, fp32 ones included, is judged against this one peak, as nanoGPT does")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
+    if min(args.n_layer, args.n_head, args.n_embd, args.T, args.B, args.vocab, args.steps) < 1 or args.warmup < 0:
+        p.error("sizes and --steps must be >= 1, --warmup >= 0")
+    if args.peak_tflops <= 0:
+        p.error("--peak-tflops must be > 0")
+    return args
+
+
+def flops_per_token(L, H, C, T, V):
+    """nanoGPT's estimate_mfu (PaLM appendix B): 6N for the weight matmuls (forward 2N, backward 4N) plus
+    12*L*H*Q*T for attention's QK^T and PV, with N the parameters without wpe (a lookup does no FLOPs; wte is tied
+    to lm_head and counted once, as the lm_head matmul). Returns (flops per token, N)."""
+    Q = C // H
+    N = V * C + L * (12 * C * C + 13 * C) + 2 * C  # wte; per layer 4 linears (12C^2 + 9C) + 2 LayerNorms (4C); ln_f
+    return 6 * N + 12 * L * H * Q * T, N
+
+
+def git_commit():
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                           timeout=10)
+        return (r.stdout.strip() or None) if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # torch is imported only now so that --help works anywhere, fast.
+    import numpy as np
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_gpu_train: no CUDA GPU visible to torch (torch.cuda.is_available() is False); nothing measured")
+        return 0
+
+    import fastgpt
+    sys.path.insert(0, str(REPO / "tests"))
+    from reference_gpt import RefConfig, RefGPT
+
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    B, T, V = args.B, args.T, args.vocab
+    L, H, C = args.n_layer, args.n_head, args.n_embd
+    dev = torch.device("cuda", 0)  # fastgpt's device="cuda" is device 0 of the visible ones: the same GPU
+    fpt, n_params_mfu = flops_per_token(L, H, C, T, V)
+    peak_flops = args.peak_tflops * 1e12
+
+    # Batches: made once on the host; fastgpt takes int32 host arrays every step (its forward uploads them, part
+    # of its step), torch gets them on the GPU once, before any timing, as a data loader with prefetch would.
+    rng = np.random.default_rng(args.seed)
+    n = args.warmup + args.steps
+    toks = rng.integers(0, min(V, 50257), size=(n, B, T + 1), dtype=np.int64)
+    np_batches = [(np.ascontiguousarray(t[:, :-1], np.int32), np.ascontiguousarray(t[:, 1:], np.int32)) for t in toks]
+    th_batches = [(torch.from_numpy(t[:, :-1].copy()).to(dev), torch.from_numpy(t[:, 1:].copy()).to(dev))
+                  for t in toks]
+
+    # Weights: one fastgpt init (on the CPU, so it exists even when fastgpt's CUDA side fails), copied to host
+    # arrays; every variant loads these, so all start from identical weights.
+    cfg = fastgpt.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_embd=C)
+    init = fastgpt.GPT(cfg, device="cpu", seed=args.seed)
+    weights = {k: v.copy() for k, v in init.state_dict().items()}
+    n_params = init.num_parameters()
+    del init
+
+    gpu = torch.cuda.get_device_name(dev)
+    cc = torch.cuda.get_device_capability(dev)
+    env = environment(torch.get_num_threads())
+    env.update(gpu=gpu, gpu_capability=f"sm_{cc[0]}{cc[1]}", gpu_memory_gib=torch.cuda.mem_get_info(dev)[1] / 2**30,
+               cuda_torch=torch.version.cuda, fastgpt_commit=git_commit(),
+               fastgpt_built_with_cuda=bool(fastgpt._C.built_with_cuda))
+    print(f"bench_gpu_train: L{L} H{H} C{C} T{T} B{B} V{V} ({n_params:,} params; {n_params_mfu:,} without wpe for "
+          f"MFU) | random tokens | AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD} (2-D weights only) clip {CLIP}")
+    print(f"{gpu} ({env['gpu_capability']}, {env['gpu_memory_gib']:.0f} GiB) | torch {torch.__version__} "
+          f"(CUDA {torch.version.cuda}) | fastgpt {fastgpt.__version__} @ {env['fastgpt_commit'] or '?'} | "
+          f"warmup {args.warmup}, {args.steps} timed steps per variant | seed {args.seed}")
+    print(f"MFU: {fpt / 1e9:.3f} GFLOP/token (nanoGPT's 6N + 12*L*H*Q*T) against --peak-tflops {args.peak_tflops:g}; "
+          f"that is a bf16 dense peak and the fp32/tf32 variants are judged against the same bf16 peak, as nanoGPT "
+          f"does, so their MFU reads low by construction", flush=True)
+
+    def run_steps(step, after=None):
+        """All warmup + timed steps of one variant. Each step is bracketed by torch.cuda.synchronize(), which is
+        a device-wide sync: it also waits for fastgpt's own stream (its AdamW step is asynchronous; only the loss
+        read-back in forward and the norm in clip_grad_norm sync by themselves)."""
+        times, losses = [], []
+        for i in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = step(i)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))  # torch: .item() here, outside the timer (the step is already synced)
+            if after is not None:
+                after()
+        return times, losses
+
+    def fastgpt_fp32():
+        # fastgpt allocates with cudaMalloc, outside torch's allocator: the only view of its memory is the driver's
+        # free-memory figure. Free before model creation minus the lowest free seen after creation and after every
+        # step: rough (another process on the GPU changes it; scratch freed within a call is missed).
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        model = fastgpt.GPT(cfg, device="cuda", precision="fp32", seed=args.seed)
+        model.load_state_dict(weights)
+        opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        free_min = [torch.cuda.mem_get_info(dev)[0]]
+
+        def step(i):
+            x, y = np_batches[i]
+            model.zero_grad()
+            _, loss = model.forward(x, y, return_logits=False)  # returns after reading the loss back: synced
+            model.backward()
+            opt.clip_grad_norm(CLIP)
+            opt.step(LR)
+            return loss
+
+        times, losses = run_steps(step, after=lambda: free_min.append(min(free_min[-1],
+                                                                          torch.cuda.mem_get_info(dev)[0])))
+        return times, losses, {"peak_mem_bytes": free0 - free_min[-1],
+                               "peak_mem_how": "torch.cuda.mem_get_info: free before model creation minus lowest "
+                                               "free after creation/steps (rough, driver-level)"}
+
+    def torch_variant(name):
+        compiled = name == "torch compiled bf16"
+        # Global matmul precision per variant (set before the model exists; torch.compile reads it when it traces).
+        # 'highest' = true fp32 GEMMs; 'high' = TF32 for fp32 GEMMs. cudnn's flag is set too, for completeness.
+        tf32 = name != "torch eager fp32"
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        # ref_from_fastgpt's loading, from the shared host weights; built directly on the GPU (the init there is
+        # overwritten, so doing it on the GPU is only faster). Tied wte/lm_head both load the same values.
+        with dev:
+            raw = RefGPT(RefConfig(T, V, L, H, C))
+        raw.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+        raw.train()
+        if compiled:
+            # configure_optimizers' two groups (decay on 2-D weights only), with the fused CUDA kernel as
+            # build-nanogpt uses when available.
+            params = [p for p in raw.parameters() if p.requires_grad]
+            groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+            opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
+            model = torch.compile(raw)
+        else:
+            opt = raw.configure_optimizers(WD, LR, BETAS, EPS)  # torch.optim.AdamW defaults (foreach on CUDA)
+            model = raw
+
+        def step(i):
+            x, y = th_batches[i]
+            opt.zero_grad(set_to_none=True)
+            if compiled:
+                with torch.autocast(device_type="cuda", dtype=torch.bfloat16):  # forward only, as build-nanogpt
+                    _, loss = model(x, y)
+            else:
+                _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(raw.parameters(), CLIP)
+            opt.step()
+            return loss.detach()
+
+        times, losses = run_steps(step)
+        return times, losses, {"peak_mem_bytes": torch.cuda.max_memory_allocated(dev),
+                               "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev),
+                               "peak_mem_how": "torch.cuda.max_memory_allocated",
+                               "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+    res = {}
+    for name in VARIANTS:
+        if name == "torch compiled bf16" and args.no_compile:
+            res[name] = {"status": "skipped", "error": "--no-compile"}
+            continue
+        # Each variant starts from an empty cache and fresh peak counters; the previous one's model, optimizer and
+        # activations are gone (they were locals of its function).
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        print(f"  {name}: running ...", end="", flush=True)
+        try:
+            times, losses, extra = fastgpt_fp32() if name == "fastgpt fp32" else torch_variant(name)
+        except Exception as e:  # out of memory, a CUDA error, no CUDA in this fastgpt build, a compile failure
+            msg = f"{type(e).__name__}: {e}".strip()
+            res[name] = {"status": "failed", "error": msg}
+            print(f" FAILED: {msg.splitlines()[0][:200]}", flush=True)
+        else:
+            timed = times[args.warmup:]
+            med = statistics.median(timed)
+            res[name] = {"status": "ok", "step_ms_median": 1e3 * med, "step_ms_mean": 1e3 * statistics.fmean(timed),
+                         "step_ms_min": 1e3 * min(timed), "tok_per_s": B * T / med,
+                         "mfu": fpt * B * T / med / peak_flops, "first_step_s": times[0],
+                         "step_ms": [1e3 * t for t in timed], "warmup_step_ms": [1e3 * t for t in times[:args.warmup]],
+                         "losses": losses, "first_loss": losses[0], "last_loss": losses[-1], **extra}
+            print(f" {1e3 * med:.1f} ms/step median, first step {times[0]:.1f} s", flush=True)
+        finally:
+            if name == "torch compiled bf16":
+                torch.compiler.reset()  # drop dynamo's caches, which keep the compiled model alive
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    ok = [k for k in VARIANTS if res[k]["status"] == "ok"]
+    base = next((k for k in ("torch compiled bf16", "torch eager fp32") if k in ok), None)
+    ref = next((k for k in ("fastgpt fp32", "torch eager fp32") if k in ok), None)
+
+    # Sanity: same weights and batches, so step-0 losses agree to rounding: ~1e-5 between fp32 variants, ~1e-3 for
+    # TF32, ~1e-2 for bf16; later steps drift further apart as the rounding compounds. Reported, never asserted.
+    sanity = {}
+    if ref is not None:
+        parts = []
+        for k in ok:
+            if k != ref:
+                d0 = abs(res[k]["first_loss"] - res[ref]["first_loss"])
+                d1 = abs(res[k]["last_loss"] - res[ref]["last_loss"])
+                sanity[k] = {"first_loss_abs_diff": d0, "last_loss_abs_diff": d1}
+                parts.append(f"{k} {d0:.1e} (last step {d1:.1e})")
+        print(f"sanity: step-0 loss of {ref} = {res[ref]['first_loss']:.5f} (ln V = {math.log(V):.5f}); "
+              f"|difference| from it: {'; '.join(parts) or 'no other variant ran'}. Expect ~1e-5 fp32, ~1e-3 tf32, "
+              f"~1e-2 bf16 at step 0")
+
+    print(f"\n{'variant':<20} {'median ms':>10} {'tok/s':>9} {'MFU':>6} {'peak mem':>9} {'first loss':>10} "
+          f"{'last loss':>10} {'tok/s vs base':>14}")
+    for k in VARIANTS:
+        r = res[k]
+        if r["status"] != "ok":
+            print(f"{k:<20} {r['status'].upper()}: {r['error'].splitlines()[0][:90] if r['error'] else ''}")
+            continue
+        ratio = r["tok_per_s"] / res[base]["tok_per_s"] if base is not None else None
+        r["tok_per_s_vs_base"] = ratio
+        mem = f"{r['peak_mem_bytes'] / 2**30:.2f}G" + ("*" if k == "fastgpt fp32" else "")
+        print(f"{k:<20} {r['step_ms_median']:>10.1f} {r['tok_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% {mem:>9} "
+              f"{r['first_loss']:>10.4f} {r['last_loss']:>10.4f} {f'{ratio:.2f}x' if ratio is not None else '-':>14}")
+    if base is not None:
+        print(f"base: {base} (tok/s ratio above 1: faster than it). MFU against {args.peak_tflops:g} TFLOPS bf16 "
+              f"dense for every variant. Peak mem: torch.cuda.max_memory_allocated; *fastgpt: rough, from "
+              f"torch.cuda.mem_get_info (driver free memory before model creation minus the lowest seen after)")
+
+    if args.json:
+        payload = {"benchmark": "bench_gpu_train", "env": env,
+                   "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "vocab",
+                                                            "warmup", "steps", "seed", "no_compile", "peak_tflops")},
+                   "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
+                   "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,
+                   "base": base, "loss_reference": ref, "sanity": sanity, "results": res}
+        write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
