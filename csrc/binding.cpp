@@ -416,12 +416,6 @@ PYBIND11_MODULE(_C, m) {
              for (const NamedView& v : g.named_views()) out.append(py::make_tuple(v.name, v.shape, v.offset));
              return out;
            })
-      .def("decay_ranges",
-           [](const GPT& g) {
-             py::list out;
-             for (const ParamTensor& t : g.tensors()) out.append(py::make_tuple(t.name, t.offset, t.numel, t.decay));
-             return out;
-           })
       // The flat buffers: zero-copy views on the CPU, host copies from a GPU.
       .def_property_readonly("params", [](py::object self) {
         GPT& g = self.cast<GPT&>();
