@@ -377,17 +377,10 @@ void bind_ops(py::module_& m) {
     same_shape(param, m, "param", "exp_avg");
     same_shape(param, v, "param", "exp_avg_sq");
     need(step >= 1, "step must be >= 1 (the count after this update), got " + std::to_string(step));
-    const float bc1 = (float)(1.0 - std::pow((double)beta1, (double)step));
-    const float bc2 = (float)std::sqrt(1.0 - std::pow((double)beta2, (double)step));
+    const cpu::AdamWHyper h = cpu::adamw_hyper(lr, beta1, beta2, eps, weight_decay, step);
     Ctx c = context({&param, &grad, &m, &v}, stream);
     py::gil_scoped_release nogil;
-#ifdef FASTGPT_WITH_CUDA
-    if (c.cuda)
-      return cuda::adamw_update(param.f(), grad.f(), m.f(), v.f(), param.size(),
-                                cuda::AdamWHyper{lr, beta1, beta2, eps, weight_decay, bc1, bc2}, c.stream);
-#endif
-    cpu::adamw_update(param.f(), grad.f(), m.f(), v.f(), param.size(),
-                      cpu::AdamWHyper{lr, beta1, beta2, eps, weight_decay, bc1, bc2});
+    FASTGPT_DISPATCH(c, adamw_update, param.f(), grad.f(), m.f(), v.f(), param.size(), h);
   });
 }
 

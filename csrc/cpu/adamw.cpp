@@ -7,6 +7,11 @@
 
 namespace fastgpt::cpu {
 
+AdamWHyper adamw_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  return {lr, beta1, beta2, eps, weight_decay, (float)(1.0 - std::pow((double)beta1, (double)step)),
+          (float)std::sqrt(1.0 - std::pow((double)beta2, (double)step))};
+}
+
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h) {
   const float decay = 1.f - h.lr * h.weight_decay;
   const float step_size = h.lr / h.bias_correction1;

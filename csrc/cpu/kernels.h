@@ -77,6 +77,8 @@ struct AdamWHyper {
   float lr, beta1, beta2, eps, weight_decay;
   float bias_correction1, bias_correction2_sqrt;  // 1 - beta1^t, sqrt(1 - beta2^t)
 };
+// The hyper-parameters of update number `step` (1-based): the bias corrections are formed here, in double, once.
+AdamWHyper adamw_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h);
 // Sum of squares in float64, over fixed-size chunks combined in order: deterministic for any thread count.
 double sum_squares(const float* x, int64_t n);

@@ -39,10 +39,13 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int64_t N, int C) {
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-  std::vector<float> partial((size_t)nchunks * 2 * C);  // per chunk: dweight (C) | dbias (C)
+  // Per chunk: dweight (C) | dbias (C). Kept per calling thread and grown only, so a training step allocates nothing.
+  thread_local std::vector<float> partial;
+  if (partial.size() < (size_t)nchunks * 2 * C) partial.resize((size_t)nchunks * 2 * C);
+  float* part = partial.data();  // the OpenMP workers must use this thread's buffer, not their own thread_local
 #pragma omp parallel for schedule(static)
   for (int64_t ch = 0; ch < nchunks; ch++) {
-    float* pw = partial.data() + ch * 2 * C;
+    float* pw = part + ch * 2 * C;
     float* pb = pw + C;
     for (int c = 0; c < C; c++) pw[c] = pb[c] = 0.f;
     const int64_t n1 = (ch + 1) * kRowsPerChunk < N ? (ch + 1) * kRowsPerChunk : N;
@@ -74,8 +77,8 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   for (int c = 0; c < C; c++) {
     double w = 0.0, b = 0.0;
     for (int64_t ch = 0; ch < nchunks; ch++) {
-      w += partial[ch * 2 * C + c];
-      b += partial[ch * 2 * C + C + c];
+      w += part[ch * 2 * C + c];
+      b += part[ch * 2 * C + C + c];
     }
     dweight[c] += (float)w;
     dbias[c] += (float)b;

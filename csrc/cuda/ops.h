@@ -6,6 +6,8 @@
 #pragma once
 #include <cstdint>
 
+#include "cpu/kernels.h"  // AdamWHyper: one definition for both devices
+
 struct CUstream_st;
 
 namespace fastgpt::cuda {
@@ -42,11 +44,7 @@ void cross_entropy_forward(float* losses, float* lse, const float* logits, const
 void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                             float dloss, int64_t N, int V, Stream stream);
 
-// Same hyper-parameters as cpu::AdamWHyper (kept separate so this header needs no CPU header).
-struct AdamWHyper {
-  float lr, beta1, beta2, eps, weight_decay;
-  float bias_correction1, bias_correction2_sqrt;
-};
+using AdamWHyper = cpu::AdamWHyper;
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
                   Stream stream);
 // Sum of squares over fixed chunks, combined in order in double (deterministic); waits for the stream.

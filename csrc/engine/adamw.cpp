@@ -31,13 +31,11 @@ AdamW::AdamW(GPT& model, const AdamWConfig& cfg)
 void AdamW::step(float lr) {
   if (!(std::isfinite(lr) && lr >= 0.f)) throw std::invalid_argument("lr must be a finite number >= 0");
   t_++;
-  cpu::AdamWHyper h{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, 0.f,
-                    (float)(1.0 - std::pow((double)cfg_.beta1, (double)t_)),
-                    (float)std::sqrt(1.0 - std::pow((double)cfg_.beta2, (double)t_))};
+  cpu::AdamWHyper h = cpu::adamw_hyper(lr, cfg_.beta1, cfg_.beta2, cfg_.eps, 0.f, t_);
   for (const ParamTensor& t : model_.tensors()) {
     h.weight_decay = t.decay ? cfg_.weight_decay : 0.f;
     model_.backend().adamw_update(model_.params() + t.offset, model_.grads() + t.offset, m_.data() + t.offset,
-                      v_.data() + t.offset, t.numel, h);
+                                  v_.data() + t.offset, t.numel, h);
   }
 }
 

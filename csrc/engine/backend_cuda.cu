@@ -124,10 +124,7 @@ class CudaBackend final : public Backend {
   void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
                     const cpu::AdamWHyper& h) override {
     select();
-    cuda::adamw_update(param, grad, m, v, n,
-                       cuda::AdamWHyper{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.bias_correction1,
-                                        h.bias_correction2_sqrt},
-                       stream_);
+    cuda::adamw_update(param, grad, m, v, n, h, stream_);
   }
   double sum_squares(const float* x, int64_t n) override {
     select();

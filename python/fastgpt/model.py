@@ -84,7 +84,9 @@ class GPT:
             if tgt.shape != ids.shape:
                 raise ValueError(f"targets shape {tgt.shape} must equal idx shape {ids.shape}")
         loss = self._engine.forward(ids, tgt, False)
-        logits = np.array(self._engine.logits()) if return_logits else None
+        logits = None
+        if return_logits:  # a CPU view is copied (backward overwrites it); a GPU's arrives as a host copy already
+            logits = np.array(self._engine.logits()) if self._on_cpu else self._engine.logits()
         return logits, (float(loss) if tgt is not None else None)
 
     __call__ = forward
