@@ -84,6 +84,7 @@ struct View {
   std::vector<int64_t> shape;
   bool cuda = false;
   int device = -1;
+  char dtype = 'f';  // 'f' float32, 'i' int32, 'b' bfloat16, 'h' float16
   int64_t size() const {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
@@ -100,14 +101,15 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + (shape.size() == 1 ? ",)" : ")");
 }
 
-// kind 'f': float32, 'i': int32. NumPy arrays must be C-contiguous (fastgpt.ops converts them); DLPack tensors must
+// kind 'f': float32, 'i': int32, 'a': float32, or on a GPU also bfloat16 / float16 (attention). NumPy arrays must be C-contiguous (fastgpt.ops converts them); DLPack tensors must
 // be compact row-major on a CUDA device.
 View view_of(py::handle obj, const std::string& name, char kind) {
   View v;
-  const char* want = kind == 'f' ? "float32" : "int32";
+  const char* want = kind == 'i' ? "int32" : "float32";
+  v.dtype = kind == 'i' ? 'i' : 'f';
   if (py::isinstance<py::array>(obj)) {
     auto a = py::reinterpret_borrow<py::array>(obj);
-    const bool ok = kind == 'f' ? a.dtype().is(py::dtype::of<float>()) : a.dtype().is(py::dtype::of<int32_t>());
+    const bool ok = kind == 'i' ? a.dtype().is(py::dtype::of<int32_t>()) : a.dtype().is(py::dtype::of<float>());
     need(ok, name + " must be " + want + ", got " + std::string(py::str(a.dtype())));
     need(a.flags() & py::array::c_style, name + " must be C-contiguous");
     v.data = a.request().ptr;
@@ -118,8 +120,12 @@ View view_of(py::handle obj, const std::string& name, char kind) {
     auto cap = py::reinterpret_borrow<py::capsule>(obj);
     need(cap.name() && std::string(cap.name()) == "dltensor", name + ": expected an unused DLPack capsule");
     const DLTensor& t = cap.get_pointer<DLManagedTensor>()->dl_tensor;
-    const uint8_t code = kind == 'f' ? kDLFloat : kDLInt;
-    need(t.dtype.code == code && t.dtype.bits == 32 && t.dtype.lanes == 1, name + " must be " + want);
+    const uint8_t code = kind == 'i' ? kDLInt : kDLFloat;
+    if (kind == 'a' && t.dtype.lanes == 1 && t.dtype.bits == 16 && (t.dtype.code == kDLBfloat || t.dtype.code == kDLFloat))
+      v.dtype = t.dtype.code == kDLBfloat ? 'b' : 'h';
+    else
+      need(t.dtype.code == code && t.dtype.bits == 32 && t.dtype.lanes == 1,
+           name + " must be " + (kind == 'a' ? "float32, bfloat16 or float16" : want));
     need(t.device.device_type == kDLCUDA || t.device.device_type == kDLCUDAManaged,
          name + " must be on a CUDA device (CPU arrays go through NumPy)");
     v.shape.assign(t.shape, t.shape + t.ndim);
@@ -167,6 +173,7 @@ Ctx context(std::initializer_list<const View*> views, uintptr_t stream) {
 }
 
 #ifdef FASTGPT_WITH_CUDA
+#define IF_CUDA(...) __VA_ARGS__
 #define FASTGPT_DISPATCH(ctx, fn, ...)              \
   do {                                              \
     if ((ctx).cuda)                                 \
@@ -175,6 +182,7 @@ Ctx context(std::initializer_list<const View*> views, uintptr_t stream) {
       cpu::fn(__VA_ARGS__);                         \
   } while (0)
 #else
+#define IF_CUDA(...)
 #define FASTGPT_DISPATCH(ctx, fn, ...) cpu::fn(__VA_ARGS__)
 #endif
 
@@ -341,6 +349,84 @@ void bind_ops(py::module_& m) {
     Ctx c = context({&dqkv, &dout, &qkv, &out, &lse}, stream);
     py::gil_scoped_release nogil;
     FASTGPT_DISPATCH(c, attention_backward, dqkv.f(), dout.f(), qkv.f(), out.f(), lse.f(), B, T, C, n_head, causal);
+  });
+  // Flash attention on separate q, k, v: layout "bhtd" (B, H, T, d) or "bthd" (B, T, H, d), all four tensors the
+  // same shape and dtype; lse (B, H, T) float32.
+  struct Flash {
+    cpu::AttentionShape shape;
+    cpu::HeadStrides strides;
+  };
+  auto flash_args = [](const std::vector<std::pair<const View*, const char*>>& ts, const View& lse,
+                       const std::string& layout, bool causal) {
+    need(layout == "bhtd" || layout == "bthd", "layout must be 'bhtd' or 'bthd', got '" + layout + "'");
+    const View& q = *ts[0].first;
+    const std::string dims = layout == "bhtd" ? "(B, H, T, d)" : "(B, T, H, d)";
+    need(q.ndim() == 4 && q.size() > 0, "q must be a non-empty 4-D " + dims + " array, got " + shape_str(q.shape));
+    for (auto& [t, name] : ts) {
+      same_shape(*t, q, name, "q");
+      need(t->dtype == q.dtype, std::string(name) + " must have the same dtype as q");
+    }
+    const bool bhtd = layout == "bhtd";
+    const int64_t B = q.shape[0], H = q.shape[bhtd ? 1 : 2], T = q.shape[bhtd ? 2 : 1], d = q.shape[3];
+    shape_is(lse, {B, H, T}, "lse");
+    need(lse.dtype == 'f', "lse must be float32");
+    need(B * H * T * d < (int64_t(1) << 31) && T < (1 << 30), "attention tensors must hold < 2**31 elements");
+    if (q.cuda && q.dtype != 'f') {
+      need(d == 64 || d == 128, "bfloat16/float16 attention on a GPU needs head dim d 64 or 128, got " +
+                                    std::to_string(d) + " (float32 takes any d <= 256)");
+      for (auto& [t, name] : ts)
+        need(reinterpret_cast<uintptr_t>(t->data) % 16 == 0, std::string(name) + " must be 16-byte aligned");
+    }
+    if (q.cuda && q.dtype == 'f') need(d <= 256, "float32 attention on a GPU needs d <= 256, got " + std::to_string(d));
+    if (q.cuda)
+      need(T <= 65535LL * (q.dtype == 'f' ? 16 : 64),
+           "attention on a GPU takes T <= 1048560 (float32) or 4194240 (bfloat16/float16), got " + std::to_string(T));
+    Flash f;
+    f.shape = {(int)B, (int)H, (int)T, (int)d, causal};
+    f.strides = bhtd ? cpu::HeadStrides{H * T * d, T * d, d} : cpu::HeadStrides{T * H * d, d, H * d};
+    return f;
+  };
+#ifdef FASTGPT_WITH_CUDA
+  auto dtype_of = [](const View& v) {
+    return v.dtype == 'b' ? cuda::DType::bf16 : v.dtype == 'h' ? cuda::DType::f16 : cuda::DType::f32;
+  };
+#endif
+  m.def("flash_attention_forward", [flash_args IF_CUDA(, dtype_of)](H out_, H lse_, H q_, H k_, H v_,
+                                                                    const std::string& layout, bool causal,
+                                                                    uintptr_t stream) {
+    View out = view_of(out_, "out", 'a'), lse = view_of(lse_, "lse", 'f'), q = view_of(q_, "q", 'a'),
+         k = view_of(k_, "k", 'a'), v = view_of(v_, "v", 'a');
+    Flash f = flash_args({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}, lse, layout, causal);
+    Ctx c = context({&out, &lse, &q, &k, &v}, stream);
+    py::gil_scoped_release nogil;
+#ifdef FASTGPT_WITH_CUDA
+    if (c.cuda)
+      return cuda::flash_attention_forward(out.data, f.strides, lse.f(), q.data, k.data, v.data, f.strides, f.shape,
+                                           dtype_of(q), c.stream);
+#endif
+    cpu::flash_attention_forward(out.f(), f.strides, lse.f(), q.f(), k.f(), v.f(), f.strides, f.shape);
+  });
+  m.def("flash_attention_backward", [flash_args IF_CUDA(, dtype_of)](H dq_, H dk_, H dv_, H dout_, H q_, H k_, H v_,
+                                                                     H out_, H lse_, const std::string& layout,
+                                                                     bool causal, bool deterministic,
+                                                                     uintptr_t stream) {
+    View dq = view_of(dq_, "dq", 'a'), dk = view_of(dk_, "dk", 'a'), dv = view_of(dv_, "dv", 'a'),
+         dout = view_of(dout_, "dout", 'a'), q = view_of(q_, "q", 'a'), k = view_of(k_, "k", 'a'),
+         v = view_of(v_, "v", 'a'), out = view_of(out_, "out", 'a'), lse = view_of(lse_, "lse", 'f');
+    Flash f = flash_args({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}, {&dq, "dq"}, {&dk, "dk"},
+                          {&dv, "dv"}},
+                         lse, layout, causal);
+    Ctx c = context({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse}, stream);
+    py::gil_scoped_release nogil;
+#ifdef FASTGPT_WITH_CUDA
+    if (c.cuda)
+      return cuda::flash_attention_backward(dq.data, dk.data, dv.data, f.strides, dout.data, out.data, f.strides,
+                                            q.data, k.data, v.data, lse.f(), f.shape, dtype_of(q), deterministic,
+                                            c.stream);
+#endif
+    (void)deterministic;  // the CPU kernel is always deterministic
+    cpu::flash_attention_backward(dq.f(), dk.f(), dv.f(), f.strides, dout.f(), out.f(), f.strides, q.f(), k.f(),
+                                  v.f(), lse.f(), f.shape);
   });
   m.def("cross_entropy_forward", [](H losses_, H lse_, H logits_, H targets_, uintptr_t stream) {
     View losses = view_of(losses_, "losses", 'f'), lse = view_of(lse_, "lse", 'f'),

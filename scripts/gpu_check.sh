@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 FASTGPT_CUDA=ON FASTGPT_SHARED=${FASTGPT_SHARED:-$PWD/.device/shared}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/nvidia-smi.txt"
 
-build=FAIL tests=FAIL bench=FAIL
+build=FAIL tests=FAIL bench=FAIL flash_bench=FAIL memcheck=FAIL racecheck=FAIL
 python3 -m pip install --no-build-isolation -q . > "$out/build.log" 2>&1 && build=ok
 tail -5 "$out/build.log"
 if [ $build = ok ]; then
@@ -18,7 +18,23 @@ if [ $build = ok ]; then
   [ "${PIPESTATUS[0]}" = 0 ] && tests=ok
   python3 bench/bench_gpu_train.py --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && bench=ok
   tail -30 "$out/bench.log"
+  python3 bench/bench_flash_attention.py --deterministic --json "$out/bench_flash_attention.json" > "$out/bench_flash.log" 2>&1 \
+    && flash_bench=ok
+  tail -30 "$out/bench_flash.log"
+  # compute-sanitizer works on some machine runtimes only (Firecracker, not gVisor): its own refusal reads "n/a";
+  # a run past its 150 s reads FAIL (the whole script must stay inside one 600 s device call).
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/flash_sanitize.py \
+      > "$out/sanitize_$tool.log" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then eval $tool=ok
+    elif grep -q "Device not supported\|not supported on this" "$out/sanitize_$tool.log"; then eval $tool=n/a
+    fi
+    tail -5 "$out/sanitize_$tool.log"
+  done
 fi
 echo
 echo "== gpu_check $(git rev-parse --short HEAD 2>/dev/null) on $(head -1 "$out/nvidia-smi.txt")"
-printf '%-8s %s\n' build "$build" tests "$tests ($(tail -1 "$out/pytest.log" 2>/dev/null))" bench "$bench"
+printf '%-12s %s\n' build "$build" tests "$tests ($(tail -1 "$out/pytest.log" 2>/dev/null))" bench "$bench" \
+  flash_bench "$flash_bench" memcheck "$memcheck" racecheck "$racecheck"
+grep "fastgpt vs fastest" "$out/bench_flash.log" 2>/dev/null | tail -12

@@ -51,7 +51,27 @@ void gelu_backward(float* dinp,                  // overwritten; may alias dout
 // ---- residual add (residual.cpp)
 void residual_forward(float* out, const float* a, const float* b, int64_t n);  // out may alias a or b
 
-// ---- scaled dot-product attention, flash-style: only the log-sum-exp is saved, backward recomputes (attention.cpp)
+// ---- flash attention: scaled dot-product attention that saves only the log-sum-exp; backward recomputes
+// (flash_attention.cpp). q, k, v, out and the gradients are (B, H, T, d) views, unit stride along d: element
+// (b, h, t, i) of a view lives at ptr[b * sb + h * sh + t * st + i]. One description covers separate (B, H, T, d)
+// or (B, T, H, d) tensors and the engine's fused qkv (B, T, 3C). The scale is 1/sqrt(d).
+struct HeadStrides {
+  int64_t sb, sh, st;
+};
+struct AttentionShape {
+  int B, H, T, d;
+  bool causal;
+};
+void flash_attention_forward(float* out, const HeadStrides& os,  // (B, H, T, d) view
+                             float* lse,                         // (B, H, T) contiguous
+                             const float* q, const float* k, const float* v, const HeadStrides& is,
+                             const AttentionShape& shape);
+// dq, dk, dv (overwritten) share the strides `is` of q, k, v; dout shares those of out.
+void flash_attention_backward(float* dq, float* dk, float* dv, const HeadStrides& is, const float* dout,
+                              const float* out, const HeadStrides& os, const float* q, const float* k,
+                              const float* v, const float* lse, const AttentionShape& shape);
+
+// ---- attention as the engine lays it out: the flash kernel on the fused projection (attention.cpp)
 // qkv holds q | k | v, each C = NH * hs wide, head h at columns h*hs of its third.
 void attention_forward(float* out,               // (B, T, C)
                        float* lse,               // (B, NH, T)

@@ -1,6 +1,6 @@
 // The CUDA kernels: the twin of csrc/cpu/kernels.h, one function per op with the same arguments plus the stream
 // it runs on (the caller's current stream), implemented in csrc/cuda/<op>.cu. All pointers are device memory,
-// float32 for now (bf16/tf32 variants come with the CUDA engine). Conventions match the CPU kernels exactly:
+// float32 except flash attention's (bf16, fp16 or fp32). Conventions match the CPU kernels exactly:
 // parameter gradients accumulate (+=), activation gradients overwrite, results are deterministic (no atomics whose
 // order could change a sum). Plain C++ (no CUDA headers), so the binding compiles with or without the toolkit.
 #pragma once
@@ -34,6 +34,24 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, 
 
 void residual_forward(float* out, const float* a, const float* b, int64_t n, Stream stream);
 
+// Flash attention (flash_attention.cu, the twin of csrc/cpu/flash_attention.cpp): q, k, v, out and their
+// gradients are (B, H, T, d) views described by HeadStrides, in `dtype`; lse (B, H, T) is float32, contiguous.
+// bf16/fp16: tensor cores (mma.sync m16n8k16, fp32 accumulation), d 64 or 128, rows 16-byte aligned (st and every
+// base pointer a multiple of 8 elements). fp32: CUDA cores, any d <= 256, no alignment needed.
+// Backward: deterministic=false sums dq with fp32 atomics (order varies run to run); true runs a separate dq pass
+// (bit-reproducible, more FLOPs). The fp32 path is always deterministic.
+using HeadStrides = cpu::HeadStrides;
+using AttentionShape = cpu::AttentionShape;
+enum class DType { f32, bf16, f16 };
+void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
+                             const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,
+                             Stream stream);
+void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
+                              const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
+                              const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
+                              Stream stream);
+
+// The engine's attention on the fused qkv (B, T, 3C): the fp32 flash path through strides (attention.cu).
 void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, bool causal,
                        Stream stream);
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,

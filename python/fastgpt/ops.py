@@ -25,10 +25,13 @@ class _Host:
     def f32(self, x, name):
         return as_float32(x, name)
 
+    def floating(self, x, name):
+        return as_float32(x, name)  # the CPU kernels compute in float32: half inputs are widened exactly
+
     def ids(self, x, name, ndim=None):
         return as_ids(x, name, ndim)
 
-    def empty(self, shape):
+    def empty(self, shape, like=None):
         return np.empty(shape, np.float32)
 
     def zeros(self, shape):
@@ -67,6 +70,15 @@ class _Device:
             raise TypeError(f"{name} must be float32 on the GPU, got {x.dtype}")
         return x if self._contiguous(x) else self._contiguous_copy(x)
 
+    def floating(self, x, name):
+        """float32, bfloat16 or float16, contiguous and (for the tensor-core kernels) 16-byte aligned."""
+        self._check(x, name)
+        if str(x.dtype).replace("torch.", "") not in ("float32", "bfloat16", "float16"):
+            raise TypeError(f"{name} must be float32, bfloat16 or float16 on the GPU, got {x.dtype}")
+        x = x if self._contiguous(x) else self._contiguous_copy(x)
+        ptr = x.data_ptr() if self.module == "torch" else x.data.ptr
+        return x if ptr % 16 == 0 else x.clone() if self.module == "torch" else x.copy()
+
     def ids(self, x, name, ndim=None):
         self._check(x, name)
         if ndim is not None and x.ndim != ndim:
@@ -92,11 +104,13 @@ class _Device:
     def _contiguous_copy(self, x):
         return x.contiguous() if self.module == "torch" else self.cupy.ascontiguousarray(x)
 
-    def empty(self, shape):
+    def empty(self, shape, like=None):
+        """float32, or the dtype of the array `like`."""
         if self.module == "torch":
-            return self.torch.empty(shape, dtype=self.torch.float32, device=self.device)
+            dtype = self.torch.float32 if like is None else like.dtype
+            return self.torch.empty(shape, dtype=dtype, device=self.device)
         with self.device:
-            return self.cupy.empty(shape, self.cupy.float32)
+            return self.cupy.empty(shape, self.cupy.float32 if like is None else like.dtype)
 
     def zeros(self, shape):
         if self.module == "torch":
@@ -105,7 +119,10 @@ class _Device:
             return self.cupy.zeros(shape, self.cupy.float32)
 
     def arg(self, a):
-        return a.__dlpack__(stream=self.stream)
+        # DLPack names CUDA's legacy default stream 1 (0 is reserved); torch refuses tensors that require grad.
+        if self.module == "torch":
+            a = a.detach()
+        return a.__dlpack__(stream=self.stream or 1)
 
 
 def _where(*arrays):
@@ -219,6 +236,49 @@ def attention_backward(dout, qkv, out, lse, n_head, causal=True):
     _ops.attention_backward(d.arg(dqkv), d.arg(dout), d.arg(qkv), d.arg(out), d.arg(lse),
                             check_int(n_head, "n_head", 1), bool(causal), d.stream)
     return dqkv
+
+
+_LAYOUTS = {"bhtd": "(B, H, T, d)", "bthd": "(B, T, H, d)"}
+
+
+def _flash_dims(q, layout):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be 'bhtd' or 'bthd', got {layout!r}")
+    shape = _shape(q)
+    if len(shape) != 4:
+        raise ValueError(f"q must be 4-D {_LAYOUTS[layout]} for layout {layout!r}, got shape {shape}")
+    B, d = shape[0], shape[3]
+    H, T = (shape[1], shape[2]) if layout == "bhtd" else (shape[2], shape[1])
+    return B, H, T, d
+
+
+def flash_attention_forward(q, k, v, causal=True, layout="bhtd"):
+    """Scaled dot-product attention softmax(q k^T / sqrt(d)) v with the flash algorithm: no T x T matrix is stored.
+    q, k, v: (B, H, T, d) (layout "bhtd") or (B, T, H, d) ("bthd"), one shape and dtype. On a GPU: float32, bfloat16
+    or float16 (half precision needs d 64 or 128); on the CPU everything runs in float32.
+    -> (out like q, lse (B, H, T) float32: the log-sum-exp of each scaled score row, all backward needs)."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be 'bhtd' or 'bthd', got {layout!r}")
+    d = _where(q, k, v)
+    q, k, v = d.floating(q, "q"), d.floating(k, "k"), d.floating(v, "v")
+    B, H, T, _ = _flash_dims(q, layout)
+    out, lse = d.empty(_shape(q), like=q), d.empty((B, H, T))
+    _ops.flash_attention_forward(d.arg(out), d.arg(lse), d.arg(q), d.arg(k), d.arg(v), layout, bool(causal),
+                                 d.stream)
+    return out, lse
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bhtd", deterministic=False):
+    """-> (dq, dk, dv), shaped and typed like q. deterministic=True makes the GPU half-precision backward
+    bit-reproducible (a separate dq pass instead of atomic adds; slower). The CPU and GPU float32 paths always are."""
+    d = _where(dout, q, k, v, out, lse)
+    dout, q, k, v, out = (d.floating(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out")))
+    lse = d.f32(lse, "lse")
+    _flash_dims(q, layout)
+    dq, dk, dv = (d.empty(_shape(q), like=q) for _ in range(3))
+    _ops.flash_attention_backward(d.arg(dq), d.arg(dk), d.arg(dv), d.arg(dout), d.arg(q), d.arg(k), d.arg(v),
+                                  d.arg(out), d.arg(lse), layout, bool(causal), bool(deterministic), d.stream)
+    return dq, dk, dv
 
 
 def cross_entropy_forward(logits, targets):

@@ -1,0 +1,137 @@
+// Shared pieces of the flash attention kernels (flash_attention*.cu): the launch parameters, and the warp-level
+// building blocks of the tensor-core path: cp.async tile loads, ldmatrix, mma.sync m16n8k16 with fp32 accumulators.
+// Fragment layouts follow the PTX ISA ("Matrix fragments for mma.m16n8k16"): in a warp, lane = 4 * g + c
+// (g = lane / 4 the group, c = lane % 4); an fp32 accumulator tile 16 x 8 gives each lane rows g and g + 8,
+// columns 2c and 2c + 1; an A tile 16 x 16 the same rows at columns 2c, 2c+1 and 2c+8, 2c+9; a B tile 16 x 8
+// rows (k) 2c, 2c+1 and 2c+8, 2c+9 of column (n) g. The accumulator of two adjacent 8-wide tiles is therefore the A
+// fragment of a 16-wide one, which is how P (and dS) go from one product into the next without touching memory.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/ops.h"
+
+namespace fastgpt::cuda::flash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct Params {
+  const void *q, *k, *v;  // (B, H, T, d) views with strides `is`
+  const void *out, *dout;  // strides `os`
+  void* out_w;             // forward's output
+  void *dq, *dk, *dv;      // strides `is`
+  float* lse;              // (B, H, T)
+  float* delta;            // (B, H, T) scratch: rowsum(dout * out), backward only
+  float* dq_accum;         // (B, H, T, d) fp32 scratch for the atomic dq path, else nullptr
+  HeadStrides is, os;
+  int B, H, T, d;
+  bool causal;
+  float scale;  // 1 / sqrt(d)
+};
+
+// Launchers (one per file), templated on the element type and instantiated for __nv_bfloat16 and __half.
+template <typename E>
+void forward_tc(const Params& p, Stream stream);
+template <typename E>
+void backward_tc(const Params& p, bool deterministic, Stream stream);
+void forward_f32(const Params& p, Stream stream);
+void backward_f32(const Params& p, Stream stream);
+// delta = rowsum(dout * out) in fp32, for any element type (flash_attention.cu).
+template <typename E>
+void compute_delta(const Params& p, Stream stream);
+
+// ---- device helpers (tensor-core path)
+
+template <typename E>
+struct Pack;  // two fp32 values -> one 32-bit register of two 16-bit elements, the lower column in the low half
+template <>
+struct Pack<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t two(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <>
+struct Pack<__half> {
+  static __device__ __forceinline__ uint32_t two(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+// The A fragment (16 x 16) of two adjacent accumulator tiles (16 x 8 each: columns 0-7 in lo, 8-15 in hi).
+template <typename E>
+__device__ __forceinline__ void a_from_acc(uint32_t* a, const float* lo, const float* hi) {
+  a[0] = Pack<E>::two(lo[0], lo[1]);
+  a[1] = Pack<E>::two(lo[2], lo[3]);
+  a[2] = Pack<E>::two(hi[0], hi[1]);
+  a[3] = Pack<E>::two(hi[2], hi[3]);
+}
+
+// c (16 x 8, fp32) += a (16 x 16) * b (16 x 8).
+template <typename E>
+__device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8 x 8 tiles of 16-bit elements; lanes 8i..8i+7 give the row addresses of tile i, register i receives it.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+// The same, each tile transposed: lane g*4+c receives elements (2c, g) and (2c+1, g) of the stored tile.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// 16 bytes global -> shared without passing through registers; `valid` false writes zeros and reads nothing (the
+// source must still be a valid address, so callers pass the tensor's base for rows past T).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Rows [row0, row0 + ROWS) of one (b, h) slice of a view with row stride st (elements), D wide, into shared memory
+// with row pitch D + kPad, by all NT threads; rows at or past T become zeros.
+constexpr int kPad = 8;  // 16 bytes: consecutive rows start 4 banks apart, so ldmatrix's 8 rows hit 32 banks
+template <typename E, int ROWS, int D, int NT>
+__device__ __forceinline__ void load_tile(E* dst, const E* src, int64_t st, int row0, int T, int tid) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  for (int i = tid; i < ROWS * kChunks; i += NT) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = row0 + r < T;
+    const E* s = valid ? src + (int64_t)(row0 + r) * st + c * 8 : src;
+    cp_async16(dst + r * (D + kPad) + c * 8, s, valid);
+  }
+}
+
+}  // namespace fastgpt::cuda::flash

@@ -1,0 +1,34 @@
+"""Runs every flash attention kernel variant once on small shapes, for compute-sanitizer (memcheck, racecheck):
+bf16 and fp16 at d 64 and 128, fp32 at odd d, causal and not, T that is and is not a multiple of the tiles, both
+layouts, atomic and deterministic backward. It checks nothing numerically (the tests do); it exits non-zero only if
+a call raises. Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/flash_sanitize.py"""
+import itertools
+
+import torch
+
+from fastgpt import ops
+
+
+def run(dtype, d, T, causal, layout, deterministic):
+    B, H = 2, 3
+    shape = (B, H, T, d) if layout == "bhtd" else (B, T, H, d)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout)
+    ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout, deterministic=deterministic)
+
+
+def main():
+    n = 0
+    for dtype, d in [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128),
+                     (torch.float32, 12), (torch.float32, 64), (torch.float32, 160)]:
+        for T, causal, layout, det in itertools.product((17, 130), (True, False), ("bhtd", "bthd"), (False, True)):
+            if dtype == torch.float32 and det:
+                continue  # fp32 has one (deterministic) backward
+            run(dtype, d, T, causal, layout, det)
+            n += 1
+    torch.cuda.synchronize()
+    print(f"flash_sanitize: {n} forward+backward calls ran")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""flash_attention: fastgpt.ops.flash_attention_forward/backward on separate q, k, v, layouts "bhtd" (B, H, T, d)
+and "bthd" (B, T, H, d), against scaled dot-product attention computed in float64.
+
+CPU (float32): out, lse, dq, dk, dv within 1e-5 relative error of float64 attention (explicit softmax, itself checked
+against torch's float64 SDPA; lse: logsumexp of the scaled, masked scores), over lengths 1, 17 and others not a
+multiple of the 64-row blocks, head dims 12/64/128.
+GPU (skipped without one): float32 the same way; bfloat16/float16 by flash-attention's rule, since half precision has
+no fixed tolerance: fastgpt's error against a float64 reference may be at most twice torch's own half-precision SDPA
+error against that reference, plus a slack of 1e-5 * max(1, max|ref|) for results torch gets exactly. The
+deterministic backward must repeat bit for bit, and the ops must run on the caller's stream.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastgpt import ops
+from devices import host, needs_cuda
+from reference_gpt import rel_err
+
+TOL = 1e-5
+
+
+def to_bhtd(t, layout):
+    return t if layout == "bhtd" else t.transpose(1, 2)
+
+
+def reference(q, k, v, dout, causal, layout):
+    """float64 attention of q, k, v (tensors or arrays in `layout`) -> out, lse (B, H, T), dq, dk, dv, in `layout`.
+    Explicit softmax(q k^T / sqrt(d)) v, so the same code serves the CPU and (large T) the GPU."""
+    q, k, v = (torch.as_tensor(x).double().requires_grad_(True) for x in (q, k, v))
+    qh, kh, vh = (to_bhtd(x, layout) for x in (q, k, v))
+    T, d = qh.shape[2], qh.shape[3]
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    out = to_bhtd(torch.softmax(scores, dim=-1) @ vh, layout)
+    out.backward(torch.as_tensor(dout).double())
+    return out.detach(), torch.logsumexp(scores, dim=-1).detach(), q.grad, k.grad, v.grad
+
+
+def assert_close(name, got, want):
+    """Relative error below TOL; where the exact result is all zeros (dq, dk when T = 1: softmax over one key has
+    no gradient) the float32 result must be zero up to rounding instead."""
+    want = torch.as_tensor(want).double()
+    if want.norm() == 0:
+        assert np.abs(np.asarray(got, np.float64)).max() < 1e-5, name
+    else:
+        assert rel_err(got, want) < TOL, name
+
+
+def randn(rng, shape):
+    a = rng.standard_normal(shape).astype(np.float32)
+    a[a == 0] = 1e-3  # never zeros
+    return a
+
+
+# (B, H, T, d) in bhtd terms: T = 1, 17, lengths that are not multiples of 64, an odd head dim, d 64 and 128.
+CPU_SHAPES = [(1, 1, 1, 64), (2, 3, 17, 12), (1, 2, 100, 64), (2, 2, 130, 128), (1, 3, 65, 12)]
+
+
+def in_layout(shape, layout):
+    B, H, T, d = shape
+    return (B, H, T, d) if layout == "bhtd" else (B, T, H, d)
+
+
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=lambda s: "B{}H{}T{}d{}".format(*s))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_cpu_matches_float64_sdpa(rng, shape, causal, layout):
+    q, k, v, dout = (randn(rng, in_layout(shape, layout)) for _ in range(4))
+    out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout)
+    dq, dk, dv = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout)
+    assert all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (out, lse, dq, dk, dv))
+    assert out.shape == dq.shape == dk.shape == dv.shape == q.shape and lse.shape == shape[:3]
+
+    ref = reference(q, k, v, dout, causal, layout)
+    # Cross-check the explicit reference against torch's own SDPA once per case.
+    sdpa = F.scaled_dot_product_attention(*(to_bhtd(torch.tensor(x, dtype=torch.float64), layout) for x in (q, k, v)),
+                                          is_causal=causal)
+    assert rel_err(to_bhtd(sdpa, layout), ref[0]) < 1e-12
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref):
+        assert_close(name, got, want)
+
+
+def test_cpu_layouts_agree_exactly(rng):
+    # The two layouts are one kernel with different strides: the same numbers must come out bit for bit.
+    q, k, v, dout = (randn(rng, (2, 3, 40, 16)) for _ in range(4))
+    out, lse = ops.flash_attention_forward(q, k, v)
+    grads = ops.flash_attention_backward(dout, q, k, v, out, lse)
+    t = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, dout)]
+    out_t, lse_t = ops.flash_attention_forward(*t[:3], layout="bthd")
+    grads_t = ops.flash_attention_backward(t[3], *t[:3], out_t, lse_t, layout="bthd")
+    assert np.array_equal(lse, lse_t)
+    for a, b in zip((out,) + tuple(grads), (out_t,) + tuple(grads_t)):
+        assert np.array_equal(a, b.transpose(0, 2, 1, 3))
+
+
+def test_cpu_is_causal(rng):
+    # Changing the last keys and values must leave earlier rows alone, and change the last ones.
+    q, k, v = (randn(rng, (1, 2, 20, 8)) for _ in range(3))
+    out1, _ = ops.flash_attention_forward(q, k, v)
+    k[:, :, 15:], v[:, :, 15:] = randn(rng, (1, 2, 5, 8)), randn(rng, (1, 2, 5, 8))
+    out2, _ = ops.flash_attention_forward(q, k, v)
+    assert np.array_equal(out1[:, :, :15], out2[:, :, :15])
+    assert not np.array_equal(out1[:, :, 15:], out2[:, :, 15:])
+
+
+def test_cpu_takes_torch_tensors_and_mixed_dtypes(rng):
+    # The CPU computes in float32: float64 and CPU torch inputs holding float32 values give the float32 result.
+    q, k, v = (randn(rng, (2, 2, 9, 8)) for _ in range(3))
+    out, lse = ops.flash_attention_forward(q, k, v, causal=False)
+    out2, lse2 = ops.flash_attention_forward(torch.from_numpy(q), k.astype(np.float64), torch.from_numpy(v).double(),
+                                             causal=False)
+    assert isinstance(out2, np.ndarray) and np.array_equal(out, out2) and np.array_equal(lse, lse2)
+
+
+def test_cpu_backward_repeats_bitwise(rng):
+    q, k, v, dout = (randn(rng, (1, 2, 70, 16)) for _ in range(4))
+    out, lse = ops.flash_attention_forward(q, k, v)
+    a = ops.flash_attention_backward(dout, q, k, v, out, lse)
+    b = ops.flash_attention_backward(dout, q, k, v, out, lse, deterministic=True)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# ---- bad input: an exception that names the argument, never a crash
+
+def qkv(rng, shape=(1, 2, 8, 4)):
+    return [randn(rng, shape) for _ in range(3)]
+
+
+def test_bad_layout(rng):
+    with pytest.raises(ValueError, match="layout must be 'bhtd' or 'bthd'"):
+        ops.flash_attention_forward(*qkv(rng), layout="bht")
+
+
+def test_q_not_4d(rng):
+    q, k, v = qkv(rng, (2, 8, 4))
+    with pytest.raises(ValueError, match="q must be"):
+        ops.flash_attention_forward(q, k, v)
+
+
+def test_k_shape_mismatch(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(ValueError, match="k and q must have the same shape"):
+        ops.flash_attention_forward(q, k[:, :, :7], v)
+
+
+def test_v_shape_mismatch_in_backward(rng):
+    q, k, v = qkv(rng)
+    out, lse = ops.flash_attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="v and q must have the same shape"):
+        ops.flash_attention_backward(out, q, k, v[..., :3], out, lse)
+
+
+def test_lse_wrong_shape(rng):
+    q, k, v = qkv(rng)
+    out, lse = ops.flash_attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        ops.flash_attention_backward(out, q, k, v, out, lse[:, :, :-1])
+
+
+def test_integer_q(rng):
+    q, k, v = qkv(rng)
+    with pytest.raises(TypeError, match="q must be a floating-point array"):
+        ops.flash_attention_forward(q.astype(np.int32), k, v)
+
+
+def test_empty_q():
+    z = np.ones((1, 2, 0, 4), np.float32)
+    with pytest.raises(ValueError, match="q must be a non-empty"):
+        ops.flash_attention_forward(z, z, z)
+
+
+# ---- GPU
+
+def cuda_inputs(B, H, T, d, layout, dtype, rng):
+    """Four fresh standard-normal tensors on the GPU (drawn there: fast at T 2048), seeded from the rng fixture."""
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**62)))
+    shape = in_layout((B, H, T, d), layout)
+    return [torch.randn(shape, device="cuda", dtype=torch.float32, generator=g).to(dtype) for _ in range(4)]
+
+
+def torch_sdpa(q, k, v, dout, causal, layout):
+    """torch's own SDPA in the inputs' dtype (whatever backend it picks): the yardstick for half precision."""
+    qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out = to_bhtd(F.scaled_dot_product_attention(*(to_bhtd(x, layout) for x in (qt, kt, vt)), is_causal=causal),
+                  layout)
+    out.backward(dout)
+    return out.detach(), qt.grad, kt.grad, vt.grad
+
+
+def check_rule(name, got, yardstick, ref):
+    """flash-attention's rule: max|got - ref| <= 2 max|yardstick - ref| + slack; the same for ||.|| / ||ref||."""
+    got, yardstick, ref = got.double(), yardstick.double(), ref.double()
+    err, err_pt = (got - ref).abs().max().item(), (yardstick - ref).abs().max().item()
+    slack = 1e-5 * max(1.0, ref.abs().max().item())
+    assert err <= 2 * err_pt + slack, f"{name}: max|fastgpt-ref| {err:.3e} > 2 * torch's {err_pt:.3e} + {slack:.0e}"
+    norm = ref.norm().item()
+    if norm > 0:  # dq and dk are exactly zero for T = 1 (softmax over one key)
+        rel, rel_pt = (got - ref).norm().item() / norm, (yardstick - ref).norm().item() / norm
+        assert rel <= 2 * rel_pt + 1e-5, f"{name}: rel err {rel:.3e} > 2 * torch's {rel_pt:.3e} + 1e-5"
+
+
+# (B, H, T, layout): every T in {1, 17, 128, 1000, 1024, 2048}, B and H at 1 and at their maxima 8 and 16.
+HALF_CASES = [(1, 1, 1, "bhtd"), (8, 16, 17, "bthd"), (2, 4, 128, "bhtd"), (1, 16, 1000, "bthd"),
+              (4, 2, 1024, "bhtd"), (8, 1, 2048, "bthd")]
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,H,T,layout", HALF_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_half_within_twice_torch_error(rng, B, H, T, layout, d, causal, dtype):
+    q, k, v, dout = cuda_inputs(B, H, T, d, layout, dtype, rng)
+    out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout)
+    grads = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout)
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32 and lse.shape == (B, H, T)
+    assert all(g.dtype == dtype and g.shape == q.shape for g in grads)
+
+    ref = reference(q, k, v, dout, causal, layout)
+    pt = torch_sdpa(q, k, v, dout, causal, layout)
+    for name, got, yardstick, want in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), pt, ref[:1] + ref[2:]):
+        check_rule(name, got, yardstick, want)
+    assert rel_err(lse, ref[1]) < 1e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,H,T,layout", [(1, 1, 1, "bhtd"), (2, 3, 17, "bthd"), (2, 4, 1000, "bhtd"),
+                                          (1, 2, 1000, "bthd")], ids=lambda c: str(c))
+@pytest.mark.parametrize("d", [12, 64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_float32_matches_float64(rng, B, H, T, layout, d, causal):
+    q, k, v, dout = cuda_inputs(B, H, T, d, layout, torch.float32, rng)
+    out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout)
+    grads = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads),
+                               reference(q, k, v, dout, causal, layout)):
+        assert_close(name, host(got), host(want))
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_deterministic_backward_repeats_bitwise(rng, d):
+    B, H, T = 2, 4, 1000
+    q, k, v, dout = cuda_inputs(B, H, T, d, "bhtd", torch.bfloat16, rng)
+    out, lse = ops.flash_attention_forward(q, k, v)
+    runs = [ops.flash_attention_backward(dout, q, k, v, out, lse, deterministic=True) for _ in range(2)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    # Repeatable and also right.
+    ref, pt = reference(q, k, v, dout, True, "bhtd"), torch_sdpa(q, k, v, dout, True, "bhtd")
+    for name, got, yardstick, want in zip(("dq", "dk", "dv"), runs[0], pt[1:], ref[2:]):
+        check_rule(name, got, yardstick, want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_runs_on_the_callers_stream(rng, dtype):
+    q, k, v, dout = cuda_inputs(2, 3, 300, 64, "bhtd", dtype, rng)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
+    with torch.cuda.stream(s):
+        out, lse = ops.flash_attention_forward(q, k, v)
+        grads = ops.flash_attention_backward(dout, q, k, v, out, lse)
+    s.synchronize()
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == dtype
+    ref = reference(q, k, v, dout, True, "bhtd")
+    if dtype == torch.float32:
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads), ref):
+            assert_close(name, host(got), host(want))
+    else:
+        pt = torch_sdpa(q, k, v, dout, True, "bhtd")
+        for name, got, yardstick, want in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), pt,
+                                              ref[:1] + ref[2:]):
+            check_rule(name, got, yardstick, want)
+
+
+@needs_cuda
+def test_cuda_half_needs_d_64_or_128():
+    q = torch.randn(1, 2, 16, 12, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim d 64 or 128"):
+        ops.flash_attention_forward(q, q.clone(), q.clone())
+
+
+@needs_cuda
+def test_cuda_mixed_devices_and_dtypes():
+    q = torch.randn(1, 2, 16, 64, device="cuda")
+    with pytest.raises(ValueError, match="k must be on the GPU"):
+        ops.flash_attention_forward(q, q.cpu(), q)
+    with pytest.raises(ValueError, match="v must have the same dtype as q"):
+        ops.flash_attention_forward(q, q, q.to(torch.bfloat16))
