@@ -120,3 +120,12 @@ def rel_err(out, ref):
     out = torch.as_tensor(out).double()
     ref = torch.as_tensor(ref).double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def lse_err(out, ref):
+    """rel_err for log-sum-exp values, with entries of magnitude below 1 judged absolutely: a log-sum-exp can sit at
+    ~0 by chance (at T = 1 it is a single score q.k / sqrt(d), e.g. -0.0015), where float32 rounding of the dot
+    product alone is a large relative error. ||out - ref|| / max(||ref||, sqrt(n))."""
+    out = torch.as_tensor(out).double()
+    ref = torch.as_tensor(ref).double()
+    return ((out - ref).norm() / max(ref.norm().item(), ref.numel() ** 0.5)).item()

@@ -117,7 +117,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");  // shared reads must not move above it
 }
 
 // Rows [row0, row0 + ROWS) of one (b, h) slice of a view with row stride st (elements), D wide, into shared memory

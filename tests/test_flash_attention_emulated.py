@@ -1,0 +1,35 @@
+"""flash_attention on the CPU through the warp emulator: the CUDA kernels' own sources (tensor-core bf16/fp16 and the
+fp32 path) run in tests/warp_emu (one OS thread per CUDA thread; ldmatrix, mma.sync, shuffles and cp.async emulated
+from the PTX ISA's definitions) and must match a float64 reference. This checks their indexing, fragment layouts,
+masking and barriers where no GPU is lent; it is not a GPU run (see BENCHMARKS.md for what only a GPU can verify).
+Needs g++ with C++20 and the CUDA headers (cuda_bf16.h); skipped without them."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+RUN = Path(__file__).parent / "warp_emu" / "run.sh"
+
+
+def _cuda_include():
+    home = os.environ.get("CUDA_HOME") or (str(Path(shutil.which("nvcc")).parent.parent) if shutil.which("nvcc")
+                                           else None)
+    return home and (Path(home) / "include" / "cuda_bf16.h").exists()
+
+
+needs_toolchain = pytest.mark.skipif(not (shutil.which("g++") and shutil.which("bash") and _cuda_include()),
+                                     reason="needs g++ and the CUDA toolkit headers")
+
+
+@needs_toolchain
+@pytest.mark.parametrize("mode,lazy", [("mix", "1"), ("mix", "0"), ("quick", "1")],
+                         ids=["mix-copy-at-wait", "mix-copy-at-issue", "quick"])
+def test_cuda_kernels_in_warp_emulator(tmp_path_factory, mode, lazy):
+    build = tmp_path_factory.getbasetemp() / "warp_emu"  # one build shared by the cases (make-style timestamps)
+    r = subprocess.run(["bash", str(RUN), str(build), mode, lazy], capture_output=True, text=True, timeout=900)
+    report = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, report
+    assert "failures 0" in r.stdout and "ok " in r.stdout, report
+    assert "FAIL" not in r.stdout, report

@@ -1,0 +1,196 @@
+// Checks the flash attention kernels, run in the warp emulator (emu.h; see run.sh), against a float64 reference:
+// out, lse, dq, dk, dv by relative error, per dtype (bf16 3e-2, fp16 5e-3, fp32 1e-4: half inputs are rounded
+// before the reference sees them, so these bound the kernels' own error), over both layouts, causal or not, T that
+// is and is not a multiple of the tiles, atomic and deterministic dq, and the engine's fused qkv path. Outputs and
+// shared memory start as NaN, so an element a kernel forgets to write fails. Modes (argv[1]) pick the case lists.
+#include "emu.h"
+#include "cuda/ops.h"
+#include <random>
+#include <string>
+using namespace fastgpt;
+using cuda::DType;
+
+template <typename E> float rnd(float x) { return float(E(x)); }
+template <> float rnd<float>(float x) { return x; }
+
+struct Ref { std::vector<double> out, lse, dq, dk, dv; };
+// all tensors logical (B,H,T,d) contiguous doubles
+static Ref reference(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+                     const std::vector<double>& dout, int B, int H, int T, int d, bool causal) {
+  Ref r;
+  const size_t n = (size_t)B * H * T * d;
+  r.out.assign(n, 0); r.lse.assign((size_t)B * H * T, 0); r.dq.assign(n, 0); r.dk.assign(n, 0); r.dv.assign(n, 0);
+  const double scale = 1.0 / std::sqrt((double)d);
+  std::vector<double> P(T * T), dP(T * T);
+  for (int bh = 0; bh < B * H; bh++) {
+    const double *Q = &q[(size_t)bh * T * d], *K = &k[(size_t)bh * T * d], *V = &v[(size_t)bh * T * d],
+                 *dO = &dout[(size_t)bh * T * d];
+    double *O = &r.out[(size_t)bh * T * d];
+    for (int i = 0; i < T; i++) {
+      double mx = -1e300;
+      for (int j = 0; j < T; j++) {
+        double s = 0; for (int x = 0; x < d; x++) s += Q[i * d + x] * K[j * d + x];
+        s *= scale; P[i * T + j] = (causal && j > i) ? -INFINITY : s; mx = std::max(mx, P[i * T + j]);
+      }
+      double sum = 0; for (int j = 0; j < T; j++) { P[i * T + j] = std::exp(P[i * T + j] - mx); sum += P[i * T + j]; }
+      for (int j = 0; j < T; j++) P[i * T + j] /= sum;
+      r.lse[(size_t)bh * T + i] = mx + std::log(sum);
+      for (int x = 0; x < d; x++) { double o = 0; for (int j = 0; j < T; j++) o += P[i * T + j] * V[j * d + x]; O[i * d + x] = o; }
+    }
+    for (int i = 0; i < T; i++) {
+      double delta = 0; for (int x = 0; x < d; x++) delta += dO[i * d + x] * O[i * d + x];
+      for (int j = 0; j < T; j++) {
+        double dp = 0; for (int x = 0; x < d; x++) dp += dO[i * d + x] * V[j * d + x];
+        dP[i * T + j] = P[i * T + j] * (dp - delta);  // dS
+      }
+    }
+    for (int i = 0; i < T; i++) for (int x = 0; x < d; x++) {
+      double a = 0; for (int j = 0; j < T; j++) a += dP[i * T + j] * K[j * d + x];
+      r.dq[((size_t)bh * T + i) * d + x] = a * scale;
+    }
+    for (int j = 0; j < T; j++) for (int x = 0; x < d; x++) {
+      double a = 0, b = 0;
+      for (int i = 0; i < T; i++) { a += dP[i * T + j] * Q[i * d + x]; b += P[i * T + j] * dO[i * d + x]; }
+      r.dk[((size_t)bh * T + j) * d + x] = a * scale; r.dv[((size_t)bh * T + j) * d + x] = b;
+    }
+  }
+  return r;
+}
+
+static int failures = 0;
+static float g_amp = 2.f;
+static double relerr(const std::vector<double>& got, const std::vector<double>& ref) {
+  double mx = 0, e = 0;
+  for (size_t i = 0; i < ref.size(); i++) {
+    mx = std::max(mx, std::fabs(ref[i]));
+    double di = std::fabs(got[i] - ref[i]);
+    if (!(di == di)) return INFINITY;
+    e = std::max(e, di);
+  }
+  return e / std::max(mx, 1e-2);
+}
+
+template <typename E>
+void run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt, double tol, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> U(-1.f, 1.f);
+  const size_t n = (size_t)B * H * T * d;
+  // logical (b,h,t,x) -> physical index
+  auto idx = [&](int b, int h, int t, int x) -> size_t {
+    return bthd ? (((size_t)b * T + t) * H + h) * d + x : (((size_t)b * H + h) * T + t) * d + x;
+  };
+  cpu::HeadStrides s = bthd ? cpu::HeadStrides{(int64_t)T * H * d, d, (int64_t)H * d} : cpu::HeadStrides{(int64_t)H * T * d, (int64_t)T * d, d};
+  std::vector<E> q(n), k(n), v(n), dout(n), out(n), dq(n), dk(n), dv(n);
+  std::vector<double> lq(n), lk(n), lv(n), ldo(n);
+  for (int b = 0; b < B; b++) for (int h = 0; h < H; h++) for (int t = 0; t < T; t++) for (int x = 0; x < d; x++) {
+    size_t L = (((size_t)b * H + h) * T + t) * d + x, Pp = idx(b, h, t, x);
+    float a = rnd<E>(g_amp * U(rng)), bb = rnd<E>(g_amp * U(rng)), c = rnd<E>(U(rng)), e = rnd<E>(U(rng));
+    q[Pp] = E(a); k[Pp] = E(bb); v[Pp] = E(c); dout[Pp] = E(e);
+    lq[L] = a; lk[L] = bb; lv[L] = c; ldo[L] = e;
+  }
+  const E nanv = E(NAN);
+  std::fill(out.begin(), out.end(), nanv); std::fill(dq.begin(), dq.end(), nanv);
+  std::fill(dk.begin(), dk.end(), nanv); std::fill(dv.begin(), dv.end(), nanv);
+  std::vector<float> lse((size_t)B * H * T, NAN);
+  cpu::AttentionShape sh{B, H, T, d, causal};
+  cuda::flash_attention_forward(out.data(), s, lse.data(), q.data(), k.data(), v.data(), s, sh, dt, nullptr);
+  cuda::flash_attention_backward(dq.data(), dk.data(), dv.data(), s, dout.data(), out.data(), s, q.data(), k.data(),
+                                 v.data(), lse.data(), sh, dt, det, nullptr);
+  Ref r = reference(lq, lk, lv, ldo, B, H, T, d, causal);
+  auto logical = [&](const std::vector<E>& a) {
+    std::vector<double> o(n);
+    for (int b = 0; b < B; b++) for (int h = 0; h < H; h++) for (int t = 0; t < T; t++) for (int x = 0; x < d; x++)
+      o[(((size_t)b * H + h) * T + t) * d + x] = float(a[idx(b, h, t, x)]);
+    return o;
+  };
+  std::vector<double> glse(lse.begin(), lse.end());
+  double eo = relerr(logical(out), r.out), el = relerr(glse, r.lse), eq = relerr(logical(dq), r.dq),
+         ek = relerr(logical(dk), r.dk), ev = relerr(logical(dv), r.dv);
+  bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
+  if (!ok) failures++;
+  printf("%s dt=%d B=%d H=%d T=%d d=%d causal=%d %s det=%d lazy=%d: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
+         ok ? "ok  " : "FAIL", (int)dt, B, H, T, d, causal, bthd ? "bthd" : "bhtd", det, emu::g_lazy_cp, eo, el, eq, ek, ev);
+  fflush(stdout);
+}
+
+// engine's fused qkv path (fp32)
+void run_fused(int B, int T, int C, int NH, bool causal, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> U(-1.f, 1.f);
+  const int d = C / NH;
+  std::vector<float> qkv((size_t)B * T * 3 * C), out((size_t)B * T * C, NAN), dout((size_t)B * T * C),
+      lse((size_t)B * NH * T, NAN), dqkv(qkv.size(), NAN);
+  for (auto& x : qkv) x = 2 * U(rng);
+  for (auto& x : dout) x = U(rng);
+  const size_t n = (size_t)B * NH * T * d;
+  std::vector<double> lq(n), lk(n), lv(n), ldo(n);
+  for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) for (int t = 0; t < T; t++) for (int x = 0; x < d; x++) {
+    size_t L = (((size_t)b * NH + h) * T + t) * d + x, base = ((size_t)b * T + t) * 3 * C + h * d + x;
+    lq[L] = qkv[base]; lk[L] = qkv[base + C]; lv[L] = qkv[base + 2 * C]; ldo[L] = dout[((size_t)b * T + t) * C + h * d + x];
+  }
+  cuda::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, causal, nullptr);
+  cuda::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, causal, nullptr);
+  Ref r = reference(lq, lk, lv, ldo, B, NH, T, d, causal);
+  std::vector<double> go(n), gq(n), gk(n), gv(n), gl(lse.begin(), lse.end());
+  for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) for (int t = 0; t < T; t++) for (int x = 0; x < d; x++) {
+    size_t L = (((size_t)b * NH + h) * T + t) * d + x, base = ((size_t)b * T + t) * 3 * C + h * d + x;
+    go[L] = out[((size_t)b * T + t) * C + h * d + x]; gq[L] = dqkv[base]; gk[L] = dqkv[base + C]; gv[L] = dqkv[base + 2 * C];
+  }
+  double eo = relerr(go, r.out), el = relerr(gl, r.lse), eq = relerr(gq, r.dq), ek = relerr(gk, r.dk), ev = relerr(gv, r.dv);
+  const double tol = 1e-4;
+  bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
+  if (!ok) failures++;
+  printf("%s fused B=%d T=%d C=%d NH=%d causal=%d: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", ok ? "ok  " : "FAIL",
+         B, T, C, NH, causal, eo, el, eq, ek, ev);
+  fflush(stdout);
+}
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "quick";
+  emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
+  unsigned seed = 1;
+  try {
+    if (mode == "quick") {
+      run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
+    } else if (mode == "tc") {
+      for (int d : {64, 128})
+        for (int T : {1, 17, 64, 100, 130})
+          for (int causal : {0, 1})
+            for (int det : {0, 1}) {
+              run<__nv_bfloat16>(1, 2, T, d, causal, (T + det) % 2, det, DType::bf16, 3e-2, seed++);
+              if (T == 100 || T == 1) run<__half>(2, 1, T, d, causal, det, det, DType::f16, 5e-3, seed++);
+            }
+    } else if (mode == "f32") {
+      for (int d : {64, 33, 100, 256})
+        for (int T : {1, 17, 40, 70})
+          for (int causal : {0, 1}) run<float>(1, 2, T, d, causal, (T + d) % 2, false, DType::f32, 1e-4, seed++);
+      for (int causal : {0, 1}) run_fused(2, 50, 96, 3, causal, seed++);
+    } else if (mode == "mix") {
+      run<__nv_bfloat16>(1, 2, 100, 128, true, false, false, DType::bf16, 3e-2, seed++);
+      run<__nv_bfloat16>(1, 1, 100, 128, false, true, true, DType::bf16, 3e-2, seed++);
+      run<__half>(1, 1, 130, 64, false, true, true, DType::f16, 5e-3, seed++);
+      run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
+      run_fused(1, 20, 64, 2, true, seed++);
+    } else if (mode == "big") {
+      for (int causal : {0, 1}) for (int det : {0, 1}) {
+        run<__nv_bfloat16>(2, 2, 257, 64, causal, det, det, DType::bf16, 3e-2, seed++);
+        run<__half>(1, 2, 200, 128, causal, !det, det, DType::f16, 5e-3, seed++);
+      }
+      run<float>(2, 2, 131, 64, true, true, false, DType::f32, 1e-4, seed++);
+    } else if (mode == "peaky") {
+      g_amp = 6.f;
+      run<__nv_bfloat16>(1, 2, 150, 64, true, false, false, DType::bf16, 3e-2, seed++);
+      run<__nv_bfloat16>(1, 2, 150, 128, false, true, true, DType::bf16, 3e-2, seed++);
+      run<__half>(1, 2, 150, 64, false, false, true, DType::f16, 5e-3, seed++);
+      run<float>(1, 2, 70, 64, true, true, false, DType::f32, 1e-4, seed++);
+    } else if (mode == "grid") {
+      // B*H > 65535 with tiny T: must still work (grid x)
+      run<__nv_bfloat16>(1, 70000, 1, 64, true, false, true, DType::bf16, 3e-2, seed++);
+    }
+  } catch (std::exception& e) {
+    printf("EXCEPTION: %s\n", e.what());
+    failures++;
+  }
+  printf("launches %ld, max dyn smem %zu, failures %d\n", emu::g_launches, emu::g_max_smem_seen, failures);
+  return failures != 0;
+}
