@@ -8,10 +8,14 @@
 // runs in a fixed order and nothing uses atomics: the fp32 path is deterministic.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 #include "cuda/check.h"
 #include "cuda/flash_attention.cuh"
+#include "cuda/warp.cuh"
 
 namespace fastgpt::cuda {
 
@@ -20,20 +24,8 @@ namespace flash {
 namespace {
 
 constexpr int kThreads = 128, kRows = 4;  // 4 warps; rows (or keys) per warp: 16 per CTA
-constexpr int kTile = 32;                             // the lanes' side of a score tile
-constexpr int kMaxChunks = 8;                         // d <= 8 * 32
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ bool visible(int query, int key, int T, bool causal) {
-  return query < T && key < T && !(causal && key > query);
-}
+constexpr int kTile = 32;                 // the lanes' side of a score tile
+constexpr int kMaxChunks = 8;             // d <= 8 * 32: lane owns columns lane + 32 i
 
 // rows [row0, row0 + n) of a (b, h) slice with row stride st into dst (n, pitch), zeros past T.
 __device__ void load_rows(float* dst, int pitch, const float* src, int64_t st, int row0, int n, int T, int d) {
@@ -43,12 +35,49 @@ __device__ void load_rows(float* dst, int pitch, const float* src, int64_t st, i
   }
 }
 
+// dots[r] = A[warp's row r] . B[row lane], over d. The warp's rows of A are read as broadcasts; B's pitch is d + 1,
+// so the lanes' rows start in 32 different banks.
+__device__ __forceinline__ void rows_dot_lanes(float (&dots)[kRows], const float* A, int pa, const float* B, int d,
+                                               int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < kRows; r++) dots[r] = 0.f;
+  for (int x = 0; x < d; x++) {
+    const float bx = B[lane * (d + 1) + x];
+#pragma unroll
+    for (int r = 0; r < kRows; r++) dots[r] += A[(warp * kRows + r) * pa + x] * bx;
+  }
+}
+
+// acc[r][i] += sum_j w[r] of lane j * X[j][lane + 32 i], over the tile's kTile rows of X (pitch px): each lane's
+// weight is broadcast in turn while every lane owns d / 32 output columns.
+__device__ __forceinline__ void accumulate_lanes(float (&acc)[kRows][kMaxChunks], const float (&w)[kRows],
+                                                 const float* X, int px, int d, int lane) {
+  for (int j = 0; j < kTile; j++) {
+    float x[kMaxChunks];
+#pragma unroll
+    for (int i = 0; i < kMaxChunks; i++) x[i] = lane + 32 * i < d ? X[j * px + lane + 32 * i] : 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; r++) {
+      const float wj = __shfl_sync(0xffffffffu, w[r], j);
+#pragma unroll
+      for (int i = 0; i < kMaxChunks; i++) acc[r][i] += wj * x[i];
+    }
+  }
+}
+
+// One row of d values owned as lane + 32 i, times `scale`, to dst.
+__device__ __forceinline__ void store_row(float* dst, const float (&v)[kMaxChunks], float scale, int d, int lane) {
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; i++)
+    if (lane + 32 * i < d) dst[lane + 32 * i] = v[i] * scale;
+}
+
 __global__ void __launch_bounds__(kThreads) forward_f32_kernel(Params p) {
   extern __shared__ float sm[];
-  const int d = p.d, dp = d + 1, T = p.T, nc = (d + 31) / 32;
-  float* sQ = sm;                 // (16, d)
-  float* sK = sQ + 16 * d;        // (32, d + 1)
-  float* sV = sK + kTile * dp;    // (32, d)
+  const int d = p.d, T = p.T;
+  float* sQ = sm;                    // (16, d)
+  float* sK = sQ + 16 * d;           // (32, d + 1)
+  float* sV = sK + kTile * (d + 1);  // (32, d)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * 16, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int64_t in_off = b * p.is.sb + h * p.is.sh;
@@ -61,20 +90,14 @@ __global__ void __launch_bounds__(kThreads) forward_f32_kernel(Params p) {
   const int kv_end = p.causal ? min(T, q0 + 16) : T;
   for (int k0 = 0; k0 < kv_end; k0 += kTile) {
     __syncthreads();  // the previous tile is consumed
-    load_rows(sK, dp, K, p.is.st, k0, kTile, T, d);
+    load_rows(sK, d + 1, K, p.is.st, k0, kTile, T, d);
     load_rows(sV, d, V, p.is.st, k0, kTile, T, d);
     __syncthreads();
-    const int key = k0 + lane;
-    float s[kRows] = {};
-    for (int x = 0; x < d; x++) {
-      const float kx = sK[lane * dp + x];
-#pragma unroll
-      for (int r = 0; r < kRows; r++) s[r] += sQ[(warp * kRows + r) * d + x] * kx;
-    }
-    float pe[kRows];
+    float s[kRows], pe[kRows];
+    rows_dot_lanes(s, sQ, d, sK, d, warp, lane);
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
-      const float sr = visible(q0 + warp * kRows + r, key, T, p.causal) ? s[r] * p.scale : -INFINITY;
+      const float sr = visible(q0 + warp * kRows + r, k0 + lane, T, p.causal) ? s[r] * p.scale : -INFINITY;
       const float mn = fmaxf(m[r], warp_max(sr));
       const float base = mn == -INFINITY ? 0.f : mn;
       pe[r] = expf(sr - base);
@@ -84,34 +107,22 @@ __global__ void __launch_bounds__(kThreads) forward_f32_kernel(Params p) {
 #pragma unroll
       for (int i = 0; i < kMaxChunks; i++) o[r][i] *= alpha;
     }
-    for (int j = 0; j < kTile; j++) {
-      float vx[kMaxChunks];
-#pragma unroll
-      for (int i = 0; i < kMaxChunks; i++) vx[i] = i < nc && lane + 32 * i < d ? sV[j * d + lane + 32 * i] : 0.f;
-#pragma unroll
-      for (int r = 0; r < kRows; r++) {
-        const float pj = __shfl_sync(0xffffffffu, pe[r], j);
-#pragma unroll
-        for (int i = 0; i < kMaxChunks; i++) o[r][i] += pj * vx[i];
-      }
-    }
+    accumulate_lanes(o, pe, sV, d, d, lane);
   }
-  float* O = static_cast<float*>(p.out_w) + b * p.os.sb + h * p.os.sh;
+  float* O = static_cast<float*>(p.out) + b * p.os.sb + h * p.os.sh;
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
     const int row = q0 + warp * kRows + r;
     if (row >= T) continue;
-#pragma unroll
-    for (int i = 0; i < kMaxChunks; i++)
-      if (i < nc && lane + 32 * i < d) O[(int64_t)row * p.os.st + lane + 32 * i] = o[r][i] / l[r];
+    store_row(O + (int64_t)row * p.os.st, o[r], 1.f / l[r], d, lane);
     if (lane == 0) p.lse[(int64_t)bh * T + row] = m[r] + logf(l[r]);
   }
 }
 
-// dK, dV for 16 keys per CTA, over the query tiles that can see them.
+// dK, dV for 16 keys per CTA, over the query tiles that can see them: lanes run along the queries.
 __global__ void __launch_bounds__(kThreads) dkdv_f32_kernel(Params p) {
   extern __shared__ float sm[];
-  const int d = p.d, dp = d + 1, T = p.T, nc = (d + 31) / 32;
+  const int d = p.d, dp = d + 1, T = p.T;
   float* sK = sm;                // (16, d)
   float* sV = sK + 16 * d;       // (16, d)
   float* sQ = sV + 16 * d;       // (32, d + 1)
@@ -136,59 +147,31 @@ __global__ void __launch_bounds__(kThreads) dkdv_f32_kernel(Params p) {
       sDl[threadIdx.x] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
     }
     __syncthreads();
-    const int query = qt + lane;
-    float s[kRows] = {}, dpv[kRows] = {};
-    for (int x = 0; x < d; x++) {
-      const float qx = sQ[lane * dp + x], ox = sdO[lane * dp + x];
-#pragma unroll
-      for (int r = 0; r < kRows; r++) {
-        s[r] += qx * sK[(warp * kRows + r) * d + x];
-        dpv[r] += ox * sV[(warp * kRows + r) * d + x];
-      }
-    }
-    float pr[kRows], ds[kRows];
+    float s[kRows], dpv[kRows], pr[kRows], ds[kRows];  // S^T, dP^T, P^T, dS^T: this warp's keys x the lanes' queries
+    rows_dot_lanes(s, sK, d, sQ, d, warp, lane);
+    rows_dot_lanes(dpv, sV, d, sdO, d, warp, lane);
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
-      pr[r] = visible(query, k0 + warp * kRows + r, T, p.causal) ? expf(s[r] * p.scale - sL[lane]) : 0.f;
+      pr[r] = visible(qt + lane, k0 + warp * kRows + r, T, p.causal) ? expf(s[r] * p.scale - sL[lane]) : 0.f;
       ds[r] = pr[r] * (dpv[r] - sDl[lane]);
     }
-    for (int j = 0; j < kTile; j++) {
-      float qx[kMaxChunks], ox[kMaxChunks];
-#pragma unroll
-      for (int i = 0; i < kMaxChunks; i++) {
-        const bool ok = i < nc && lane + 32 * i < d;
-        qx[i] = ok ? sQ[j * dp + lane + 32 * i] : 0.f;
-        ox[i] = ok ? sdO[j * dp + lane + 32 * i] : 0.f;
-      }
-#pragma unroll
-      for (int r = 0; r < kRows; r++) {
-        const float pj = __shfl_sync(0xffffffffu, pr[r], j), dsj = __shfl_sync(0xffffffffu, ds[r], j);
-#pragma unroll
-        for (int i = 0; i < kMaxChunks; i++) {
-          dv[r][i] += pj * ox[i];
-          dk[r][i] += dsj * qx[i];
-        }
-      }
-    }
+    accumulate_lanes(dv, pr, sdO, dp, d, lane);
+    accumulate_lanes(dk, ds, sQ, dp, d, lane);
   }
   float *dK = static_cast<float*>(p.dk) + in_off, *dV = static_cast<float*>(p.dv) + in_off;
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
     const int key = k0 + warp * kRows + r;
     if (key >= T) continue;
-#pragma unroll
-    for (int i = 0; i < kMaxChunks; i++)
-      if (i < nc && lane + 32 * i < d) {
-        dK[(int64_t)key * p.is.st + lane + 32 * i] = dk[r][i] * p.scale;
-        dV[(int64_t)key * p.is.st + lane + 32 * i] = dv[r][i];
-      }
+    store_row(dK + (int64_t)key * p.is.st, dk[r], p.scale, d, lane);
+    store_row(dV + (int64_t)key * p.is.st, dv[r], 1.f, d, lane);
   }
 }
 
-// dQ for 16 queries per CTA, over the key tiles they see.
+// dQ for 16 queries per CTA, over the key tiles they see: lanes run along the keys.
 __global__ void __launch_bounds__(kThreads) dq_f32_kernel(Params p) {
   extern __shared__ float sm[];
-  const int d = p.d, dp = d + 1, T = p.T, nc = (d + 31) / 32;
+  const int d = p.d, dp = d + 1, T = p.T;
   float* sQ = sm;               // (16, d)
   float* sdO = sQ + 16 * d;     // (16, d)
   float* sK = sdO + 16 * d;     // (32, d + 1)
@@ -213,42 +196,21 @@ __global__ void __launch_bounds__(kThreads) dq_f32_kernel(Params p) {
     load_rows(sK, dp, K, p.is.st, k0, kTile, T, d);
     load_rows(sV, dp, V, p.is.st, k0, kTile, T, d);
     __syncthreads();
-    const int key = k0 + lane;
-    float s[kRows] = {}, dpv[kRows] = {};
-    for (int x = 0; x < d; x++) {
-      const float kx = sK[lane * dp + x], vx = sV[lane * dp + x];
-#pragma unroll
-      for (int r = 0; r < kRows; r++) {
-        s[r] += sQ[(warp * kRows + r) * d + x] * kx;
-        dpv[r] += sdO[(warp * kRows + r) * d + x] * vx;
-      }
-    }
-    float ds[kRows];
+    float s[kRows], dpv[kRows], ds[kRows];
+    rows_dot_lanes(s, sQ, d, sK, d, warp, lane);
+    rows_dot_lanes(dpv, sdO, d, sV, d, warp, lane);
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
-      const float pr = visible(q0 + warp * kRows + r, key, T, p.causal) ? expf(s[r] * p.scale - lse[r]) : 0.f;
+      const float pr = visible(q0 + warp * kRows + r, k0 + lane, T, p.causal) ? expf(s[r] * p.scale - lse[r]) : 0.f;
       ds[r] = pr * (dpv[r] - dl[r]);
     }
-    for (int j = 0; j < kTile; j++) {
-      float kx[kMaxChunks];
-#pragma unroll
-      for (int i = 0; i < kMaxChunks; i++) kx[i] = i < nc && lane + 32 * i < d ? sK[j * dp + lane + 32 * i] : 0.f;
-#pragma unroll
-      for (int r = 0; r < kRows; r++) {
-        const float dsj = __shfl_sync(0xffffffffu, ds[r], j);
-#pragma unroll
-        for (int i = 0; i < kMaxChunks; i++) dq[r][i] += dsj * kx[i];
-      }
-    }
+    accumulate_lanes(dq, ds, sK, dp, d, lane);
   }
   float* dQ = static_cast<float*>(p.dq) + in_off;
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
     const int q = q0 + warp * kRows + r;
-    if (q >= T) continue;
-#pragma unroll
-    for (int i = 0; i < kMaxChunks; i++)
-      if (i < nc && lane + 32 * i < d) dQ[(int64_t)q * p.is.st + lane + 32 * i] = dq[r][i] * p.scale;
+    if (q < T) store_row(dQ + (int64_t)q * p.is.st, dq[r], p.scale, d, lane);
   }
 }
 
@@ -326,16 +288,28 @@ flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const At
   return p;
 }
 
-bool tensor_core_ok(DType dtype, int d) { return dtype != DType::f32 && (d == 64 || d == 128); }
-
-// What the kernels take; the binding checks the same first, so these fire only for direct C++ callers.
-void check_shape(const AttentionShape& s, DType dtype) {
-  if (dtype != DType::f32 && !tensor_core_ok(dtype, s.d))
-    throw std::invalid_argument("flash attention in bf16/fp16 needs head dim 64 or 128");
-  if (dtype == DType::f32 && s.d > 256) throw std::invalid_argument("flash attention in fp32 needs d <= 256");
+// Everything the kernels assume, checked before any launch (the binding relies on these for GPU arrays).
+void check_args(const AttentionShape& s, DType dtype, const HeadStrides& is, const HeadStrides& os,
+                std::initializer_list<std::pair<const void*, const char*>> tensors) {
+  const auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(msg);
+  };
+  const std::string d = std::to_string(s.d);
+  if (dtype == DType::f32) {
+    need(s.d <= 256, "float32 attention on a GPU needs head dim d <= 256, got " + d);
+  } else {
+    need(s.d == 64 || s.d == 128, "bfloat16/float16 attention on a GPU needs head dim d 64 or 128, got " + d +
+                                      " (float32 takes any d <= 256)");
+    // cp.async moves 16-byte rows: every row of every tensor must start 16-byte aligned.
+    for (const HeadStrides& st : {is, os})
+      need(st.sb % 8 == 0 && st.sh % 8 == 0 && st.st % 8 == 0, "bfloat16/float16 attention needs strides that are "
+                                                                "multiples of 8 elements");
+    for (auto [ptr, name] : tensors)
+      need(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, std::string(name) + " must be 16-byte aligned");
+  }
   // Row blocks go on grid y (at most 65535): 16 rows per block in fp32, 64 in bf16/fp16.
-  if ((int64_t)s.T > 65535LL * (dtype == DType::f32 ? 16 : 64))
-    throw std::invalid_argument("flash attention on a GPU takes T <= 1048560 (fp32) or 4194240 (bf16/fp16)");
+  need((int64_t)s.T <= 65535LL * (dtype == DType::f32 ? 16 : 64),
+       "attention on a GPU takes T <= 1048560 (float32) or 4194240 (bfloat16/float16), got " + std::to_string(s.T));
 }
 
 }  // namespace
@@ -343,9 +317,9 @@ void check_shape(const AttentionShape& s, DType dtype) {
 void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
                              const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,
                              Stream stream) {
-  check_shape(shape, dtype);
+  check_args(shape, dtype, is, os, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
   flash::Params p = make_params(is, os, shape);
-  p.q = q, p.k = k, p.v = v, p.out_w = out, p.lse = lse;
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
   if (shape.B * shape.H * shape.T == 0) return;
   if (dtype == DType::bf16) return flash::forward_tc<__nv_bfloat16>(p, stream);
   if (dtype == DType::f16) return flash::forward_tc<__half>(p, stream);
@@ -356,12 +330,13 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
                               const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
                               Stream stream) {
-  check_shape(shape, dtype);
+  check_args(shape, dtype, is, os,
+             {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
   const int64_t rows = (int64_t)shape.B * shape.H * shape.T;
   if (rows == 0) return;
   flash::Params p = make_params(is, os, shape);
-  p.q = q, p.k = k, p.v = v, p.out = out, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
-  p.lse = const_cast<float*>(lse);  // read only in backward
+  p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
+  p.out = const_cast<void*>(out), p.lse = const_cast<float*>(lse);  // only read in backward
   Scratch delta(rows, stream);
   Scratch accum(dtype != DType::f32 && !deterministic ? rows * shape.d : 0, stream);
   p.delta = delta.ptr;

@@ -20,10 +20,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 struct Params {
   const void *q, *k, *v;  // (B, H, T, d) views with strides `is`
-  const void *out, *dout;  // strides `os`
-  void* out_w;             // forward's output
+  void* out;               // strides `os`: written by forward, read by backward
+  const void* dout;        // strides `os`
   void *dq, *dk, *dv;      // strides `is`
-  float* lse;              // (B, H, T)
+  float* lse;              // (B, H, T): written by forward, read by backward
   float* delta;            // (B, H, T) scratch: rowsum(dout * out), backward only
   float* dq_accum;         // (B, H, T, d) fp32 scratch for the atomic dq path, else nullptr
   HeadStrides is, os;
@@ -42,6 +42,11 @@ void backward_f32(const Params& p, Stream stream);
 // delta = rowsum(dout * out) in fp32, for any element type (flash_attention.cu).
 template <typename E>
 void compute_delta(const Params& p, Stream stream);
+
+// Whether score (query, key) enters the softmax: both inside [0, T) (tiles overhang T) and, if causal, key <= query.
+__device__ __forceinline__ bool visible(int query, int key, int T, bool causal) {
+  return query < T && key < T && !(causal && key > query);
+}
 
 // ---- device helpers (tensor-core path)
 

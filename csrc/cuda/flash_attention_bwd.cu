@@ -28,11 +28,6 @@ constexpr int dkdv_smem() {
 }
 constexpr int dq_smem(int D) { return 6 * 64 * (D + kPad) * 2; }
 
-// Masked probability entries of row `query`, key `key` (either may lie past T for partial tiles).
-__device__ __forceinline__ bool visible(int query, int key, int T, bool causal) {
-  return query < T && key < T && !(causal && key > query);
-}
-
 template <typename E, int D, bool kAtomicDq>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   constexpr int Br = kBr<D>, P = D + kPad;

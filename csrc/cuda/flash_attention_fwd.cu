@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
   }
 
   // Normalise and store; rows past T are dropped. lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2.
-  E* O = static_cast<E*>(p.out_w) + b * p.os.sb + h * p.os.sh;
+  E* O = static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     float tot = l[r];

@@ -8,6 +8,7 @@
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
+#include "cuda/warp.cuh"
 
 namespace fastgpt::cuda {
 
@@ -16,11 +17,6 @@ constexpr float kEps = 1e-5f;
 constexpr int kRowsPerChunk = 64;  // must stay equal to the CPU's for the partial sums to match it
 constexpr int kWarpsPerBlock = 8;
 constexpr int kColThreads = 128;
-
-__device__ float warp_sum(float v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;  // every lane holds the total
-}
 
 __global__ void layernorm_forward_kernel(float* __restrict__ out, float* __restrict__ mean,
                                          float* __restrict__ rstd, const float* __restrict__ inp,

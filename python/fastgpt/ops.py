@@ -241,9 +241,12 @@ def attention_backward(dout, qkv, out, lse, n_head, causal=True):
 _LAYOUTS = {"bhtd": "(B, H, T, d)", "bthd": "(B, T, H, d)"}
 
 
-def _flash_dims(q, layout):
+def _check_layout(layout):
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be 'bhtd' or 'bthd', got {layout!r}")
+
+
+def _flash_dims(q, layout):
     shape = _shape(q)
     if len(shape) != 4:
         raise ValueError(f"q must be 4-D {_LAYOUTS[layout]} for layout {layout!r}, got shape {shape}")
@@ -257,8 +260,7 @@ def flash_attention_forward(q, k, v, causal=True, layout="bhtd"):
     q, k, v: (B, H, T, d) (layout "bhtd") or (B, T, H, d) ("bthd"), one shape and dtype. On a GPU: float32, bfloat16
     or float16 (half precision needs d 64 or 128); on the CPU everything runs in float32.
     -> (out like q, lse (B, H, T) float32: the log-sum-exp of each scaled score row, all backward needs)."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be 'bhtd' or 'bthd', got {layout!r}")
+    _check_layout(layout)  # before any input is converted
     d = _where(q, k, v)
     q, k, v = d.floating(q, "q"), d.floating(k, "k"), d.floating(v, "v")
     B, H, T, _ = _flash_dims(q, layout)
@@ -271,10 +273,10 @@ def flash_attention_forward(q, k, v, causal=True, layout="bhtd"):
 def flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bhtd", deterministic=False):
     """-> (dq, dk, dv), shaped and typed like q. deterministic=True makes the GPU half-precision backward
     bit-reproducible (a separate dq pass instead of atomic adds; slower). The CPU and GPU float32 paths always are."""
+    _check_layout(layout)
     d = _where(dout, q, k, v, out, lse)
     dout, q, k, v, out = (d.floating(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out")))
     lse = d.f32(lse, "lse")
-    _flash_dims(q, layout)
     dq, dk, dv = (d.empty(_shape(q), like=q) for _ in range(3))
     _ops.flash_attention_backward(d.arg(dq), d.arg(dk), d.arg(dv), d.arg(dout), d.arg(q), d.arg(k), d.arg(v),
                                   d.arg(out), d.arg(lse), layout, bool(causal), bool(deterministic), d.stream)
