@@ -61,6 +61,25 @@ FArray host_array(Backend& be, float* ptr, std::vector<py::ssize_t> shape, py::h
   return out;
 }
 
+// Engine memory of the storage type as float32 NumPy (a widened copy; a zero-copy view when it is float on the CPU).
+FArray host_floats(Backend& be, const void* ptr, DType dtype, std::vector<py::ssize_t> shape, py::handle owner) {
+  if (dtype == DType::f32) return host_array(be, static_cast<float*>(const_cast<void*>(ptr)), shape, owner);
+  FArray out(shape);
+  const int64_t n = out.size();
+  py::gil_scoped_release nogil;
+  if (!be.is_cuda()) {
+    be.widen(out.mutable_data(), ptr, dtype, n);
+  } else {  // 16-bit bits down, widened here: the device keeps no float copy
+    std::vector<uint16_t> bits(n);
+    be.download(bits.data(), ptr, n * 2);
+    if (dtype == DType::bf16)
+      cpu::widen(out.mutable_data(), reinterpret_cast<const bf16*>(bits.data()), n);
+    else
+      cpu::widen(out.mutable_data(), reinterpret_cast<const f16*>(bits.data()), n);
+  }
+  return out;
+}
+
 std::unique_ptr<Backend> backend_for(const std::string& device) {
   if (device == "cpu") return make_cpu_backend();
   if (device == "cuda") return make_cuda_backend(0);
@@ -93,6 +112,11 @@ struct View {
   int ndim() const { return (int)shape.size(); }
   float* f() const { return static_cast<float*>(data); }
   int32_t* i() const { return static_cast<int32_t*>(data); }
+  template <typename S>
+  S* as() const {
+    return static_cast<S*>(data);
+  }
+  DType dt() const { return dtype == 'b' ? DType::bf16 : dtype == 'h' ? DType::f16 : DType::f32; }
 };
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -101,18 +125,24 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + (shape.size() == 1 ? ",)" : ")");
 }
 
-// kind 'f': float32, 'i': int32, 'a': float32, or on a GPU also bfloat16 / float16 (attention). NumPy arrays must be C-contiguous (fastgpt.ops converts them); DLPack tensors must
-// be compact row-major on a CUDA device.
+// kind 'f': float32, 'i': int32, 'a': an activation or weight in a storage type: float32, bfloat16 or float16
+// (NumPy float16, ml_dtypes bfloat16, or DLPack). NumPy arrays must be C-contiguous (fastgpt.ops converts them);
+// DLPack tensors must be compact row-major on a CUDA device.
 View view_of(py::handle obj, const std::string& name, char kind) {
   View v;
-  const char* want = kind == 'i' ? "int32" : "float32";
+  const char* want = kind == 'i' ? "int32" : kind == 'a' ? "float32, bfloat16 or float16" : "float32";
   v.dtype = kind == 'i' ? 'i' : 'f';
   if (py::isinstance<py::array>(obj)) {
     auto a = py::reinterpret_borrow<py::array>(obj);
-    const bool ok = kind == 'i' ? a.dtype().is(py::dtype::of<int32_t>()) : a.dtype().is(py::dtype::of<float>());
-    need(ok, name + " must be " + want + ", got " + std::string(py::str(a.dtype())));
+    const std::string dname = py::str(a.dtype().attr("name"));
+    bool ok = kind == 'i' ? a.dtype().is(py::dtype::of<int32_t>()) : a.dtype().is(py::dtype::of<float>());
+    if (!ok && kind == 'a' && a.itemsize() == 2 && (dname == "bfloat16" || dname == "float16")) {
+      ok = true;
+      v.dtype = dname == "bfloat16" ? 'b' : 'h';
+    }
+    need(ok, name + " must be " + want + ", got " + dname);
     need(a.flags() & py::array::c_style, name + " must be C-contiguous");
-    v.data = a.request().ptr;
+    v.data = const_cast<void*>(a.data());  // not request(): the buffer protocol has no bfloat16 format
     v.shape.assign(a.shape(), a.shape() + a.ndim());
     return v;
   }
@@ -183,8 +213,15 @@ Ctx context(std::initializer_list<const View*> views, uintptr_t stream) {
   } while (0)
 #else
 #define IF_CUDA(...)
-#define FASTGPT_DISPATCH(ctx, fn, ...) cpu::fn(__VA_ARGS__)
+#define FASTGPT_DISPATCH(ctx, fn, ...) ((void)(ctx), cpu::fn(__VA_ARGS__))
 #endif
+
+// Runs the statement with S bound to the storage type of View v.
+#define TYPED(v, ...)                  \
+  with_dtype((v).dt(), [&](auto tag_) { \
+    using S = decltype(tag_);          \
+    __VA_ARGS__;                       \
+  })
 
 // Rows of an array whose last dimension is `cols` (leading dimensions flattened).
 int64_t rows_of(const View& a, int64_t cols, const std::string& name) {
@@ -202,6 +239,14 @@ void shape_is(const View& a, std::vector<int64_t> shape, const std::string& name
   need(a.shape == shape, name + " must have shape " + shape_str(shape) + ", got " + shape_str(a.shape));
 }
 
+// The storage-type arrays of one op share one dtype, the first one's.
+void same_dtype(std::initializer_list<std::pair<const View*, const char*>> views) {
+  const auto& [first, first_name] = *views.begin();
+  for (const auto& [v, name] : views)
+    need(v->dtype == first->dtype, std::string(name) + " must have the same dtype as " + first_name + " (" +
+                                       dtype_name(first->dt()) + "), got " + dtype_name(v->dt()));
+}
+
 // Token ids in range; on a GPU the caller (fastgpt.ops) checks, since reading device memory here would sync.
 void check_ids(const View& ids, int64_t V, const std::string& name) {
   if (ids.cuda) return;
@@ -214,8 +259,9 @@ using H = py::handle;
 
 void bind_ops(py::module_& m) {
   m.def("encoder_forward", [](H out_, H idx_, H wte_, H wpe_, uintptr_t stream) {
-    View out = view_of(out_, "out", 'f'), idx = view_of(idx_, "idx", 'i'), wte = view_of(wte_, "wte", 'f'),
-         wpe = view_of(wpe_, "wpe", 'f');
+    View out = view_of(out_, "out", 'a'), idx = view_of(idx_, "idx", 'i'), wte = view_of(wte_, "wte", 'a'),
+         wpe = view_of(wpe_, "wpe", 'a');
+    same_dtype({{&wte, "wte"}, {&wpe, "wpe"}, {&out, "out"}});
     need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(idx.shape));
     need(wte.ndim() == 2 && wpe.ndim() == 2 && wte.shape[1] == wpe.shape[1],
          "wte (V, C) and wpe (maxT, C) must be 2-D with the same C, got " + shape_str(wte.shape) + " and " +
@@ -226,10 +272,10 @@ void bind_ops(py::module_& m) {
     check_ids(idx, wte.shape[0], "idx");
     Ctx c = context({&out, &idx, &wte, &wpe}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, encoder_forward, out.f(), idx.i(), wte.f(), wpe.f(), B, T, C);
+    TYPED(wte, FASTGPT_DISPATCH(c, encoder_forward<S>, out.as<S>(), idx.i(), wte.as<S>(), wpe.as<S>(), B, T, C));
   });
   m.def("encoder_backward", [](H dwte_, H dwpe_, H dout_, H idx_, uintptr_t stream) {
-    View dwte = view_of(dwte_, "dwte", 'f'), dwpe = view_of(dwpe_, "dwpe", 'f'), dout = view_of(dout_, "dout", 'f'),
+    View dwte = view_of(dwte_, "dwte", 'f'), dwpe = view_of(dwpe_, "dwpe", 'f'), dout = view_of(dout_, "dout", 'a'),
          idx = view_of(idx_, "idx", 'i');
     need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(idx.shape));
     const int B = idx.shape[0], T = idx.shape[1];
@@ -242,15 +288,19 @@ void bind_ops(py::module_& m) {
     const int V = dwte.shape[0];
     check_ids(idx, V, "idx");
     Ctx c = context({&dwte, &dwpe, &dout, &idx}, stream);
+    (void)c;  // used by the CUDA branch only
     py::gil_scoped_release nogil;
+    TYPED(dout, {
 #ifdef FASTGPT_WITH_CUDA
-    if (c.cuda) return cuda::encoder_backward(dwte.f(), dwpe.f(), dout.f(), idx.i(), B, T, C, V, c.stream);
+      if (c.cuda) return cuda::encoder_backward(dwte.f(), dwpe.f(), dout.as<S>(), idx.i(), B, T, C, V, c.stream);
 #endif
-    cpu::encoder_backward(dwte.f(), dwpe.f(), dout.f(), idx.i(), B, T, C);
+      cpu::encoder_backward(dwte.f(), dwpe.f(), dout.as<S>(), idx.i(), B, T, C);
+    });
   });
   m.def("layernorm_forward", [](H out_, H mean_, H rstd_, H x_, H w_, H b_, uintptr_t stream) {
-    View out = view_of(out_, "out", 'f'), mean = view_of(mean_, "mean", 'f'), rstd = view_of(rstd_, "rstd", 'f'),
-         x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f'), b = view_of(b_, "bias", 'f');
+    View out = view_of(out_, "out", 'a'), mean = view_of(mean_, "mean", 'f'), rstd = view_of(rstd_, "rstd", 'f'),
+         x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a'), b = view_of(b_, "bias", 'a');
+    same_dtype({{&x, "x"}, {&w, "weight"}, {&b, "bias"}, {&out, "out"}});
     need(w.ndim() == 1 && b.shape == w.shape,
          "weight and bias must be 1-D of the same length, got " + shape_str(w.shape) + " and " + shape_str(b.shape));
     const int C = w.shape[0];
@@ -259,12 +309,14 @@ void bind_ops(py::module_& m) {
     need(mean.size() == N && rstd.size() == N, "mean and rstd must hold one value per row (" + std::to_string(N) + ")");
     Ctx c = context({&out, &mean, &rstd, &x, &w, &b}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, layernorm_forward, out.f(), mean.f(), rstd.f(), x.f(), w.f(), b.f(), N, C);
+    TYPED(x, FASTGPT_DISPATCH(c, layernorm_forward<S>, out.as<S>(), mean.f(), rstd.f(), x.as<S>(), w.as<S>(),
+                              b.as<S>(), N, C));
   });
   m.def("layernorm_backward", [](H dx_, H dw_, H db_, H dout_, H x_, H w_, H mean_, H rstd_, uintptr_t stream) {
-    View dx = view_of(dx_, "dx", 'f'), dw = view_of(dw_, "dweight", 'f'), db = view_of(db_, "dbias", 'f'),
-         dout = view_of(dout_, "dout", 'f'), x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f'),
+    View dx = view_of(dx_, "dx", 'a'), dw = view_of(dw_, "dweight", 'f'), db = view_of(db_, "dbias", 'f'),
+         dout = view_of(dout_, "dout", 'a'), x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a'),
          mean = view_of(mean_, "mean", 'f'), rstd = view_of(rstd_, "rstd", 'f');
+    same_dtype({{&x, "x"}, {&w, "weight"}, {&dout, "dout"}, {&dx, "dx"}});
     need(w.ndim() == 1, "weight must be 1-D, got " + shape_str(w.shape));
     const int C = w.shape[0];
     const int64_t N = rows_of(x, C, "x");
@@ -275,24 +327,28 @@ void bind_ops(py::module_& m) {
     need(mean.size() == N && rstd.size() == N, "mean and rstd must hold one value per row (" + std::to_string(N) + ")");
     Ctx c = context({&dx, &dw, &db, &dout, &x, &w, &mean, &rstd}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, layernorm_backward, dx.f(), dw.f(), db.f(), dout.f(), x.f(), w.f(), mean.f(), rstd.f(), N, C);
+    TYPED(x, FASTGPT_DISPATCH(c, layernorm_backward<S>, dx.as<S>(), dw.f(), db.f(), dout.as<S>(), x.as<S>(),
+                              w.as<S>(), mean.f(), rstd.f(), N, C));
   });
   m.def("matmul_forward", [](H out_, H x_, H w_, std::optional<H> bias_, uintptr_t stream) {
-    View out = view_of(out_, "out", 'f'), x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f');
-    View bias = bias_ ? view_of(*bias_, "bias", 'f') : x;
+    View out = view_of(out_, "out", 'a'), x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a');
+    View bias = bias_ ? view_of(*bias_, "bias", 'a') : x;
+    same_dtype({{&x, "x"}, {&w, "weight"}, {&bias, "bias"}, {&out, "out"}});
     need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
     const int OC = w.shape[0], C = w.shape[1];
     const int64_t N = rows_of(x, C, "x");
     if (bias_) shape_is(bias, {OC}, "bias");
     need(rows_of(out, OC, "out") == N, "out must have as many rows as x");
     Ctx c = context({&out, &x, &w, &bias}, stream);
-    const float* bp = bias_ ? bias.f() : nullptr;
+    const bool has_bias = bool(bias_);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, matmul_forward, out.f(), x.f(), w.f(), bp, N, C, OC);
+    TYPED(x, FASTGPT_DISPATCH(c, matmul_forward<S>, out.as<S>(), x.as<S>(), w.as<S>(),
+                              has_bias ? bias.as<S>() : nullptr, N, C, OC));
   });
   m.def("matmul_backward", [](H dx_, H dw_, std::optional<H> db_, H dout_, H x_, H w_, uintptr_t stream) {
-    View dx = view_of(dx_, "dx", 'f'), dw = view_of(dw_, "dweight", 'f'), dout = view_of(dout_, "dout", 'f'),
-         x = view_of(x_, "x", 'f'), w = view_of(w_, "weight", 'f');
+    View dx = view_of(dx_, "dx", 'a'), dw = view_of(dw_, "dweight", 'f'), dout = view_of(dout_, "dout", 'a'),
+         x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a');
+    same_dtype({{&x, "x"}, {&w, "weight"}, {&dout, "dout"}, {&dx, "dx"}});
     View db = db_ ? view_of(*db_, "dbias", 'f') : x;
     need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
     const int OC = w.shape[0], C = w.shape[1];
@@ -304,22 +360,25 @@ void bind_ops(py::module_& m) {
     Ctx c = context({&dx, &dw, &db, &dout, &x, &w}, stream);
     float* dbp = db_ ? db.f() : nullptr;
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, matmul_backward, dx.f(), dw.f(), dbp, dout.f(), x.f(), w.f(), N, C, OC);
+    TYPED(x, FASTGPT_DISPATCH(c, matmul_backward<S>, dx.as<S>(), dw.f(), dbp, dout.as<S>(), x.as<S>(), w.as<S>(), N,
+                              C, OC));
   });
   m.def("gelu_forward", [](H out_, H x_, uintptr_t stream) {
-    View out = view_of(out_, "out", 'f'), x = view_of(x_, "x", 'f');
+    View out = view_of(out_, "out", 'a'), x = view_of(x_, "x", 'a');
     same_shape(out, x, "out", "x");
+    same_dtype({{&x, "x"}, {&out, "out"}});
     Ctx c = context({&out, &x}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, gelu_forward, out.f(), x.f(), x.size());
+    TYPED(x, FASTGPT_DISPATCH(c, gelu_forward<S>, out.as<S>(), x.as<S>(), x.size()));
   });
   m.def("gelu_backward", [](H dx_, H dout_, H x_, uintptr_t stream) {
-    View dx = view_of(dx_, "dx", 'f'), dout = view_of(dout_, "dout", 'f'), x = view_of(x_, "x", 'f');
+    View dx = view_of(dx_, "dx", 'a'), dout = view_of(dout_, "dout", 'a'), x = view_of(x_, "x", 'a');
     same_shape(dout, x, "dout", "x");
     same_shape(dx, x, "dx", "x");
+    same_dtype({{&x, "x"}, {&dout, "dout"}, {&dx, "dx"}});
     Ctx c = context({&dx, &dout, &x}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, gelu_backward, dx.f(), x.f(), dout.f(), x.size());
+    TYPED(x, FASTGPT_DISPATCH(c, gelu_backward<S>, dx.as<S>(), x.as<S>(), dout.as<S>(), x.size()));
   });
   auto attn_dims = [](const View& qkv, int n_head) {
     need(qkv.ndim() == 3 && qkv.shape[2] % 3 == 0, "qkv must be (B, T, 3C), got " + shape_str(qkv.shape));
@@ -329,18 +388,20 @@ void bind_ops(py::module_& m) {
     return std::make_tuple((int)qkv.shape[0], (int)qkv.shape[1], C);
   };
   m.def("attention_forward", [attn_dims](H out_, H lse_, H qkv_, int n_head, bool causal, uintptr_t stream) {
-    View out = view_of(out_, "out", 'f'), lse = view_of(lse_, "lse", 'f'), qkv = view_of(qkv_, "qkv", 'f');
+    View out = view_of(out_, "out", 'a'), lse = view_of(lse_, "lse", 'f'), qkv = view_of(qkv_, "qkv", 'a');
+    same_dtype({{&qkv, "qkv"}, {&out, "out"}});
     auto [B, T, C] = attn_dims(qkv, n_head);
     shape_is(out, {B, T, C}, "out");
     shape_is(lse, {B, n_head, T}, "lse");
     Ctx c = context({&out, &lse, &qkv}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, attention_forward, out.f(), lse.f(), qkv.f(), B, T, C, n_head, causal);
+    TYPED(qkv, FASTGPT_DISPATCH(c, attention_forward<S>, out.as<S>(), lse.f(), qkv.as<S>(), B, T, C, n_head, causal));
   });
   m.def("attention_backward", [attn_dims](H dqkv_, H dout_, H qkv_, H out_, H lse_, int n_head, bool causal,
                                           uintptr_t stream) {
-    View dqkv = view_of(dqkv_, "dqkv", 'f'), dout = view_of(dout_, "dout", 'f'), qkv = view_of(qkv_, "qkv", 'f'),
-         out = view_of(out_, "out", 'f'), lse = view_of(lse_, "lse", 'f');
+    View dqkv = view_of(dqkv_, "dqkv", 'a'), dout = view_of(dout_, "dout", 'a'), qkv = view_of(qkv_, "qkv", 'a'),
+         out = view_of(out_, "out", 'a'), lse = view_of(lse_, "lse", 'f');
+    same_dtype({{&qkv, "qkv"}, {&dout, "dout"}, {&out, "out"}, {&dqkv, "dqkv"}});
     auto [B, T, C] = attn_dims(qkv, n_head);
     shape_is(dout, {B, T, C}, "dout");
     same_shape(dout, out, "dout", "out");
@@ -348,7 +409,8 @@ void bind_ops(py::module_& m) {
     same_shape(dqkv, qkv, "dqkv", "qkv");
     Ctx c = context({&dqkv, &dout, &qkv, &out, &lse}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, attention_backward, dqkv.f(), dout.f(), qkv.f(), out.f(), lse.f(), B, T, C, n_head, causal);
+    TYPED(qkv, FASTGPT_DISPATCH(c, attention_backward<S>, dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(),
+                                lse.f(), B, T, C, n_head, causal));
   });
   // Flash attention on separate q, k, v: layout "bhtd" (B, H, T, d) or "bthd" (B, T, H, d), all four tensors the
   // same shape and dtype; lse (B, H, T) float32.
@@ -389,6 +451,7 @@ void bind_ops(py::module_& m) {
          k = view_of(k_, "k", 'a'), v = view_of(v_, "v", 'a');
     Flash f = flash_args({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}, lse, layout, causal);
     Ctx c = context({&out, &lse, &q, &k, &v}, stream);
+    (void)c;  // used by the CUDA branch only
     py::gil_scoped_release nogil;
 #ifdef FASTGPT_WITH_CUDA
     if (c.cuda)
@@ -408,6 +471,7 @@ void bind_ops(py::module_& m) {
                           {&dv, "dv"}},
                          lse, layout, causal);
     Ctx c = context({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse}, stream);
+    (void)c;  // used by the CUDA branch only
     py::gil_scoped_release nogil;
 #ifdef FASTGPT_WITH_CUDA
     if (c.cuda)
@@ -421,7 +485,7 @@ void bind_ops(py::module_& m) {
   });
   m.def("cross_entropy_forward", [](H losses_, H lse_, H logits_, H targets_, uintptr_t stream) {
     View losses = view_of(losses_, "losses", 'f'), lse = view_of(lse_, "lse", 'f'),
-         logits = view_of(logits_, "logits", 'f'), targets = view_of(targets_, "targets", 'i');
+         logits = view_of(logits_, "logits", 'a'), targets = view_of(targets_, "targets", 'i');
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
@@ -431,11 +495,12 @@ void bind_ops(py::module_& m) {
     check_ids(targets, V, "targets");
     Ctx c = context({&losses, &lse, &logits, &targets}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, cross_entropy_forward, losses.f(), lse.f(), logits.f(), targets.i(), N, V);
+    TYPED(logits, FASTGPT_DISPATCH(c, cross_entropy_forward<S>, losses.f(), lse.f(), logits.as<S>(), targets.i(), N, V));
   });
   m.def("cross_entropy_backward", [](H dlogits_, H logits_, H targets_, H lse_, float dloss, uintptr_t stream) {
-    View dlogits = view_of(dlogits_, "dlogits", 'f'), logits = view_of(logits_, "logits", 'f'),
+    View dlogits = view_of(dlogits_, "dlogits", 'a'), logits = view_of(logits_, "logits", 'a'),
          targets = view_of(targets_, "targets", 'i'), lse = view_of(lse_, "lse", 'f');
+    same_dtype({{&logits, "logits"}, {&dlogits, "dlogits"}});
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
@@ -444,7 +509,35 @@ void bind_ops(py::module_& m) {
     check_ids(targets, V, "targets");
     Ctx c = context({&dlogits, &logits, &targets, &lse}, stream);
     py::gil_scoped_release nogil;
-    FASTGPT_DISPATCH(c, cross_entropy_backward, dlogits.f(), logits.f(), lse.f(), targets.i(), dloss, N, V);
+    TYPED(logits, FASTGPT_DISPATCH(c, cross_entropy_backward<S>, dlogits.as<S>(), logits.as<S>(), lse.f(), targets.i(),
+                                   dloss, N, V));
+  });
+  // Conversions: float32 -> bf16/fp16 (to nearest, or stochastically keyed by seed/step/index as the optimizer
+  // writes bf16 weights), and back.
+  m.def("narrow", [](H out_, H in_, bool stochastic, uint64_t seed, uint64_t step, uintptr_t stream) {
+    View out = view_of(out_, "out", 'a'), in = view_of(in_, "x", 'f');
+    need(out.dtype == 'b' || out.dtype == 'h', "out must be bfloat16 or float16");
+    same_shape(out, in, "out", "x");
+    need(!stochastic || out.dtype == 'b', "stochastic rounding is for bfloat16 only");
+    Ctx c = context({&out, &in}, stream);
+    const RoundKey key{stochastic, seed, step, 0};
+    py::gil_scoped_release nogil;
+    if (out.dtype == 'b')
+      FASTGPT_DISPATCH(c, narrow<bf16>, out.as<bf16>(), in.f(), in.size(), key);
+    else
+      FASTGPT_DISPATCH(c, narrow<f16>, out.as<f16>(), in.f(), in.size(), key);
+  });
+  m.def("widen", [](H out_, H in_, uintptr_t stream) {
+    View out = view_of(out_, "out", 'f'), in = view_of(in_, "x", 'a');
+    same_shape(out, in, "out", "x");
+    Ctx c = context({&out, &in}, stream);
+    py::gil_scoped_release nogil;
+    if (in.dtype == 'b')
+      FASTGPT_DISPATCH(c, widen<bf16>, out.f(), in.as<bf16>(), in.size());
+    else if (in.dtype == 'h')
+      FASTGPT_DISPATCH(c, widen<f16>, out.f(), in.as<f16>(), in.size());
+    else
+      throw std::invalid_argument("x must be bfloat16 or float16");
   });
   m.def("adamw_update", [](H param_, H grad_, H m_, H v_, float lr, float beta1, float beta2, float eps,
                            float weight_decay, int64_t step, uintptr_t stream) {
@@ -472,13 +565,57 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<GPT>(m, "GPT")
       .def(py::init([](int block_size, int vocab_size, int n_layer, int n_head, int n_embd, uint64_t seed,
-                       const std::string& device) {
+                       const std::string& device, const std::string& precision) {
              GPTConfig c{block_size, vocab_size, n_layer, n_head, n_embd};
-             return new GPT(c, seed, backend_for(device));
+             const Precision p = parse_precision(precision);
+             return new GPT(c, seed, backend_for(device), p);
            }),
            py::arg("block_size"), py::arg("vocab_size"), py::arg("n_layer"), py::arg("n_head"), py::arg("n_embd"),
-           py::arg("seed"), py::arg("device") = "cpu")
+           py::arg("seed"), py::arg("device") = "cpu", py::arg("precision") = "fp32")
       .def_property_readonly("device", [](GPT& g) { return g.backend().name(); })
+      .def_property_readonly("precision", [](GPT& g) { return std::string(precision_name(g.precision())); })
+      // The 16-bit weights the kernels read, widened to float32 (a copy; the masters themselves in fp32/tf32).
+      .def("compute_params",
+           [](py::object self) {
+             GPT& g = self.cast<GPT&>();
+             FArray out = host_floats(g.backend(), g.compute_params(), g.storage(), {(py::ssize_t)g.num_parameters()},
+                                      self);
+             return g.storage() == DType::f32 ? FArray(out.attr("copy")()) : out;
+           })
+      .def("refresh_compute_params", [](GPT& g) {
+        py::gil_scoped_release nogil;
+        g.refresh_compute_params();
+      })
+      .def("memory",
+           [](GPT& g) {
+             py::dict d;
+             d["parameters"] = g.param_bytes();
+             d["gradients"] = g.grad_bytes();
+             d["activations"] = g.activation_bytes();
+             d["total"] = g.backend().bytes_in_use();
+             return d;
+           })
+      // fp16 loss scaling (GradScaler's rules): the state, and its settings.
+      .def_property_readonly("loss_scale", [](GPT& g) { return g.scaler().scale; })
+      .def_property_readonly("loss_scale_growth_tracker", [](GPT& g) { return g.scaler().growth_tracker; })
+      .def("set_loss_scaler",
+           [](GPT& g, double scale, double growth_factor, double backoff_factor, int64_t growth_interval,
+              int64_t growth_tracker) {
+             need(g.scaler().enabled, "loss scaling is used by precision='fp16' only");
+             need(std::isfinite(scale) && scale > 0, "init_scale must be a finite number > 0");
+             need(std::isfinite(growth_factor) && growth_factor > 1, "growth_factor must be > 1");
+             need(backoff_factor > 0 && backoff_factor < 1, "backoff_factor must be in (0, 1)");
+             need(growth_interval >= 1, "growth_interval must be >= 1");
+             need(growth_tracker >= 0 && growth_tracker < growth_interval, "growth_tracker must be in [0, growth_interval)");
+             LossScaler& s = g.scaler();
+             s.scale = scale;
+             s.growth_factor = growth_factor;
+             s.backoff_factor = backoff_factor;
+             s.growth_interval = growth_interval;
+             s.growth_tracker = growth_tracker;
+           },
+           py::arg("init_scale"), py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
+           py::arg("growth_tracker") = 0)
       .def("num_parameters", &GPT::num_parameters)
       .def("named_views",
            [](const GPT& g) {
@@ -501,6 +638,7 @@ PYBIND11_MODULE(_C, m) {
                   "params must be a flat float32 array of " + std::to_string(g.num_parameters()) + " values");
              py::gil_scoped_release nogil;
              g.backend().upload(g.params(), flat.data(), g.num_parameters() * sizeof(float));
+             g.refresh_compute_params();
            })
       .def("forward",
            [](GPT& g, const IArray& idx, std::optional<IArray> targets, bool last_only) {
@@ -516,8 +654,8 @@ PYBIND11_MODULE(_C, m) {
            [](py::object self) {
              GPT& g = self.cast<GPT&>();
              if (!g.logits_valid()) throw std::logic_error("no logits: call forward() (backward() overwrites them)");
-             return host_array(g.backend(), const_cast<float*>(g.logits()),
-                               {g.last_B(), g.last_T(), g.config().vocab_size}, self);
+             return host_floats(g.backend(), g.logits(), g.storage(), {g.last_B(), g.last_T(), g.config().vocab_size},
+                                self);
            })
       .def("backward",
            [](GPT& g, float grad_scale) {
@@ -527,6 +665,10 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("grad_scale") = 1.f)
       .def("zero_grad", &GPT::zero_grad)
+      .def("unscale_grads", [](GPT& g) {
+        py::gil_scoped_release nogil;
+        return g.unscale_grads();
+      })
       .def("clip_grad_norm", [](GPT& g, double max_norm) {
         py::gil_scoped_release nogil;
         return g.clip_grad_norm(max_norm);
@@ -541,9 +683,10 @@ PYBIND11_MODULE(_C, m) {
       .def("step",
            [](AdamW& o, float lr) {
              py::gil_scoped_release nogil;
-             o.step(lr);
+             return o.step(lr);
            })
       .def_property_readonly("step_count", &AdamW::step_count)
+      .def_property_readonly("skipped_steps", &AdamW::skipped_steps)
       .def_property_readonly("m", [](py::object self) {
         AdamW& o = self.cast<AdamW&>();
         return host_array(o.backend(), o.m(), {(py::ssize_t)o.size()}, self);

@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 FASTGPT_CUDA=ON FASTGPT_SHARED=${FASTGPT_SHARED:-$PWD/.device/shared}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/nvidia-smi.txt"
 
-build=FAIL tests=FAIL bench=FAIL flash_bench=FAIL memcheck=FAIL racecheck=FAIL
+build=FAIL tests=FAIL bench=FAIL precision_bench=FAIL flash_bench=FAIL memcheck=FAIL racecheck=FAIL
 python3 -m pip install --no-build-isolation -q . > "$out/build.log" 2>&1 && build=ok
 tail -5 "$out/build.log"
 if [ $build = ok ]; then
@@ -18,6 +18,10 @@ if [ $build = ok ]; then
   [ "${PIPESTATUS[0]}" = 0 ] && tests=ok
   python3 bench/bench_gpu_train.py --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && bench=ok
   tail -30 "$out/bench.log"
+  # GPT-2 124M in fp32 / tf32 / bf16 / fp16 against torch eager / TF32 / bf16 autocast / fp16 autocast+GradScaler.
+  timeout 200 python3 bench/bench_precision.py --device cuda --gpt2 --steps 5 --json "$out/bench_precision.json" \
+    > "$out/bench_precision.log" 2>&1 && precision_bench=ok
+  tail -12 "$out/bench_precision.log"
   python3 bench/bench_flash_attention.py --deterministic --json "$out/bench_flash_attention.json" > "$out/bench_flash.log" 2>&1 \
     && flash_bench=ok
   tail -30 "$out/bench_flash.log"
@@ -35,6 +39,7 @@ if [ $build = ok ]; then
 fi
 echo
 echo "== gpu_check $(git rev-parse --short HEAD 2>/dev/null) on $(head -1 "$out/nvidia-smi.txt")"
-printf '%-12s %s\n' build "$build" tests "$tests ($(tail -1 "$out/pytest.log" 2>/dev/null))" bench "$bench" \
-  flash_bench "$flash_bench" memcheck "$memcheck" racecheck "$racecheck"
+printf '%-16s %s\n' build "$build" tests "$tests ($(tail -1 "$out/pytest.log" 2>/dev/null))" bench "$bench" \
+  precision_bench "$precision_bench" flash_bench "$flash_bench" memcheck "$memcheck" racecheck "$racecheck"
+grep -E "^(fp32|tf32|bf16|fp16) " "$out/bench_precision.log" 2>/dev/null
 grep "fastgpt vs fastest" "$out/bench_flash.log" 2>/dev/null | tail -12

@@ -136,9 +136,9 @@ def test_unknown_device():
         fastgpt.GPT(CONFIG, device="tpu")
 
 
-def test_bf16_on_cpu():
-    with pytest.raises(ValueError, match="precision='bf16' needs device='cuda'"):
-        fastgpt.GPT(CONFIG, precision="bf16")
+def test_tf32_on_cpu():
+    with pytest.raises(ValueError, match="precision='tf32' needs device='cuda'"):
+        fastgpt.GPT(CONFIG, precision="tf32")
 
 
 def test_unknown_precision():

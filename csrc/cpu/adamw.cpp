@@ -12,7 +12,11 @@ AdamWHyper adamw_hyper(float lr, float beta1, float beta2, float eps, float weig
           (float)std::sqrt(1.0 - std::pow((double)beta2, (double)step))};
 }
 
-void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h) {
+namespace {
+// lowp == nullptr: the fp32 update alone; else also lowp[i] = round_weight<S>(new param) in the same pass.
+template <typename S>
+void update(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
+            const RoundKey& key) {
   const float decay = 1.f - h.lr * h.weight_decay;
   const float step_size = h.lr / h.bias_correction1;
 #pragma omp parallel for simd schedule(static)
@@ -23,9 +27,26 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
     m[i] = mi;
     v[i] = vi;
     const float denom = std::sqrt(vi) / h.bias_correction2_sqrt + h.eps;
-    param[i] = param[i] * decay - step_size * mi / denom;
+    const float p = param[i] * decay - step_size * mi / denom;
+    param[i] = p;
+    if (lowp) lowp[i] = round_weight<S>(p, key, i);
   }
 }
+}  // namespace
+
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h) {
+  update<float>(param, nullptr, grad, m, v, n, h, RoundKey{});
+}
+
+template <typename S>
+void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
+                        const RoundKey& key) {
+  update<S>(param, lowp, grad, m, v, n, h, key);
+}
+template void adamw_update_mixed<bf16>(float*, bf16*, const float*, float*, float*, int64_t, const AdamWHyper&,
+                                       const RoundKey&);
+template void adamw_update_mixed<f16>(float*, f16*, const float*, float*, float*, int64_t, const AdamWHyper&,
+                                      const RoundKey&);
 
 double sum_squares(const float* x, int64_t n) {
   constexpr int64_t kChunk = 1 << 16;  // fixed, so the combine order never depends on the thread count

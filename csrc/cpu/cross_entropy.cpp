@@ -8,40 +8,50 @@
 
 namespace fastgpt::cpu {
 
-void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                           int V) {
+template <typename S>
+void cross_entropy_forward(float* losses, float* lse, const S* logits, const int32_t* targets, int64_t N, int V) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    const float* x = logits + n * V;
-    float mx = x[0];
+    const S* x = logits + n * V;
+    float mx = to_float(x[0]);
 #pragma omp simd reduction(max : mx)
-    for (int j = 0; j < V; j++) mx = x[j] > mx ? x[j] : mx;
+    for (int j = 0; j < V; j++) mx = to_float(x[j]) > mx ? to_float(x[j]) : mx;
     // float lanes within blocks of 1024 (so the loop vectorises), blocks added in double.
     double sum = 0.0;
     for (int j0 = 0; j0 < V; j0 += 1024) {
       const int j1 = j0 + 1024 < V ? j0 + 1024 : V;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int j = j0; j < j1; j++) s += vexp(x[j] - mx);
+      for (int j = j0; j < j1; j++) s += vexp(to_float(x[j]) - mx);
       sum += s;
     }
     const float l = mx + (float)std::log(sum);
     lse[n] = l;
-    losses[n] = l - x[targets[n]];
+    losses[n] = l - to_float(x[targets[n]]);
   }
 }
 
-void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                            float dloss, int64_t N, int V) {
+template <typename S>
+void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
+                            int64_t N, int V) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    const float* x = logits + n * V;
-    float* dx = dlogits + n * V;
+    const S* x = logits + n * V;
+    S* dx = dlogits + n * V;
     const float l = lse[n];
+    const int32_t tgt = targets[n];
+    // The target's term is subtracted before rounding: in 16 bits, p - 1 rounded once, not p rounded then - 1.
 #pragma omp simd
-    for (int j = 0; j < V; j++) dx[j] = vexp(x[j] - l) * dloss;
-    dx[targets[n]] -= dloss;
+    for (int j = 0; j < V; j++) dx[j] = from_float<S>((vexp(to_float(x[j]) - l) - (j == tgt ? 1.f : 0.f)) * dloss);
   }
 }
+
+#define FASTGPT_INSTANTIATE(S)                                                                           \
+  template void cross_entropy_forward<S>(float*, float*, const S*, const int32_t*, int64_t, int);        \
+  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, int64_t, int);
+FASTGPT_INSTANTIATE(float)
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cpu

@@ -6,18 +6,20 @@
 
 namespace fastgpt::cpu {
 
-void encoder_forward(float* out, const int32_t* idx, const float* wte, const float* wpe, int B, int T, int C) {
+template <typename S>
+void encoder_forward(S* out, const int32_t* idx, const S* wte, const S* wpe, int B, int T, int C) {
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < (int64_t)B * T; bt++) {
-    const float* tok = wte + (int64_t)idx[bt] * C;
-    const float* pos = wpe + (bt % T) * C;
-    float* o = out + bt * C;
+    const S* tok = wte + (int64_t)idx[bt] * C;
+    const S* pos = wpe + (bt % T) * C;
+    S* o = out + bt * C;
 #pragma omp simd
-    for (int c = 0; c < C; c++) o[c] = tok[c] + pos[c];
+    for (int c = 0; c < C; c++) o[c] = from_float<S>(to_float(tok[c]) + to_float(pos[c]));
   }
 }
 
-void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* idx, int B, int T, int C) {
+template <typename S>
+void encoder_backward(float* dwte, float* dwpe, const S* dout, const int32_t* idx, int B, int T, int C) {
   constexpr int kCols = 16;  // one cache line of floats per thread slice: no false sharing between threads
   const int nblk = (C + kCols - 1) / kCols;
 #pragma omp parallel for schedule(static)
@@ -25,19 +27,27 @@ void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t
     const int c0 = blk * kCols, c1 = c0 + kCols < C ? c0 + kCols : C;
     for (int64_t bt = 0; bt < (int64_t)B * T; bt++) {
       float* dst = dwte + (int64_t)idx[bt] * C;
-      const float* src = dout + bt * C;
-      for (int c = c0; c < c1; c++) dst[c] += src[c];
+      const S* src = dout + bt * C;
+      for (int c = c0; c < c1; c++) dst[c] += to_float(src[c]);
     }
   }
 #pragma omp parallel for schedule(static)
   for (int t = 0; t < T; t++) {
     float* dst = dwpe + (int64_t)t * C;
     for (int b = 0; b < B; b++) {
-      const float* src = dout + ((int64_t)b * T + t) * C;
+      const S* src = dout + ((int64_t)b * T + t) * C;
 #pragma omp simd
-      for (int c = 0; c < C; c++) dst[c] += src[c];
+      for (int c = 0; c < C; c++) dst[c] += to_float(src[c]);
     }
   }
 }
+
+#define FASTGPT_INSTANTIATE(S)                                                                   \
+  template void encoder_forward<S>(S*, const int32_t*, const S*, const S*, int, int, int);       \
+  template void encoder_backward<S>(float*, float*, const S*, const int32_t*, int, int, int);
+FASTGPT_INSTANTIATE(float)
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cpu

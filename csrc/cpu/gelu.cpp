@@ -11,24 +11,34 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kCoef = 0.044715f;
 }  // namespace
 
-void gelu_forward(float* out, const float* inp, int64_t n) {
+template <typename S>
+void gelu_forward(S* out, const S* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) {
-    const float x = inp[i];
+    const float x = to_float(inp[i]);
     const float a = kSqrt2OverPi * (x + kCoef * x * x * x);
-    out[i] = x / (1.f + vexp(-2.f * a));
+    out[i] = from_float<S>(x / (1.f + vexp(-2.f * a)));
   }
 }
 
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) {
+template <typename S>
+void gelu_backward(S* dinp, const S* inp, const S* dout, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) {
-    const float x = inp[i];
+    const float x = to_float(inp[i]);
     const float a = kSqrt2OverPi * (x + kCoef * x * x * x);
     const float s = 1.f / (1.f + vexp(-2.f * a));  // sigmoid(2a) = 0.5 * (1 + tanh(a))
     const float da = kSqrt2OverPi * (1.f + 3.f * kCoef * x * x);
-    dinp[i] = dout[i] * (s + x * 2.f * s * (1.f - s) * da);
+    dinp[i] = from_float<S>(to_float(dout[i]) * (s + x * 2.f * s * (1.f - s) * da));
   }
 }
+
+#define FASTGPT_INSTANTIATE(S)                                 \
+  template void gelu_forward<S>(S*, const S*, int64_t);        \
+  template void gelu_backward<S>(S*, const S*, const S*, int64_t);
+FASTGPT_INSTANTIATE(float)
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cpu

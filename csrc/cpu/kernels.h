@@ -1,6 +1,11 @@
 // The CPU kernels: the reference implementation of every op fastgpt has, and the backend that lets the whole
 // trainer run and be tested without a GPU. Each op lives in csrc/cpu/<op>.cpp beside its CUDA twin
-// csrc/cuda/<op>.cu. Kernels know nothing of the model or of Python: raw float32 pointers, row-major, contiguous.
+// csrc/cuda/<op>.cu. Kernels know nothing of the model or of Python: raw pointers, row-major, contiguous.
+//
+// Precision: the ops of the model are templates over the storage type S of activations and compute weights
+// (float, bf16 or f16, see dtype.h), instantiated for all three. Arithmetic is float whatever S is (matmuls
+// accumulate in float, statistics in float or double); parameter gradients, LayerNorm statistics, log-sum-exps
+// and losses are always float32, so gradients accumulate in fp32 across micro-batches.
 //
 // Conventions: N = number of rows (B*T); gradients of parameters ACCUMULATE (+=) so that gradient accumulation over
 // micro-batches is free; gradients of activations overwrite unless stated. Every kernel gives bitwise the same
@@ -8,48 +13,59 @@
 #pragma once
 #include <cstdint>
 
+#include "cpu/dtype.h"
+
 namespace fastgpt::cpu {
 
 // ---- encoder: token + position embedding (encoder.cpp)
-void encoder_forward(float* out,                 // (B, T, C)
+template <typename S>
+void encoder_forward(S* out,                     // (B, T, C)
                      const int32_t* idx,         // (B, T)
-                     const float* wte,           // (V, C)
-                     const float* wpe,           // (maxT, C)
+                     const S* wte,               // (V, C)
+                     const S* wpe,               // (maxT, C)
                      int B, int T, int C);
+template <typename S>
 void encoder_backward(float* dwte, float* dwpe,  // += (V, C), (maxT, C)
-                      const float* dout,         // (B, T, C)
+                      const S* dout,             // (B, T, C)
                       const int32_t* idx, int B, int T, int C);
 
 // ---- layernorm over the last dimension, eps 1e-5 (layernorm.cpp)
-void layernorm_forward(float* out,               // (N, C)
+template <typename S>
+void layernorm_forward(S* out,                   // (N, C)
                        float* mean, float* rstd, // (N)
-                       const float* inp,         // (N, C)
-                       const float* weight, const float* bias,  // (C)
+                       const S* inp,             // (N, C)
+                       const S* weight, const S* bias,  // (C)
                        int64_t N, int C);
-void layernorm_backward(float* dinp,             // += (N, C): the residual stream accumulates
+template <typename S>
+void layernorm_backward(S* dinp,                 // += (N, C): the residual stream accumulates
                         float* dweight, float* dbias,  // += (C)
-                        const float* dout, const float* inp, const float* weight,
+                        const S* dout, const S* inp, const S* weight,
                         const float* mean, const float* rstd, int64_t N, int C);
 
 // ---- matmul as nn.Linear: out = inp @ weight^T + bias (matmul.cpp)
-void matmul_forward(float* out,                  // (N, OC)
-                    const float* inp,            // (N, C)
-                    const float* weight,         // (OC, C)
-                    const float* bias,           // (OC) or nullptr
+template <typename S>
+void matmul_forward(S* out,                      // (N, OC)
+                    const S* inp,                // (N, C)
+                    const S* weight,             // (OC, C)
+                    const S* bias,               // (OC) or nullptr
                     int64_t N, int C, int OC);
-void matmul_backward(float* dinp,                // (N, C) overwritten, or nullptr to skip
+template <typename S>
+void matmul_backward(S* dinp,                    // (N, C) overwritten, or nullptr to skip
                      float* dweight,             // += (OC, C)
                      float* dbias,               // += (OC) or nullptr
-                     const float* dout,          // (N, OC)
-                     const float* inp, const float* weight, int64_t N, int C, int OC);
+                     const S* dout,              // (N, OC)
+                     const S* inp, const S* weight, int64_t N, int C, int OC);
 
 // ---- GELU, tanh approximation (gelu.cpp)
-void gelu_forward(float* out, const float* inp, int64_t n);
-void gelu_backward(float* dinp,                  // overwritten; may alias dout
-                   const float* inp, const float* dout, int64_t n);
+template <typename S>
+void gelu_forward(S* out, const S* inp, int64_t n);
+template <typename S>
+void gelu_backward(S* dinp,                      // overwritten; may alias dout
+                   const S* inp, const S* dout, int64_t n);
 
 // ---- residual add (residual.cpp)
-void residual_forward(float* out, const float* a, const float* b, int64_t n);  // out may alias a or b
+template <typename S>
+void residual_forward(S* out, const S* a, const S* b, int64_t n);  // out may alias a or b
 
 // ---- flash attention: scaled dot-product attention that saves only the log-sum-exp; backward recomputes
 // (flash_attention.cpp). q, k, v, out and the gradients are (B, H, T, d) views, unit stride along d: element
@@ -72,23 +88,28 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const HeadStrides
                               const float* v, const float* lse, const AttentionShape& shape);
 
 // ---- attention as the engine lays it out: the flash kernel on the fused projection (attention.cpp)
-// qkv holds q | k | v, each C = NH * hs wide, head h at columns h*hs of its third.
-void attention_forward(float* out,               // (B, T, C)
+// qkv holds q | k | v, each C = NH * hs wide, head h at columns h*hs of its third. 16-bit storage is widened
+// exactly, attended in float and rounded once on the way out.
+template <typename S>
+void attention_forward(S* out,                   // (B, T, C)
                        float* lse,               // (B, NH, T)
-                       const float* qkv,         // (B, T, 3C)
+                       const S* qkv,             // (B, T, 3C)
                        int B, int T, int C, int NH, bool causal);
-void attention_backward(float* dqkv,             // (B, T, 3C) overwritten
-                        const float* dout,       // (B, T, C)
-                        const float* qkv, const float* out, const float* lse,
+template <typename S>
+void attention_backward(S* dqkv,                 // (B, T, 3C) overwritten
+                        const S* dout,           // (B, T, C)
+                        const S* qkv, const S* out, const float* lse,
                         int B, int T, int C, int NH, bool causal);
 
 // ---- softmax cross-entropy; probabilities are never stored (cross_entropy.cpp)
+template <typename S>
 void cross_entropy_forward(float* losses,        // (N)
                            float* lse,           // (N) log-sum-exp of each row, for backward
-                           const float* logits,  // (N, V)
+                           const S* logits,      // (N, V)
                            const int32_t* targets, int64_t N, int V);
 // dlogits = dloss * (softmax(logits) - onehot(target)); dlogits may alias logits (written in place).
-void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+template <typename S>
+void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets,
                             float dloss, int64_t N, int V);
 
 // ---- AdamW as torch.optim.AdamW (adamw.cpp)
@@ -100,8 +121,30 @@ struct AdamWHyper {
 // The hyper-parameters of update number `step` (1-based): the bias corrections are formed here, in double, once.
 AdamWHyper adamw_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h);
+// The same update of fp32 masters, which also writes the compute weights `lowp` (bf16: rounded as `key` says,
+// stochastically after a step; f16: to nearest). One pass over the five buffers.
+template <typename S>
+void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n,
+                        const AdamWHyper& h, const RoundKey& key);
 // Sum of squares in float64, over fixed-size chunks combined in order: deterministic for any thread count.
 double sum_squares(const float* x, int64_t n);
 void scale_inplace(float* x, int64_t n, float s);
+
+// ---- conversions between float32 and the storage types (cast.cpp)
+template <typename S>
+void widen(float* out, const S* in, int64_t n);
+// Masters to compute weights; RoundKey{} rounds to nearest even.
+template <typename S>
+void narrow(S* out, const float* in, int64_t n, const RoundKey& key = {});
+// Float scratch of the calling thread, grown only (a training step allocates nothing after the first): the fp32
+// copies of 16-bit operands that the sgemm and flash kernels widen into. Slots are independent buffers.
+constexpr int kScratchSlots = 5;
+float* scratch(int slot, int64_t n);
+template <typename S>
+const float* widened(int slot, const S* p, int64_t n) {  // p's n values, widened into scratch slot `slot`
+  float* w = scratch(slot, n);
+  widen(w, p, n);
+  return w;
+}
 
 }  // namespace fastgpt::cpu

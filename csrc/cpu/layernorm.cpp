@@ -1,7 +1,7 @@
 // LayerNorm over the last dimension (eps 1e-5, biased variance, as torch.nn.LayerNorm), forward and backward.
 // Row statistics are accumulated in double: the CPU backend is the reference the CUDA kernels are judged against.
 // dweight/dbias sum over all rows; rows are cut into fixed chunks whose partial sums are added in chunk order,
-// so the result does not depend on the thread count.
+// so the result does not depend on the thread count. Storage may be 16-bit (S); every sum is in float or double.
 #include <cmath>
 #include <vector>
 
@@ -14,30 +14,33 @@ constexpr float kEps = 1e-5f;
 constexpr int64_t kRowsPerChunk = 64;
 }  // namespace
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int C) {
+template <typename S>
+void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* weight, const S* bias, int64_t N,
+                       int C) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    const float* x = inp + n * C;
+    const S* x = inp + n * C;
     double s = 0.0;
 #pragma omp simd reduction(+ : s)
-    for (int c = 0; c < C; c++) s += x[c];
+    for (int c = 0; c < C; c++) s += to_float(x[c]);
     const double m = s / C;
     double v = 0.0;
 #pragma omp simd reduction(+ : v)
-    for (int c = 0; c < C; c++) v += (x[c] - m) * (x[c] - m);
+    for (int c = 0; c < C; c++) v += (to_float(x[c]) - m) * (to_float(x[c]) - m);
     const float r = (float)(1.0 / std::sqrt(v / C + kEps));
     const float mf = (float)m;
-    float* o = out + n * C;
+    S* o = out + n * C;
 #pragma omp simd
-    for (int c = 0; c < C; c++) o[c] = (x[c] - mf) * r * weight[c] + bias[c];
+    for (int c = 0; c < C; c++)
+      o[c] = from_float<S>((to_float(x[c]) - mf) * r * to_float(weight[c]) + to_float(bias[c]));
     mean[n] = mf;
     rstd[n] = r;
   }
 }
 
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int C) {
+template <typename S>
+void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                        const float* mean, const float* rstd, int64_t N, int C) {
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   // Per chunk: dweight (C) | dbias (C). Kept per calling thread and grown only, so a training step allocates nothing.
   thread_local std::vector<float> partial;
@@ -50,26 +53,26 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
     for (int c = 0; c < C; c++) pw[c] = pb[c] = 0.f;
     const int64_t n1 = (ch + 1) * kRowsPerChunk < N ? (ch + 1) * kRowsPerChunk : N;
     for (int64_t n = ch * kRowsPerChunk; n < n1; n++) {
-      const float* x = inp + n * C;
-      const float* dy = dout + n * C;
+      const S* x = inp + n * C;
+      const S* dy = dout + n * C;
       const float m = mean[n], r = rstd[n];
       // dx = r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w
       double sd = 0.0, sdn = 0.0;
 #pragma omp simd reduction(+ : sd, sdn)
       for (int c = 0; c < C; c++) {
-        const float norm = (x[c] - m) * r;
-        const float dn = dy[c] * weight[c];
+        const float norm = (to_float(x[c]) - m) * r;
+        const float dn = to_float(dy[c]) * to_float(weight[c]);
         sd += dn;
         sdn += dn * norm;
       }
       const float md = (float)(sd / C), mdn = (float)(sdn / C);
-      float* dx = dinp + n * C;
+      S* dx = dinp + n * C;
 #pragma omp simd
       for (int c = 0; c < C; c++) {
-        const float norm = (x[c] - m) * r;
-        dx[c] += (dy[c] * weight[c] - md - norm * mdn) * r;
-        pw[c] += dy[c] * norm;
-        pb[c] += dy[c];
+        const float norm = (to_float(x[c]) - m) * r, g = to_float(dy[c]);
+        dx[c] = from_float<S>(to_float(dx[c]) + (g * to_float(weight[c]) - md - norm * mdn) * r);
+        pw[c] += g * norm;
+        pb[c] += g;
       }
     }
   }
@@ -84,5 +87,14 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
     dbias[c] += (float)b;
   }
 }
+
+#define FASTGPT_INSTANTIATE(S)                                                                                   \
+  template void layernorm_forward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int);          \
+  template void layernorm_backward<S>(S*, float*, float*, const S*, const S*, const S*, const float*, const float*, \
+                                      int64_t, int);
+FASTGPT_INSTANTIATE(float)
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cpu

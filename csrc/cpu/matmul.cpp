@@ -1,12 +1,15 @@
 // nn.Linear on the CPU: out = inp @ weight^T + bias, and its backward, all three products through cpu::sgemm.
 // The weight gradient accumulates (beta = 1), which is what makes gradient accumulation over micro-batches free.
+// 16-bit operands are widened exactly into float scratch and the product runs in float: a 16-bit GEMM with fp32
+// accumulation, the output rounded once, as a tensor-core GEMM does.
 #include "cpu/gemm.h"
 #include "cpu/kernels.h"
 
 namespace fastgpt::cpu {
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
-                    int OC) {
+template <>
+void matmul_forward<float>(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
+                           int OC) {
   float beta = 0.f;
   if (bias) {
     // Seed every row with the bias and let the product add onto it: one pass fewer than adding afterwards.
@@ -21,8 +24,9 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
   sgemm(false, true, N, OC, C, 1.f, inp, C, weight, C, beta, out, OC);
 }
 
-void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int C, int OC) {
+template <>
+void matmul_backward<float>(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                            const float* weight, int64_t N, int C, int OC) {
   if (dinp) sgemm(false, false, N, C, OC, 1.f, dout, OC, weight, C, 0.f, dinp, C);  // (N,OC) @ (OC,C)
   sgemm(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C);            // (OC,N) @ (N,C)
   if (dbias) {
@@ -42,5 +46,33 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
     }
   }
 }
+
+template <typename S>
+void matmul_forward(S* out, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC) {
+  const float* w = widened(0, weight, (int64_t)OC * C);
+  const float* x = widened(1, inp, N * C);
+  const float* b = bias ? widened(2, bias, OC) : nullptr;
+  float* o = scratch(3, N * OC);
+  matmul_forward<float>(o, x, w, b, N, C, OC);
+  narrow(out, o, N * OC);
+}
+
+template <typename S>
+void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight, int64_t N,
+                     int C, int OC) {
+  const float* w = widened(0, weight, (int64_t)OC * C);
+  const float* x = widened(1, inp, N * C);
+  const float* dy = widened(2, dout, N * OC);
+  float* dx = dinp ? scratch(3, N * C) : nullptr;
+  matmul_backward<float>(dx, dweight, dbias, dy, x, w, N, C, OC);
+  if (dinp) narrow(dinp, dx, N * C);
+}
+
+#define FASTGPT_INSTANTIATE(S)                                                                              \
+  template void matmul_forward<S>(S*, const S*, const S*, const S*, int64_t, int, int);                     \
+  template void matmul_backward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int, int);
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cpu

@@ -2,6 +2,9 @@
 // bias corrections); CUDA twin of cpu::adamw_update. Elementwise over one contiguous range, grid-stride loop.
 // decay and step_size are formed on the host with the same float expressions as the CPU file.
 // Also the global gradient norm's sum of squares (deterministic) and the clip scaling.
+// Mixed precision: adamw_update_mixed<S> (S = bf16, f16) makes the same update of the fp32 masters and, in the same
+// pass, writes the 16-bit compute weights from the new masters with dtype.h's round_weight<S> (nearest even, or
+// bf16 stochastic rounding keyed on (seed, step, key.offset + i): the CPU's bits exactly).
 #include <algorithm>
 #include <vector>
 
@@ -11,9 +14,11 @@
 namespace fastgpt::cuda {
 
 namespace {
-__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
-                             float* __restrict__ v, int64_t n, float beta1, float beta2, float eps, float decay,
-                             float step_size, float bias_correction2_sqrt) {
+// lowp == nullptr: the fp32 update alone; else also lowp[i] = round_weight<S>(new param) in the same pass.
+template <typename S>
+__global__ void adamw_kernel(float* __restrict__ param, S* __restrict__ lowp, const float* __restrict__ grad,
+                             float* __restrict__ m, float* __restrict__ v, int64_t n, float beta1, float beta2,
+                             float eps, float decay, float step_size, float bias_correction2_sqrt, RoundKey key) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     const float g = grad[i];
@@ -23,8 +28,23 @@ __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict_
     m[i] = mi;
     v[i] = vi;
     const float denom = sqrtf(vi) / bias_correction2_sqrt + eps;
-    param[i] = param[i] * decay - step_size * mi / denom;
+    const float p = param[i] * decay - step_size * mi / denom;
+    param[i] = p;
+    if (lowp) lowp[i] = round_weight<S>(p, key, i);
   }
+}
+
+template <typename S>
+void launch_adamw(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
+                  const RoundKey& key, Stream stream) {
+  if (n <= 0) return;
+  const float decay = 1.f - h.lr * h.weight_decay;
+  const float step_size = h.lr / h.bias_correction1;
+  constexpr int kThreads = 256;
+  const int blocks = (int)std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 16);
+  adamw_kernel<S><<<blocks, kThreads, 0, stream>>>(param, lowp, grad, m, v, n, h.beta1, h.beta2, h.eps, decay,
+                                                   step_size, h.bias_correction2_sqrt, key);
+  FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
 // One block per fixed chunk of kChunk elements: the partition depends only on n, so the sum does too.
@@ -79,14 +99,18 @@ void scale_inplace(float* x, int64_t n, float s, Stream stream) {
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
                   Stream stream) {
-  if (n <= 0) return;
-  const float decay = 1.f - h.lr * h.weight_decay;
-  const float step_size = h.lr / h.bias_correction1;
-  constexpr int kThreads = 256;
-  const int blocks = (int)std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 16);
-  adamw_kernel<<<blocks, kThreads, 0, stream>>>(param, grad, m, v, n, h.beta1, h.beta2, h.eps, decay, step_size,
-                                                h.bias_correction2_sqrt);
-  FASTGPT_CUDA_CHECK_LAUNCH();
+  launch_adamw<float>(param, nullptr, grad, m, v, n, h, RoundKey{}, stream);
 }
+
+template <typename S>
+void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n,
+                        const AdamWHyper& h, const RoundKey& key, Stream stream) {
+  launch_adamw<S>(param, lowp, grad, m, v, n, h, key, stream);
+}
+
+template void adamw_update_mixed<bf16>(float*, bf16*, const float*, float*, float*, int64_t, const AdamWHyper&,
+                                       const RoundKey&, Stream);
+template void adamw_update_mixed<f16>(float*, f16*, const float*, float*, float*, int64_t, const AdamWHyper&,
+                                      const RoundKey&, Stream);
 
 }  // namespace fastgpt::cuda

@@ -2,7 +2,10 @@
 // csrc/cpu/cross_entropy.cpp. Forward: one block per row, a max then a sum-of-exp block reduction, keeping only
 // lse = max + log(sum) for backward. Backward: one block per row rebuilds each probability from lse.
 // dlogits may alias logits (written in place), so no __restrict__ there: each element is read, then written, by one
-// thread, and the target element's "- dloss" is applied by that same thread (no second pass over it).
+// thread, and the target element's one-hot is applied by that same thread (no second pass over it).
+// Templates over the storage type S (float, bf16, f16) of the logits: widened as loaded, all arithmetic in float,
+// losses and lse float. The gradient is (p - onehot) * dloss rounded once to S, as the CPU writes it: in 16 bits
+// p - 1 at the target is formed before rounding (not p rounded, then - 1).
 #include <cmath>
 
 #include "cuda/check.h"
@@ -34,52 +37,63 @@ __device__ float block_reduce(float v, Op op, float identity) {
   return v;
 }
 
+template <typename S>
 __global__ void cross_entropy_forward_kernel(float* __restrict__ losses, float* __restrict__ lse,
-                                             const float* __restrict__ logits, const int32_t* __restrict__ targets,
+                                             const S* __restrict__ logits, const int32_t* __restrict__ targets,
                                              int V) {
   const int64_t n = blockIdx.x;
-  const float* x = logits + n * V;
+  const S* x = logits + n * V;
   float mx = -INFINITY;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, x[j]);
+  for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, to_float(x[j]));
   mx = block_reduce(mx, Max(), -INFINITY);
   float s = 0.f;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - mx);
+  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_float(x[j]) - mx);
   s = block_reduce(s, Sum(), 0.f);
   if (threadIdx.x == 0) {
     const float l = mx + logf(s);
     lse[n] = l;
-    losses[n] = l - x[targets[n]];
+    losses[n] = l - to_float(x[targets[n]]);
   }
 }
 
-__global__ void cross_entropy_backward_kernel(float* dlogits, const float* logits, const float* __restrict__ lse,
+template <typename S>
+__global__ void cross_entropy_backward_kernel(S* dlogits, const S* logits, const float* __restrict__ lse,
                                               const int32_t* __restrict__ targets, float dloss, int V) {
   const int64_t n = blockIdx.x;
-  const float* x = logits + n * V;
-  float* dx = dlogits + n * V;
+  const S* x = logits + n * V;
+  S* dx = dlogits + n * V;
   const float l = lse[n];
   const int t = targets[n];
   for (int j = threadIdx.x; j < V; j += blockDim.x) {
-    // __fmul_rn: no fused multiply-subtract at the target, so it is (p * dloss) - dloss as on the CPU.
-    float d = __fmul_rn(expf(x[j] - l), dloss);
-    if (j == t) d -= dloss;
-    dx[j] = d;
+    // (p - onehot) * dloss, as the CPU: the subtraction first, one multiply, one rounding to S.
+    const float p = expf(to_float(x[j]) - l);
+    dx[j] = from_float<S>(__fmul_rn(j == t ? __fsub_rn(p, 1.f) : p, dloss));
   }
 }
 }  // namespace
 
-void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                           int V, Stream stream) {
+template <typename S>
+void cross_entropy_forward(float* losses, float* lse, const S* logits, const int32_t* targets, int64_t N, int V,
+                           Stream stream) {
   if (N <= 0 || V <= 0) return;
-  cross_entropy_forward_kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, lse, logits, targets, V);
+  cross_entropy_forward_kernel<S><<<(unsigned)N, kThreads, 0, stream>>>(losses, lse, logits, targets, V);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
-void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                            float dloss, int64_t N, int V, Stream stream) {
+template <typename S>
+void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
+                            int64_t N, int V, Stream stream) {
   if (N <= 0 || V <= 0) return;
-  cross_entropy_backward_kernel<<<(unsigned)N, kThreads, 0, stream>>>(dlogits, logits, lse, targets, dloss, V);
+  cross_entropy_backward_kernel<S><<<(unsigned)N, kThreads, 0, stream>>>(dlogits, logits, lse, targets, dloss, V);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
+
+#define FASTGPT_INSTANTIATE(S)                                                                                 \
+  template void cross_entropy_forward<S>(float*, float*, const S*, const int32_t*, int64_t, int, Stream);      \
+  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, int64_t, int, Stream);
+FASTGPT_INSTANTIATE(float)
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cuda

@@ -5,7 +5,11 @@
 // flags carried over unchanged (a transposed row-major operand is a transposed column-major one too).
 // Why cache: building descriptors and asking the heuristic costs far more than the product for small shapes, and a
 // training step repeats the same few shapes forever; the cache key holds everything the heuristic looks at
-// (shape, strides, transposes, batch, epilogue, compute type and the pointers' alignments).
+// (shape, strides, transposes, batch, epilogue, element and compute types and the pointers' alignments).
+// Mixed precision: the layouts carry each operand's cudaDataType_t, the descriptor the compute type with an fp32
+// scale type, and the bias epilogue the bias type. When the epilogue cannot be used, a kernel adds the bias; for a
+// 16-bit C the product then goes to fp32 scratch first, so that alpha * AB + beta * C + bias is rounded once, as the
+// epilogue (and the CPU) would.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -15,6 +19,7 @@
 
 #include "cuda/check.h"
 #include "cuda/cublaslt.h"
+#include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
 
@@ -37,7 +42,7 @@ struct Plan {
   bool use_epilogue = false;
 };
 
-using Key = std::array<int64_t, 18>;
+using Key = std::array<int64_t, 22>;
 struct KeyHash {
   size_t operator()(const Key& k) const {
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
@@ -66,19 +71,40 @@ DeviceState& device_state(int device) {
   return g_devices.emplace(device, s).first->second;
 }
 
-// Largest power of two (4..256) dividing the address of every batch entry: what the heuristic must be told,
-// since by default it assumes 256-byte alignment and may pick an algorithm that then fails on our pointer.
-uint32_t alignment(const void* p, int64_t stride_elems, int batch) {
+size_t type_size(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_32F: return 4;
+    case CUDA_R_16BF:
+    case CUDA_R_16F: return 2;
+    default: fail("gemm", "unsupported data type " + std::to_string((int)t), __FILE__, __LINE__);
+  }
+}
+
+// Calls f(X{}) with X the storage type (float, bf16, f16) of a cudaDataType_t.
+template <typename F>
+void with_type(cudaDataType_t t, F&& f) {
+  switch (t) {
+    case CUDA_R_32F: return f(float{});
+    case CUDA_R_16BF: return f(bf16{});
+    case CUDA_R_16F: return f(f16{});
+    default: fail("gemm", "unsupported data type " + std::to_string((int)t), __FILE__, __LINE__);
+  }
+}
+
+// Largest power of two (element size..256) dividing the address of every batch entry: what the heuristic must be
+// told, since by default it assumes 256-byte alignment and may pick an algorithm that then fails on our pointer.
+uint32_t alignment(const void* p, int64_t stride_elems, int batch, size_t elem) {
   uint64_t a = (uint64_t)(uintptr_t)p;
-  if (batch > 1) a |= (uint64_t)stride_elems * sizeof(float);
+  if (batch > 1) a |= (uint64_t)stride_elems * elem;
   uint32_t al = 256;
-  while (al > 4 && (a % al) != 0) al >>= 1;
+  while (al > elem && (a % al) != 0) al >>= 1;
   return al;
 }
 
-cublasLtMatrixLayout_t make_layout(uint64_t rows, uint64_t cols, int64_t ld, int batch, int64_t stride) {
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld, int batch,
+                                   int64_t stride) {
   cublasLtMatrixLayout_t l = nullptr;
-  FASTGPT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, rows, cols, ld));
+  FASTGPT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
   if (batch > 1) {
     int32_t count = batch;
     FASTGPT_CUBLAS_CHECK(
@@ -90,17 +116,21 @@ cublasLtMatrixLayout_t make_layout(uint64_t rows, uint64_t cols, int64_t ld, int
 }
 
 // Descriptor for the given transposes and epilogue; bias (a representative pointer) is set so that the heuristic
-// sees its alignment.
-cublasLtMatmulDesc_t make_desc(cublasComputeType_t compute, cublasOperation_t op_a, cublasOperation_t op_b,
-                               const float* bias) {
+// sees its alignment. The bias type is cuBLASLt's default (D's type) unless it differs, then set explicitly.
+cublasLtMatmulDesc_t make_desc(const GemmTypes& t, cublasOperation_t op_a, cublasOperation_t op_b,
+                               const void* bias) {
   cublasLtMatmulDesc_t d = nullptr;
-  FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, CUDA_R_32F));
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, t.compute, CUDA_R_32F));
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   if (bias) {
     cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
     FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    if (t.bias != t.c) {
+      const int32_t bt = (int32_t)t.bias;
+      FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+    }
   }
   return d;
 }
@@ -136,46 +166,114 @@ bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, u
 }
 
 // C(M,N) (row-major, row stride ldc, batch stride sc) = beta * C + bias[col] (bias may be null): the K == 0 product,
-// and the bias when the epilogue cannot add it (then beta = 1). beta == 0 writes without reading C, as BLAS does.
-__global__ void scale_add_bias_kernel(float* c, const float* bias, float beta, int64_t M, int64_t N, int64_t ldc,
+// and the bias when the epilogue cannot add it to an fp32 C (then beta = 1). beta == 0 writes without reading C,
+// as BLAS does. In float, rounded once to CT.
+template <typename CT, typename BT>
+__global__ void scale_add_bias_kernel(CT* c, const BT* bias, float beta, int64_t M, int64_t N, int64_t ldc,
                                       int64_t sc, int64_t total) {
   for (int64_t n = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; n < total; n += (int64_t)gridDim.x * blockDim.x) {
     const int64_t col = n % N, row = (n / N) % M, b = n / (N * M);
-    float* p = c + b * sc + row * ldc + col;
-    float v = beta == 0.f ? 0.f : beta * *p;
-    if (bias) v += bias[col];
-    *p = v;
+    CT* p = c + b * sc + row * ldc + col;
+    float v = beta == 0.f ? 0.f : beta * to_float(*p);
+    if (bias) v += to_float(bias[col]);
+    *p = from_float<CT>(v);
   }
 }
 
-void scale_add_bias(float* c, const float* bias, float beta, int64_t M, int64_t N, int64_t ldc, int batch,
-                    int64_t sc, cudaStream_t stream) {
+// The 16-bit C fallback: C = round(acc + beta * C + bias[col]), acc the fp32 product alpha * AB packed (batch, M, N).
+template <typename CT, typename BT>
+__global__ void add_product_bias_kernel(CT* c, const float* __restrict__ acc, const BT* bias, float beta, int64_t M,
+                                        int64_t N, int64_t ldc, int64_t sc, int64_t total) {
+  for (int64_t n = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; n < total; n += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t col = n % N, row = (n / N) % M, b = n / (N * M);
+    CT* p = c + b * sc + row * ldc + col;
+    float v = acc[n];
+    if (beta != 0.f) v += beta * to_float(*p);
+    if (bias) v += to_float(bias[col]);
+    *p = from_float<CT>(v);
+  }
+}
+
+unsigned epilogue_blocks(int64_t total, int threads) {
+  return (unsigned)std::min<int64_t>((total + threads - 1) / threads, 1 << 20);  // grid-stride beyond
+}
+
+void scale_add_bias(void* c, const void* bias, float beta, int64_t M, int64_t N, int64_t ldc, int batch, int64_t sc,
+                    const GemmTypes& t, cudaStream_t stream) {
   const int64_t total = (int64_t)batch * M * N;
   const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 1 << 20);  // grid-stride beyond
-  scale_add_bias_kernel<<<(unsigned)blocks, threads, 0, stream>>>(c, bias, beta, M, N, ldc, sc, total);
+  with_type(t.c, [&](auto ctag) {
+    with_type(t.bias, [&](auto btag) {
+      using CT = decltype(ctag);
+      using BT = decltype(btag);
+      scale_add_bias_kernel<CT, BT><<<epilogue_blocks(total, threads), threads, 0, stream>>>(
+          static_cast<CT*>(c), static_cast<const BT*>(bias), beta, M, N, ldc, sc, total);
+    });
+  });
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
+void add_product_bias(void* c, const float* acc, const void* bias, float beta, int64_t M, int64_t N, int64_t ldc,
+                      int batch, int64_t sc, const GemmTypes& t, cudaStream_t stream) {
+  const int64_t total = (int64_t)batch * M * N;
+  const int threads = 256;
+  with_type(t.c, [&](auto ctag) {
+    with_type(t.bias, [&](auto btag) {
+      using CT = decltype(ctag);
+      using BT = decltype(btag);
+      add_product_bias_kernel<CT, BT><<<epilogue_blocks(total, threads), threads, 0, stream>>>(
+          static_cast<CT*>(c), acc, static_cast<const BT*>(bias), beta, M, N, ldc, sc, total);
+    });
+  });
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+// Stream-ordered fp32 scratch, returned to the pool on every exit path (exceptions included).
+struct Scratch {
+  float* ptr = nullptr;
+  cudaStream_t stream;
+  Scratch(size_t n, cudaStream_t s) : stream(s) {
+    FASTGPT_CUDA_CHECK(cudaMallocAsync((void**)&ptr, n * sizeof(float), stream));
+  }
+  ~Scratch() {
+    if (ptr) cudaFreeAsync(ptr, stream);  // no throw from a destructor
+  }
+};
+
 }  // namespace
 
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias, cudaStream_t stream,
-          int batch, int64_t stride_a, int64_t stride_b, int64_t stride_c, cublasComputeType_t compute) {
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
+          const void* B, int64_t ldb, float beta, void* C, int64_t ldc, const void* bias, cudaStream_t stream,
+          const GemmTypes& types, int batch, int64_t stride_a, int64_t stride_b, int64_t stride_c) {
   if (M <= 0 || N <= 0 || batch <= 0) return;
   if (K <= 0) {  // empty sum: cuBLASLt may reject k = 0, and the answer is just beta * C (+ bias)
-    scale_add_bias(C, bias, beta, M, N, ldc, batch, stride_c, stream);
+    scale_add_bias(C, bias, beta, M, N, ldc, batch, stride_c, types, stream);
     return;
   }
   int device = 0;
   FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-  const uint32_t al_a = alignment(A, stride_a, batch), al_b = alignment(B, stride_b, batch),
-                 al_c = alignment(C, stride_c, batch);
+  const size_t es_a = type_size(types.a), es_b = type_size(types.b), es_c = type_size(types.c);
+  const uint32_t al_a = alignment(A, stride_a, batch, es_a), al_b = alignment(B, stride_b, batch, es_b),
+                 al_c = alignment(C, stride_c, batch, es_c);
   // The epilogue wants a 16-byte aligned bias (found by others to fail otherwise) and one vector for the batch.
-  const bool want_epilogue = bias != nullptr && batch == 1 && alignment(bias, 0, 1) >= 16;
-  const uint32_t al_bias = want_epilogue ? alignment(bias, 0, 1) : 0;
+  const size_t es_bias = bias ? type_size(types.bias) : 4;
+  const bool want_epilogue = bias != nullptr && batch == 1 && alignment(bias, 0, 1, es_bias) >= 16;
+  const uint32_t al_bias = want_epilogue ? alignment(bias, 0, 1, es_bias) : 0;
   const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, batch, stride_a, stride_b, stride_c,
-                   (int64_t)compute, al_a, al_b, al_c, al_bias};
+                   (int64_t)types.compute, (int64_t)types.a, (int64_t)types.b, (int64_t)types.c,
+                   bias ? (int64_t)types.bias : -1, al_a, al_b, al_c, al_bias};
+
+  // A 16-bit C whose bias the epilogue cannot add: the product goes to fp32 scratch, then one kernel rounds
+  // acc + beta * C + bias once (adding the bias to an already rounded C would round twice).
+  const auto product_then_bias = [&]() {
+    Scratch acc((size_t)batch * M * N, stream);
+    GemmTypes ft = types;
+    ft.c = CUDA_R_32F;
+    gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, 0.f, acc.ptr, N, nullptr, stream, ft, batch, stride_a,
+         stride_b, M * N);
+    add_product_bias(C, acc.ptr, bias, beta, M, N, ldc, batch, stride_c, types, stream);
+  };
+  if (bias && !want_epilogue && types.c != CUDA_R_32F) return product_then_bias();
 
   bool used_epilogue = false;
   {
@@ -185,15 +283,15 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     if (it == g_plans.end()) {
       Plan p;
       // cuBLASLt's A = our B: stored column-major (K, N) when trans_b (row-major (N, K)), else (N, K).
-      p.a = make_layout(trans_b ? K : N, trans_b ? N : K, ldb, batch, stride_b);
+      p.a = make_layout(types.b, trans_b ? K : N, trans_b ? N : K, ldb, batch, stride_b);
       // cuBLASLt's B = our A: column-major (M, K) when trans_a (row-major (K, M)), else (K, M).
-      p.b = make_layout(trans_a ? M : K, trans_a ? K : M, lda, batch, stride_a);
-      p.c = make_layout(N, M, ldc, batch, stride_c);  // C^T: column-major (N, M)
+      p.b = make_layout(types.a, trans_a ? M : K, trans_a ? K : M, lda, batch, stride_a);
+      p.c = make_layout(types.c, N, M, ldc, batch, stride_c);  // C^T: column-major (N, M)
       const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
       const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
       bool ok = false;
       if (want_epilogue) {
-        p.desc = make_desc(compute, op_a, op_b, bias);
+        p.desc = make_desc(types, op_a, op_b, bias);
         ok = pick_algo(dev.handle, p, al_a, al_b, al_c);
         if (ok) {
           p.use_epilogue = true;
@@ -203,23 +301,31 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
         }
       }
       if (!ok) {
-        p.desc = make_desc(compute, op_a, op_b, nullptr);
+        p.desc = make_desc(types, op_a, op_b, nullptr);
         if (!pick_algo(dev.handle, p, al_a, al_b, al_c))
           fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for M=" + std::to_string(M) +
-                   " N=" + std::to_string(N) + " K=" + std::to_string(K) + " batch=" + std::to_string(batch),
+                   " N=" + std::to_string(N) + " K=" + std::to_string(K) + " batch=" + std::to_string(batch) +
+                   " types A/B/C " + std::to_string((int)types.a) + "/" + std::to_string((int)types.b) + "/" +
+                   std::to_string((int)types.c) + " compute " + std::to_string((int)types.compute),
                __FILE__, __LINE__);
       }
       it = g_plans.emplace(key, p).first;
     }
     Plan& p = it->second;
-    if (p.use_epilogue)
-      FASTGPT_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    FASTGPT_CUBLAS_CHECK(cublasLtMatmul(dev.handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
-                                        dev.workspace, p.workspace, stream));
     used_epilogue = p.use_epilogue;
+    // No epilogue for a 16-bit C's bias: leave the lock, take the fp32 scratch route below.
+    if (!(bias && !used_epilogue && types.c != CUDA_R_32F)) {
+      if (used_epilogue)
+        FASTGPT_CUBLAS_CHECK(
+            cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+      FASTGPT_CUBLAS_CHECK(cublasLtMatmul(dev.handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+                                          &p.algo, dev.workspace, p.workspace, stream));
+    }
   }
-  if (bias && !used_epilogue) scale_add_bias(C, bias, 1.f, M, N, ldc, batch, stride_c, stream);
+  if (bias && !used_epilogue) {
+    if (types.c != CUDA_R_32F) return product_then_bias();
+    scale_add_bias(C, bias, 1.f, M, N, ldc, batch, stride_c, types, stream);
+  }
 }
 
 }  // namespace fastgpt::cuda

@@ -1,6 +1,7 @@
-// Row-major float32 GEMMs through cuBLASLt, for the CUDA kernels (matmul, attention). One cuBLASLt handle and one
-// 32 MiB workspace per device, created on first use and kept for the life of the process; the matmul descriptors,
-// layouts and heuristic choice are cached per problem, so a training step never queries the heuristic again.
+// Row-major GEMMs through cuBLASLt, for the CUDA kernels (matmul): fp32, TF32, and 16-bit (bf16/fp16) operands
+// with fp32 accumulation. One cuBLASLt handle and one 32 MiB workspace per device, created on first use and kept
+// for the life of the process; the matmul descriptors, layouts and heuristic choice are cached per problem (types
+// included), so a training step never queries the heuristic again.
 // CUDA-only header: include it from .cu files, never from the binding.
 #pragma once
 #include <cstdint>
@@ -10,17 +11,28 @@
 
 namespace fastgpt::cuda {
 
+// Element types of one product. The scale type (alpha, beta) is always CUDA_R_32F, so the compute type must be one
+// of the 32F ones: CUBLAS_COMPUTE_32F (exact fp32, or 16-bit A/B with fp32 accumulation) or
+// CUBLAS_COMPUTE_32F_FAST_TF32 (fp32 operands on TF32 tensor cores). Combinations used here (all in cuBLASLt's
+// table of supported ones): A/B 32F with C 32F; A/B 16BF (16F) with C 16BF (16F) or C 32F.
+// bias: the type of the bias vector; the epilogue is used only if cuBLASLt accepts it, else a kernel adds it.
+struct GemmTypes {
+  cudaDataType_t a = CUDA_R_32F, b = CUDA_R_32F, c = CUDA_R_32F, bias = CUDA_R_32F;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+};
+
 // C(M, N) = alpha * op(A) * op(B) + beta * C  [+ bias broadcast over rows, bias of length N]
-// All matrices row-major. op(A) is (M, K): A is stored (M, K) with row stride lda, or (K, M) when trans_a.
-// op(B) is (K, N): B is stored (K, N) with row stride ldb, or (N, K) when trans_b. C is (M, N), row stride ldc.
+// All matrices row-major, leading dimensions and batch strides in elements of their own type. op(A) is (M, K): A is
+// stored (M, K) with row stride lda, or (K, M) when trans_a. op(B) is (K, N): B is stored (K, N) with row stride
+// ldb, or (N, K) when trans_b. C is (M, N), row stride ldc.
 // Strided batch: `batch` independent products, matrix i at A + i * stride_a (etc.); the bias (if any) is the same
-// vector for every batch entry. The bias is added after beta * C, as cuBLASLt's BIAS epilogue does.
-// compute: CUBLAS_COMPUTE_32F (exact fp32, the default) or e.g. CUBLAS_COMPUTE_32F_FAST_TF32 later.
+// vector for every batch entry. The bias is added after beta * C, as cuBLASLt's BIAS epilogue does; with a 16-bit
+// C the sum alpha * AB + beta * C + bias is rounded once, on the epilogue path and on the fallback path alike.
 // Runs on `stream`, on the current device. Not safe for two streams of one device at once: they share one
 // workspace (fastgpt runs one compute stream per device).
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const float* bias, cudaStream_t stream,
-          int batch = 1, int64_t stride_a = 0, int64_t stride_b = 0, int64_t stride_c = 0,
-          cublasComputeType_t compute = CUBLAS_COMPUTE_32F);
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
+          const void* B, int64_t ldb, float beta, void* C, int64_t ldc, const void* bias, cudaStream_t stream,
+          const GemmTypes& types = {}, int batch = 1, int64_t stride_a = 0, int64_t stride_b = 0,
+          int64_t stride_c = 0);
 
 }  // namespace fastgpt::cuda

@@ -4,6 +4,9 @@
 // dweight/dbias sum over all rows without atomics: partial sums over fixed chunks of kRowsPerChunk rows (the CPU's
 // chunking: each partial is the same in-order float sum) go to a scratch buffer, then one thread per channel adds
 // the chunks in order in double, as the CPU does. The result never depends on launch configuration or timing.
+// Templates over the storage type S (float, bf16, f16): inputs are widened to float as they are loaded, every sum
+// is in float (or double for the chunk combine), out is rounded once to S, mean/rstd and dweight/dbias are float,
+// and dinp += is read as S, added in float and rounded once.
 #include <cmath>
 
 #include "cuda/check.h"
@@ -18,25 +21,26 @@ constexpr int kRowsPerChunk = 64;  // must stay equal to the CPU's for the parti
 constexpr int kWarpsPerBlock = 8;
 constexpr int kColThreads = 128;
 
-__global__ void layernorm_forward_kernel(float* __restrict__ out, float* __restrict__ mean,
-                                         float* __restrict__ rstd, const float* __restrict__ inp,
-                                         const float* __restrict__ weight, const float* __restrict__ bias,
-                                         int64_t N, int C) {
+template <typename S>
+__global__ void layernorm_forward_kernel(S* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                         const S* __restrict__ inp, const S* __restrict__ weight,
+                                         const S* __restrict__ bias, int64_t N, int C) {
   const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   if (n >= N) return;  // whole warp leaves together: the shuffles below see all 32 lanes
   const int lane = threadIdx.x % 32;
-  const float* x = inp + n * C;
+  const S* x = inp + n * C;
   float s = 0.f;
-  for (int c = lane; c < C; c += 32) s += x[c];
+  for (int c = lane; c < C; c += 32) s += to_float(x[c]);
   const float m = warp_sum(s) / C;
   float v = 0.f;
   for (int c = lane; c < C; c += 32) {
-    const float d = x[c] - m;
+    const float d = to_float(x[c]) - m;
     v += d * d;
   }
   const float r = 1.f / sqrtf(warp_sum(v) / C + kEps);  // IEEE sqrt and divide: closer to the CPU than rsqrtf
-  float* o = out + n * C;
-  for (int c = lane; c < C; c += 32) o[c] = (x[c] - m) * r * weight[c] + bias[c];
+  S* o = out + n * C;
+  for (int c = lane; c < C; c += 32)
+    o[c] = from_float<S>((to_float(x[c]) - m) * r * to_float(weight[c]) + to_float(bias[c]));
   if (lane == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -44,35 +48,37 @@ __global__ void layernorm_forward_kernel(float* __restrict__ out, float* __restr
 }
 
 // dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w. One warp per row.
-__global__ void layernorm_backward_dinp_kernel(float* __restrict__ dinp, const float* __restrict__ dout,
-                                               const float* __restrict__ inp, const float* __restrict__ weight,
+template <typename S>
+__global__ void layernorm_backward_dinp_kernel(S* __restrict__ dinp, const S* __restrict__ dout,
+                                               const S* __restrict__ inp, const S* __restrict__ weight,
                                                const float* __restrict__ mean, const float* __restrict__ rstd,
                                                int64_t N, int C) {
   const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   if (n >= N) return;
   const int lane = threadIdx.x % 32;
-  const float* x = inp + n * C;
-  const float* dy = dout + n * C;
+  const S* x = inp + n * C;
+  const S* dy = dout + n * C;
   const float m = mean[n], r = rstd[n];
   float sd = 0.f, sdn = 0.f;
   for (int c = lane; c < C; c += 32) {
-    const float norm = (x[c] - m) * r;
-    const float dn = dy[c] * weight[c];
+    const float norm = (to_float(x[c]) - m) * r;
+    const float dn = to_float(dy[c]) * to_float(weight[c]);
     sd += dn;
     sdn += dn * norm;
   }
   const float md = warp_sum(sd) / C, mdn = warp_sum(sdn) / C;
-  float* dx = dinp + n * C;
+  S* dx = dinp + n * C;
   for (int c = lane; c < C; c += 32) {
-    const float norm = (x[c] - m) * r;
-    dx[c] += (dy[c] * weight[c] - md - norm * mdn) * r;
+    const float norm = (to_float(x[c]) - m) * r;
+    dx[c] = from_float<S>(to_float(dx[c]) + (to_float(dy[c]) * to_float(weight[c]) - md - norm * mdn) * r);
   }
 }
 
 // grid: (nchunks, ceil(C / kColThreads)); one thread per (chunk, channel), rows of the chunk in order.
 // partial layout per chunk: dweight (C) | dbias (C).
-__global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, const float* __restrict__ dout,
-                                                  const float* __restrict__ inp, const float* __restrict__ mean,
+template <typename S>
+__global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, const S* __restrict__ dout,
+                                                  const S* __restrict__ inp, const float* __restrict__ mean,
                                                   const float* __restrict__ rstd, int64_t N, int C) {
   const int64_t ch = blockIdx.x;
   const int c = blockIdx.y * kColThreads + threadIdx.x;
@@ -81,8 +87,8 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
   const int64_t n1 = n0 + kRowsPerChunk < N ? n0 + kRowsPerChunk : N;
   float pw = 0.f, pb = 0.f;
   for (int64_t n = n0; n < n1; n++) {
-    const float dy = dout[n * C + c];
-    const float norm = (inp[n * C + c] - mean[n]) * rstd[n];
+    const float dy = to_float(dout[n * C + c]);
+    const float norm = (to_float(inp[n * C + c]) - mean[n]) * rstd[n];
     pw += dy * norm;
     pb += dy;
   }
@@ -104,21 +110,22 @@ __global__ void layernorm_backward_combine_kernel(float* __restrict__ dweight, f
 }
 }  // namespace
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int C, Stream stream) {
+template <typename S>
+void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* weight, const S* bias, int64_t N,
+                       int C, Stream stream) {
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  layernorm_forward_kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight,
+  layernorm_forward_kernel<S><<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight,
                                                                                  bias, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int C,
-                        Stream stream) {
+template <typename S>
+void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                        const float* mean, const float* rstd, int64_t N, int C, Stream stream) {
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  layernorm_backward_dinp_kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(dinp, dout, inp, weight,
+  layernorm_backward_dinp_kernel<S><<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(dinp, dout, inp, weight,
                                                                                        mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
 
@@ -126,12 +133,21 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   const unsigned col_blocks = (unsigned)((C + kColThreads - 1) / kColThreads);
   float* partial = nullptr;  // stream-ordered scratch: freed after the combine kernel without a sync
   FASTGPT_CUDA_CHECK(cudaMallocAsync(&partial, (size_t)nchunks * 2 * C * sizeof(float), stream));
-  layernorm_backward_partial_kernel<<<dim3((unsigned)nchunks, col_blocks), kColThreads, 0, stream>>>(
+  layernorm_backward_partial_kernel<S><<<dim3((unsigned)nchunks, col_blocks), kColThreads, 0, stream>>>(
       partial, dout, inp, mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
   layernorm_backward_combine_kernel<<<col_blocks, kColThreads, 0, stream>>>(dweight, dbias, partial, nchunks, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
   FASTGPT_CUDA_CHECK(cudaFreeAsync(partial, stream));
 }
+
+#define FASTGPT_INSTANTIATE(S)                                                                               \
+  template void layernorm_forward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int, Stream); \
+  template void layernorm_backward<S>(S*, float*, float*, const S*, const S*, const S*, const float*,         \
+                                      const float*, int64_t, int, Stream);
+FASTGPT_INSTANTIATE(float)
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cuda

@@ -3,11 +3,17 @@
 // a column sum of dout done by our own two-pass kernel, not by atomics, so that it is bitwise reproducible:
 // pass 1 sums fixed chunks of kRowChunk rows per column (fixed order within a chunk), pass 2 adds the chunk sums
 // per column in chunk order. Nothing in the order depends on the GPU or the launch, only on N.
+// Templates over the storage type S: float runs fp32 GEMMs (CUBLAS_COMPUTE_32F, or _FAST_TF32 when tf32 is asked
+// for); bf16/fp16 run 16-bit A/B with fp32 accumulation (CUBLAS_COMPUTE_32F): out and dinp are written in S
+// (rounded once, the forward bias in S through the epilogue), dweight is an fp32 C accumulated with beta = 1, and
+// dbias sums the widened 16-bit dout into float, in the same fixed order as for float.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "cuda/cublaslt.h"
 #include "cuda/ops.h"
+#include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
 
@@ -19,8 +25,8 @@ constexpr int kRowChunk = 512;  // rows per pass-1 partial sum
 
 // Pass 1: block (chunk, column block). Writes the chunk's column sums to partial (nchunks, OC), or, when there is
 // only one chunk, adds them straight into dbias.
-__global__ void bias_partial_kernel(float* partial, float* dbias, const float* dout, int64_t N, int OC,
-                                    int nchunks) {
+template <typename S>
+__global__ void bias_partial_kernel(float* partial, float* dbias, const S* dout, int64_t N, int OC, int nchunks) {
   __shared__ float sums[kLanes][kCols + 1];
   const int64_t chunk = blockIdx.x;
   const int64_t r0 = chunk * kRowChunk, r1 = r0 + kRowChunk < N ? r0 + kRowChunk : N;
@@ -29,7 +35,7 @@ __global__ void bias_partial_kernel(float* partial, float* dbias, const float* d
     const int col = cb * kCols + threadIdx.x;
     float s = 0.f;
     if (col < OC)
-      for (int64_t r = r0 + threadIdx.y; r < r1; r += kLanes) s += dout[r * OC + col];
+      for (int64_t r = r0 + threadIdx.y; r < r1; r += kLanes) s += to_float(dout[r * OC + col]);
     sums[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < OC) {
@@ -53,7 +59,8 @@ __global__ void bias_final_kernel(float* dbias, const float* partial, int OC, in
   dbias[col] += t;
 }
 
-void bias_backward(float* dbias, const float* dout, int64_t N, int OC, Stream stream) {
+template <typename S>
+void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream) {
   if (N <= 0 || OC <= 0) return;
   const int64_t nchunks = (N + kRowChunk - 1) / kRowChunk;
   const int ncb = (OC + kCols - 1) / kCols;
@@ -61,7 +68,7 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int OC, Stream st
   if (nchunks > 1)
     FASTGPT_CUDA_CHECK(cudaMallocAsync((void**)&partial, (size_t)nchunks * OC * sizeof(float), stream));
   const dim3 grid((unsigned)nchunks, (unsigned)std::min(ncb, 65535)), block(kCols, kLanes);
-  bias_partial_kernel<<<grid, block, 0, stream>>>(partial, dbias, dout, N, OC, (int)nchunks);
+  bias_partial_kernel<S><<<grid, block, 0, stream>>>(partial, dbias, dout, N, OC, (int)nchunks);
   FASTGPT_CUDA_CHECK_LAUNCH();
   if (nchunks > 1) {
     bias_final_kernel<<<(OC + 255) / 256, 256, 0, stream>>>(dbias, partial, OC, (int)nchunks);
@@ -70,21 +77,45 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int OC, Stream st
   }
 }
 
+// The GEMM types of one precision: A/B (and the forward's C and bias) in S; tf32 applies to float only.
+template <typename S>
+GemmTypes gemm_types(bool tf32) {
+  GemmTypes t;
+  t.a = t.b = t.c = t.bias = data_type<S>();
+  t.compute = std::is_same_v<S, float> && tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  return t;
+}
+
 }  // namespace
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C, int OC,
-                    Stream stream) {
+template <typename S>
+void matmul_forward(S* out, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC, Stream stream,
+                    bool tf32) {
   // out (N, OC) = inp (N, C) @ weight^T, weight stored (OC, C): B transposed.
-  gemm(false, true, N, OC, C, 1.f, inp, C, weight, C, 0.f, out, OC, bias, stream);
+  gemm(false, true, N, OC, C, 1.f, inp, C, weight, C, 0.f, out, OC, bias, stream, gemm_types<S>(tf32));
 }
 
-void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int C, int OC, Stream stream) {
-  // dinp (N, C) = dout (N, OC) @ weight (OC, C), overwritten.
-  if (dinp) gemm(false, false, N, C, OC, 1.f, dout, OC, weight, C, 0.f, dinp, C, nullptr, stream);
-  // dweight (OC, C) += dout^T (OC, N) @ inp (N, C): A = dout stored (N, OC), transposed; beta = 1 accumulates.
-  gemm(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C, nullptr, stream);
+template <typename S>
+void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight, int64_t N,
+                     int C, int OC, Stream stream, bool tf32) {
+  const GemmTypes t = gemm_types<S>(tf32);
+  // dinp (N, C) = dout (N, OC) @ weight (OC, C), overwritten, in S.
+  if (dinp) gemm(false, false, N, C, OC, 1.f, dout, OC, weight, C, 0.f, dinp, C, nullptr, stream, t);
+  // dweight (OC, C) += dout^T (OC, N) @ inp (N, C): A = dout stored (N, OC), transposed; beta = 1 accumulates into
+  // the fp32 gradient whatever S is (16-bit A/B with an fp32 C/D).
+  GemmTypes tw = t;
+  tw.c = tw.bias = CUDA_R_32F;
+  gemm(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C, nullptr, stream, tw);
   if (dbias) bias_backward(dbias, dout, N, OC, stream);
 }
+
+#define FASTGPT_INSTANTIATE(S)                                                                                  \
+  template void matmul_forward<S>(S*, const S*, const S*, const S*, int64_t, int, int, Stream, bool);           \
+  template void matmul_backward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int, int, Stream, \
+                                   bool);
+FASTGPT_INSTANTIATE(float)
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
 
 }  // namespace fastgpt::cuda

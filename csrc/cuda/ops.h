@@ -1,6 +1,7 @@
 // The CUDA kernels: the twin of csrc/cpu/kernels.h, one function per op with the same arguments plus the stream
-// it runs on (the caller's current stream), implemented in csrc/cuda/<op>.cu. All pointers are device memory,
-// float32 except flash attention's (bf16, fp16 or fp32). Conventions match the CPU kernels exactly:
+// it runs on (the caller's current stream), implemented in csrc/cuda/<op>.cu. All pointers are device memory.
+// Ops of the model are templates over the storage type S (float, bf16, f16 of dtype.h, bit-compatible with
+// __nv_bfloat16 / __half), instantiated in each .cu for all three; arithmetic is fp32 whatever S is. Conventions match the CPU kernels exactly:
 // parameter gradients accumulate (+=), activation gradients overwrite, results are deterministic (no atomics whose
 // order could change a sum). Plain C++ (no CUDA headers), so the binding compiles with or without the toolkit.
 #pragma once
@@ -14,25 +15,35 @@ namespace fastgpt::cuda {
 
 using Stream = CUstream_st*;  // == cudaStream_t
 
-void encoder_forward(float* out, const int32_t* idx, const float* wte, const float* wpe, int B, int T, int C,
-                     Stream stream);
-void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* idx, int B, int T, int C, int V,
+template <typename S>
+void encoder_forward(S* out, const int32_t* idx, const S* wte, const S* wpe, int B, int T, int C, Stream stream);
+template <typename S>
+void encoder_backward(float* dwte, float* dwpe, const S* dout, const int32_t* idx, int B, int T, int C, int V,
                       Stream stream);
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int C, Stream stream);
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const float* mean, const float* rstd, int64_t N, int C, Stream stream);
+template <typename S>
+void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* weight, const S* bias, int64_t N,
+                       int C, Stream stream);
+template <typename S>
+void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                        const float* mean, const float* rstd, int64_t N, int C, Stream stream);
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C, int OC,
-                    Stream stream);
-void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int C, int OC, Stream stream);
+// tf32: fp32 operands multiplied on TF32 tensor cores (cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32); float only.
+// 16-bit S: 16-bit A/B with fp32 accumulation (CUBLAS_COMPUTE_32F), bias epilogue in the same type.
+template <typename S>
+void matmul_forward(S* out, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC, Stream stream,
+                    bool tf32 = false);
+template <typename S>
+void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight, int64_t N,
+                     int C, int OC, Stream stream, bool tf32 = false);
 
-void gelu_forward(float* out, const float* inp, int64_t n, Stream stream);
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n, Stream stream);
+template <typename S>
+void gelu_forward(S* out, const S* inp, int64_t n, Stream stream);
+template <typename S>
+void gelu_backward(S* dinp, const S* inp, const S* dout, int64_t n, Stream stream);
 
-void residual_forward(float* out, const float* a, const float* b, int64_t n, Stream stream);
+template <typename S>
+void residual_forward(S* out, const S* a, const S* b, int64_t n, Stream stream);
 
 // Flash attention (flash_attention.cu, the twin of csrc/cpu/flash_attention.cpp): q, k, v, out and their
 // gradients are (B, H, T, d) views described by HeadStrides, in `dtype`; lse (B, H, T) is float32, contiguous.
@@ -42,7 +53,7 @@ void residual_forward(float* out, const float* a, const float* b, int64_t n, Str
 // (bit-reproducible, more FLOPs). The fp32 path is always deterministic.
 using HeadStrides = cpu::HeadStrides;
 using AttentionShape = cpu::AttentionShape;
-enum class DType { f32, bf16, f16 };
+using DType = fastgpt::DType;
 void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
                              const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,
                              Stream stream);
@@ -51,20 +62,34 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
                               Stream stream);
 
-// The engine's attention on the fused qkv (B, T, 3C): the fp32 flash path through strides (attention.cu).
-void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, bool causal,
-                       Stream stream);
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                        int B, int T, int C, int NH, bool causal, Stream stream);
+// The engine's attention on the fused qkv (B, T, 3C): the flash kernels through strides (attention.cu); fp32 on
+// CUDA cores, bf16/fp16 on the tensor-core kernels (head size 64 or 128).
+template <typename S>
+void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal, Stream stream);
+template <typename S>
+void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
+                        int NH, bool causal, Stream stream);
 
-void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                           int V, Stream stream);
-void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                            float dloss, int64_t N, int V, Stream stream);
+template <typename S>
+void cross_entropy_forward(float* losses, float* lse, const S* logits, const int32_t* targets, int64_t N, int V,
+                           Stream stream);
+template <typename S>
+void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
+                            int64_t N, int V, Stream stream);
 
 using AdamWHyper = cpu::AdamWHyper;
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
                   Stream stream);
+// The same update, also writing the 16-bit compute weights lowp from the new masters as `key` says (cpu twin:
+// cpu::adamw_update_mixed; the stochastic rounding uses dtype.h's sr_bits, so both devices round alike).
+template <typename S>
+void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n,
+                        const AdamWHyper& h, const RoundKey& key, Stream stream);
+// Conversions (cast.cu): widen 16-bit to float; narrow float masters to 16-bit compute weights.
+template <typename S>
+void widen(float* out, const S* in, int64_t n, Stream stream);
+template <typename S>
+void narrow(S* out, const float* in, int64_t n, const RoundKey& key, Stream stream);
 // Sum of squares over fixed chunks, combined in order in double (deterministic); waits for the stream.
 double sum_squares(const float* x, int64_t n, Stream stream);
 void scale_inplace(float* x, int64_t n, float s, Stream stream);

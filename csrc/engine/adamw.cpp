@@ -28,15 +28,27 @@ AdamW::AdamW(GPT& model, const AdamWConfig& cfg)
   cfg_.validate();
 }
 
-void AdamW::step(float lr) {
+bool AdamW::step(float lr) {
   if (!(std::isfinite(lr) && lr >= 0.f)) throw std::invalid_argument("lr must be a finite number >= 0");
+  const bool found_inf = model_.unscale_grads();
+  model_.scaler().update(found_inf);
+  if (found_inf) {
+    skipped_++;
+    return false;
+  }
   t_++;
   cpu::AdamWHyper h = cpu::adamw_hyper(lr, cfg_.beta1, cfg_.beta2, cfg_.eps, 0.f, t_);
+  const DType st = model_.storage();
+  uint8_t* lowp = st == DType::f32 ? nullptr : static_cast<uint8_t*>(model_.compute_params());
+  RoundKey key{st == DType::bf16, model_.seed(), (uint64_t)t_, 0};
   for (const ParamTensor& t : model_.tensors()) {
     h.weight_decay = t.decay ? cfg_.weight_decay : 0.f;
-    model_.backend().adamw_update(model_.params() + t.offset, model_.grads() + t.offset, m_.data() + t.offset,
-                                  v_.data() + t.offset, t.numel, h);
+    key.offset = (uint64_t)t.offset;
+    model_.backend().adamw_update(model_.params() + t.offset, lowp ? lowp + t.offset * dtype_size(st) : nullptr, st,
+                                  model_.grads() + t.offset, m_.data() + t.offset, v_.data() + t.offset, t.numel, h,
+                                  key);
   }
+  return true;
 }
 
 }  // namespace fastgpt

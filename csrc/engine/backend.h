@@ -1,12 +1,16 @@
 // What the engine needs of a device: memory and the kernels, behind one interface, so that the model's order of
 // operations (gpt.cpp) and the optimizer (adamw.cpp) are written once for the CPU and the GPU. The CPU backend
 // calls csrc/cpu/, the CUDA backend (backend_cuda.cu, built with FASTGPT_WITH_CUDA) calls csrc/cuda/ on its own
-// stream. Kernel methods take the CPU kernels' arguments; all pointers are the backend's memory.
+// stream. Kernel methods take the CPU kernels' arguments; all pointers are the backend's memory. The storage type
+// of the model's activations is a template parameter of the engine (gpt.cpp) and of the kernels, and a DType at
+// the virtual boundary between them, so the interface stays one set of functions for every precision.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 
+#include "cpu/dtype.h"
 #include "cpu/kernels.h"
 
 namespace fastgpt {
@@ -16,6 +20,10 @@ class Backend {
   virtual ~Backend() = default;
   virtual bool is_cuda() const = 0;
   virtual std::string name() const = 0;
+  // Throws std::invalid_argument, naming the device and what it supports, if it cannot run this precision.
+  virtual void check_precision(const std::string& precision) const = 0;
+  // Matmuls on TF32 tensor cores (fp32 storage): the "tf32" precision. Only a GPU has them.
+  virtual void set_tf32(bool on) = 0;
 
   // ---- memory (bytes); alloc returns zeroed memory
   virtual void* alloc(int64_t bytes) = 0;
@@ -24,35 +32,118 @@ class Backend {
   virtual void copy(void* dst, const void* src, int64_t bytes) = 0;  // within the device
   virtual void upload(void* dst, const void* host_src, int64_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, int64_t bytes) = 0;  // waits for the device
+  int64_t bytes_in_use() const { return bytes_in_use_; }  // held by Buffers of this backend
 
-  // ---- kernels (see csrc/cpu/kernels.h for the contract of each)
-  virtual void encoder_forward(float* out, const int32_t* idx, const float* wte, const float* wpe, int B, int T,
-                               int C) = 0;
-  virtual void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* idx, int B, int T, int C,
-                                int V) = 0;
-  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                                 const float* bias, int64_t N, int C) = 0;
-  virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                                  const float* weight, const float* mean, const float* rstd, int64_t N, int C) = 0;
-  virtual void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
-                              int OC) = 0;
-  virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                               const float* weight, int64_t N, int C, int OC) = 0;
-  virtual void gelu_forward(float* out, const float* inp, int64_t n) = 0;
-  virtual void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) = 0;
-  virtual void residual_forward(float* out, const float* a, const float* b, int64_t n) = 0;
-  virtual void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH,
-                                 bool causal) = 0;
-  virtual void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                                  const float* lse, int B, int T, int C, int NH, bool causal) = 0;
-  virtual void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
-                                     int64_t N, int V) = 0;
-  virtual void cross_entropy_backward(float* dlogits, const float* logits, const float* lse,
-                                      const int32_t* targets, float dloss, int64_t N, int V) = 0;
-  virtual void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
-                            const cpu::AdamWHyper& h) = 0;
+  // ---- kernels (see csrc/cpu/kernels.h for the contract of each), typed: S is the storage type of activations and
+  // compute weights (float, bf16, f16); parameter gradients and statistics are float. Each forwards to the
+  // type-erased virtual below it, which a backend implements once with a switch on the DType.
+  template <typename S>
+  void encoder_forward(S* out, const int32_t* idx, const S* wte, const S* wpe, int B, int T, int C) {
+    encoder_forward_(dt<S>(), out, idx, wte, wpe, B, T, C);
+  }
+  template <typename S>
+  void encoder_backward(float* dwte, float* dwpe, const S* dout, const int32_t* idx, int B, int T, int C, int V) {
+    encoder_backward_(dt<S>(), dwte, dwpe, dout, idx, B, T, C, V);
+  }
+  template <typename S>
+  void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* weight, const S* bias, int64_t N,
+                         int C) {
+    layernorm_forward_(dt<S>(), out, mean, rstd, inp, weight, bias, N, C);
+  }
+  template <typename S>
+  void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                          const float* mean, const float* rstd, int64_t N, int C) {
+    layernorm_backward_(dt<S>(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  template <typename S>
+  void matmul_forward(S* out, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC) {
+    matmul_forward_(dt<S>(), out, inp, weight, bias, N, C, OC);
+  }
+  template <typename S>
+  void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                       int64_t N, int C, int OC) {
+    matmul_backward_(dt<S>(), dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+  }
+  template <typename S>
+  void gelu_forward(S* out, const S* inp, int64_t n) {
+    gelu_forward_(dt<S>(), out, inp, n);
+  }
+  template <typename S>
+  void gelu_backward(S* dinp, const S* inp, const S* dout, int64_t n) {
+    gelu_backward_(dt<S>(), dinp, inp, dout, n);
+  }
+  template <typename S>
+  void residual_forward(S* out, const S* a, const S* b, int64_t n) {
+    residual_forward_(dt<S>(), out, a, b, n);
+  }
+  template <typename S>
+  void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal) {
+    attention_forward_(dt<S>(), out, lse, qkv, B, T, C, NH, causal);
+  }
+  template <typename S>
+  void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
+                          int NH, bool causal) {
+    attention_backward_(dt<S>(), dqkv, dout, qkv, out, lse, B, T, C, NH, causal);
+  }
+  template <typename S>
+  void cross_entropy_forward(float* losses, float* lse, const S* logits, const int32_t* targets, int64_t N, int V) {
+    cross_entropy_forward_(dt<S>(), losses, lse, logits, targets, N, V);
+  }
+  template <typename S>
+  void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
+                              int64_t N, int V) {
+    cross_entropy_backward_(dt<S>(), dlogits, logits, lse, targets, dloss, N, V);
+  }
+  // AdamW on fp32 masters; with lowp (a 16-bit copy of dtype `lowp_dtype`), also writes the compute weights.
+  virtual void adamw_update(float* param, void* lowp, DType lowp_dtype, const float* grad, float* m, float* v,
+                            int64_t n, const cpu::AdamWHyper& h, const RoundKey& key) = 0;
+  // Masters to compute weights (dtype bf16 or f16), as `key` says; and 16-bit memory widened to float.
+  virtual void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) = 0;
+  virtual void widen(float* out, const void* in, DType dtype, int64_t n) = 0;
   virtual double sum_squares(const float* x, int64_t n) = 0;  // deterministic; waits for the device
   virtual void scale_inplace(float* x, int64_t n, float s) = 0;
+
+ protected:
+  template <typename S>
+  static constexpr DType dt() {
+    return std::is_same_v<S, float> ? DType::f32 : std::is_same_v<S, bf16> ? DType::bf16 : DType::f16;
+  }
+  using cv = const void;
+  // A type-erased pointer as the storage type the DType named.
+  template <typename S>
+  static S* P(void* p) {
+    return static_cast<S*>(p);
+  }
+  template <typename S>
+  static const S* P(const void* p) {
+    return static_cast<const S*>(p);
+  }
+  virtual void encoder_forward_(DType, void* out, const int32_t* idx, cv* wte, cv* wpe, int B, int T, int C) = 0;
+  virtual void encoder_backward_(DType, float* dwte, float* dwpe, cv* dout, const int32_t* idx, int B, int T, int C,
+                                 int V) = 0;
+  virtual void layernorm_forward_(DType, void* out, float* mean, float* rstd, cv* inp, cv* weight, cv* bias,
+                                  int64_t N, int C) = 0;
+  virtual void layernorm_backward_(DType, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
+                                   const float* mean, const float* rstd, int64_t N, int C) = 0;
+  virtual void matmul_forward_(DType, void* out, cv* inp, cv* weight, cv* bias, int64_t N, int C, int OC) = 0;
+  virtual void matmul_backward_(DType, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
+                                int64_t N, int C, int OC) = 0;
+  virtual void gelu_forward_(DType, void* out, cv* inp, int64_t n) = 0;
+  virtual void gelu_backward_(DType, void* dinp, cv* inp, cv* dout, int64_t n) = 0;
+  virtual void residual_forward_(DType, void* out, cv* a, cv* b, int64_t n) = 0;
+  virtual void attention_forward_(DType, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
+                                  bool causal) = 0;
+  virtual void attention_backward_(DType, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T,
+                                   int C, int NH, bool causal) = 0;
+  virtual void cross_entropy_forward_(DType, float* losses, float* lse, cv* logits, const int32_t* targets,
+                                      int64_t N, int V) = 0;
+  virtual void cross_entropy_backward_(DType, void* dlogits, cv* logits, const float* lse, const int32_t* targets,
+                                       float dloss, int64_t N, int V) = 0;
+
+ private:
+  template <typename T>
+  friend class Buffer;
+  int64_t bytes_in_use_ = 0;
 };
 
 std::unique_ptr<Backend> make_cpu_backend();
@@ -64,7 +155,9 @@ template <typename T>
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(Backend* be, int64_t n) : be_(be), n_(n), p_(n ? static_cast<T*>(be->alloc(n * sizeof(T))) : nullptr) {}
+  Buffer(Backend* be, int64_t n) : be_(be), n_(n), p_(n ? static_cast<T*>(be->alloc(n * sizeof(T))) : nullptr) {
+    be_->bytes_in_use_ += n * (int64_t)sizeof(T);
+  }
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept {
     std::swap(be_, o.be_);
@@ -76,6 +169,7 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer() {
     if (p_) be_->release(p_);
+    if (be_) be_->bytes_in_use_ -= n_ * (int64_t)sizeof(T);
   }
   T* data() const { return p_; }
   int64_t size() const { return n_; }

@@ -1,4 +1,5 @@
-// The CPU backend: host memory (64-byte aligned, for the vector kernels) and the kernels of csrc/cpu/.
+// The CPU backend: host memory (64-byte aligned, for the vector kernels) and the kernels of csrc/cpu/, each
+// instantiated for the storage type the DType names. Runs every precision but tf32 (the CPU has no TF32 units).
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -10,10 +11,26 @@ namespace fastgpt {
 
 namespace {
 
+// Runs `body` with S bound to the C++ type of `d`; the pointers are cast inside with P<S>.
+#define FASTGPT_TYPED(d, ...)      \
+  with_dtype(d, [&](auto tag_) {   \
+    using S = decltype(tag_);      \
+    __VA_ARGS__;                   \
+  })
+
+
 class CpuBackend final : public Backend {
  public:
   bool is_cuda() const override { return false; }
   std::string name() const override { return "cpu"; }
+  void check_precision(const std::string& precision) const override {
+    if (precision == "tf32")
+      throw std::invalid_argument("precision='tf32' needs a CUDA GPU (TF32 is a tensor-core format; the CPU has "
+                                  "none): use 'fp32', 'bf16' or 'fp16' on the CPU");
+  }
+  void set_tf32(bool on) override {
+    if (on) check_precision("tf32");
+  }
 
   void* alloc(int64_t bytes) override {
     const size_t size = ((size_t)bytes + 63) / 64 * 64;
@@ -28,60 +45,77 @@ class CpuBackend final : public Backend {
   void upload(void* dst, const void* src, int64_t bytes) override { std::memcpy(dst, src, bytes); }
   void download(void* dst, const void* src, int64_t bytes) override { std::memcpy(dst, src, bytes); }
 
-  void encoder_forward(float* out, const int32_t* idx, const float* wte, const float* wpe, int B, int T,
-                       int C) override {
-    cpu::encoder_forward(out, idx, wte, wpe, B, T, C);
+  void adamw_update(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v, int64_t n,
+                    const cpu::AdamWHyper& h, const RoundKey& key) override {
+    if (!lowp || dtype == DType::f32) return cpu::adamw_update(param, grad, m, v, n, h);
+    if (dtype == DType::bf16) return cpu::adamw_update_mixed(param, P<bf16>(lowp), grad, m, v, n, h, key);
+    cpu::adamw_update_mixed(param, P<f16>(lowp), grad, m, v, n, h, key);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* idx, int B, int T, int C,
-                        int) override {
-    cpu::encoder_backward(dwte, dwpe, dout, idx, B, T, C);
+  void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
+    if (dtype == DType::bf16) return cpu::narrow(P<bf16>(out), in, n, key);
+    if (dtype == DType::f16) return cpu::narrow(P<f16>(out), in, n, key);
+    std::memcpy(out, in, n * sizeof(float));
   }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                         const float* bias, int64_t N, int C) override {
-    cpu::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
-  }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, const float* mean, const float* rstd, int64_t N, int C) override {
-    cpu::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
-  }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
-                      int OC) override {
-    cpu::matmul_forward(out, inp, weight, bias, N, C, OC);
-  }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                       const float* weight, int64_t N, int C, int OC) override {
-    cpu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
-  }
-  void gelu_forward(float* out, const float* inp, int64_t n) override { cpu::gelu_forward(out, inp, n); }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
-    cpu::gelu_backward(dinp, inp, dout, n);
-  }
-  void residual_forward(float* out, const float* a, const float* b, int64_t n) override {
-    cpu::residual_forward(out, a, b, n);
-  }
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH,
-                         bool causal) override {
-    cpu::attention_forward(out, lse, qkv, B, T, C, NH, causal);
-  }
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                          int B, int T, int C, int NH, bool causal) override {
-    cpu::attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, causal);
-  }
-  void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                             int V) override {
-    cpu::cross_entropy_forward(losses, lse, logits, targets, N, V);
-  }
-  void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                              float dloss, int64_t N, int V) override {
-    cpu::cross_entropy_backward(dlogits, logits, lse, targets, dloss, N, V);
-  }
-  void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
-                    const cpu::AdamWHyper& h) override {
-    cpu::adamw_update(param, grad, m, v, n, h);
+  void widen(float* out, const void* in, DType dtype, int64_t n) override {
+    if (dtype == DType::bf16) return cpu::widen(out, P<bf16>(in), n);
+    if (dtype == DType::f16) return cpu::widen(out, P<f16>(in), n);
+    std::memcpy(out, in, n * sizeof(float));
   }
   double sum_squares(const float* x, int64_t n) override { return cpu::sum_squares(x, n); }
   void scale_inplace(float* x, int64_t n, float s) override { cpu::scale_inplace(x, n, s); }
+
+ protected:
+  void encoder_forward_(DType d, void* out, const int32_t* idx, cv* wte, cv* wpe, int B, int T, int C) override {
+    FASTGPT_TYPED(d, cpu::encoder_forward(P<S>(out), idx, P<S>(wte), P<S>(wpe), B, T, C));
+  }
+  void encoder_backward_(DType d, float* dwte, float* dwpe, cv* dout, const int32_t* idx, int B, int T, int C,
+                         int) override {
+    FASTGPT_TYPED(d, cpu::encoder_backward(dwte, dwpe, P<S>(dout), idx, B, T, C));
+  }
+  void layernorm_forward_(DType d, void* out, float* mean, float* rstd, cv* inp, cv* weight, cv* bias, int64_t N,
+                          int C) override {
+    FASTGPT_TYPED(d, cpu::layernorm_forward(P<S>(out), mean, rstd, P<S>(inp), P<S>(weight), P<S>(bias), N, C));
+  }
+  void layernorm_backward_(DType d, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
+                           const float* mean, const float* rstd, int64_t N, int C) override {
+    FASTGPT_TYPED(d, cpu::layernorm_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), mean,
+                                             rstd, N, C));
+  }
+  void matmul_forward_(DType d, void* out, cv* inp, cv* weight, cv* bias, int64_t N, int C, int OC) override {
+    FASTGPT_TYPED(d, cpu::matmul_forward(P<S>(out), P<S>(inp), P<S>(weight), P<S>(bias), N, C, OC));
+  }
+  void matmul_backward_(DType d, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight, int64_t N,
+                        int C, int OC) override {
+    FASTGPT_TYPED(d, cpu::matmul_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), N, C, OC));
+  }
+  void gelu_forward_(DType d, void* out, cv* inp, int64_t n) override {
+    FASTGPT_TYPED(d, cpu::gelu_forward(P<S>(out), P<S>(inp), n));
+  }
+  void gelu_backward_(DType d, void* dinp, cv* inp, cv* dout, int64_t n) override {
+    FASTGPT_TYPED(d, cpu::gelu_backward(P<S>(dinp), P<S>(inp), P<S>(dout), n));
+  }
+  void residual_forward_(DType d, void* out, cv* a, cv* b, int64_t n) override {
+    FASTGPT_TYPED(d, cpu::residual_forward(P<S>(out), P<S>(a), P<S>(b), n));
+  }
+  void attention_forward_(DType d, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
+                          bool causal) override {
+    FASTGPT_TYPED(d, cpu::attention_forward(P<S>(out), lse, P<S>(qkv), B, T, C, NH, causal));
+  }
+  void attention_backward_(DType d, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T, int C,
+                           int NH, bool causal) override {
+    FASTGPT_TYPED(d, cpu::attention_backward(P<S>(dqkv), P<S>(dout), P<S>(qkv), P<S>(out), lse, B, T, C, NH, causal));
+  }
+  void cross_entropy_forward_(DType d, float* losses, float* lse, cv* logits, const int32_t* targets, int64_t N,
+                              int V) override {
+    FASTGPT_TYPED(d, cpu::cross_entropy_forward(losses, lse, P<S>(logits), targets, N, V));
+  }
+  void cross_entropy_backward_(DType d, void* dlogits, cv* logits, const float* lse, const int32_t* targets,
+                               float dloss, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cpu::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, N, V));
+  }
 };
+
+#undef FASTGPT_TYPED
 
 }  // namespace
 

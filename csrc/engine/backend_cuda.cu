@@ -14,6 +14,17 @@ namespace fastgpt {
 
 namespace {
 
+// Runs `body` with S bound to the C++ type of `d` (see backend_cpu.cpp).
+#define FASTGPT_TYPED(d, ...)      \
+  do {                             \
+    select();                      \
+    with_dtype(d, [&](auto tag_) { \
+      using S = decltype(tag_);    \
+      __VA_ARGS__;                 \
+    });                            \
+  } while (0)
+
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -30,6 +41,18 @@ class CudaBackend final : public Backend {
   }
   bool is_cuda() const override { return true; }
   std::string name() const override { return "cuda:" + std::to_string(device_); }
+  void check_precision(const std::string& precision) const override {
+    // bf16 storage and TF32 need Ampere (sm_80) or newer; fp16 tensor cores exist earlier, but this build's
+    // kernels (mma.sync m16n8k16 with bf16 siblings, cp.async) are compiled for sm_80+ only.
+    int major = 0, minor = 0;
+    FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
+    FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_));
+    if (precision != "fp32" && major < 8)
+      throw std::invalid_argument("precision='" + precision + "' needs a GPU of compute capability 8.0 or newer (bf16, "
+                                  "fp16 and TF32 tensor cores); " + cuda::device_name(device_) +
+                                  " supports only 'fp32' here");
+  }
+  void set_tf32(bool on) override { tf32_ = on; }
 
   void* alloc(int64_t bytes) override {
     void* p = nullptr;
@@ -59,72 +82,25 @@ class CudaBackend final : public Backend {
     FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
-  void encoder_forward(float* out, const int32_t* idx, const float* wte, const float* wpe, int B, int T,
-                       int C) override {
+  void adamw_update(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v, int64_t n,
+                    const cpu::AdamWHyper& h, const RoundKey& key) override {
     select();
-    cuda::encoder_forward(out, idx, wte, wpe, B, T, C, stream_);
+    if (!lowp || dtype == DType::f32) return cuda::adamw_update(param, grad, m, v, n, h, stream_);
+    if (dtype == DType::bf16)
+      return cuda::adamw_update_mixed(param, P<bf16>(lowp), grad, m, v, n, h, key, stream_);
+    cuda::adamw_update_mixed(param, P<f16>(lowp), grad, m, v, n, h, key, stream_);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* idx, int B, int T, int C,
-                        int V) override {
+  void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
     select();
-    cuda::encoder_backward(dwte, dwpe, dout, idx, B, T, C, V, stream_);
+    if (dtype == DType::bf16) return cuda::narrow(P<bf16>(out), in, n, key, stream_);
+    if (dtype == DType::f16) return cuda::narrow(P<f16>(out), in, n, key, stream_);
+    copy(out, in, n * sizeof(float));
   }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                         const float* bias, int64_t N, int C) override {
+  void widen(float* out, const void* in, DType dtype, int64_t n) override {
     select();
-    cuda::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, stream_);
-  }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, const float* mean, const float* rstd, int64_t N, int C) override {
-    select();
-    cuda::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, stream_);
-  }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
-                      int OC) override {
-    select();
-    cuda::matmul_forward(out, inp, weight, bias, N, C, OC, stream_);
-  }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                       const float* weight, int64_t N, int C, int OC) override {
-    select();
-    cuda::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, stream_);
-  }
-  void gelu_forward(float* out, const float* inp, int64_t n) override {
-    select();
-    cuda::gelu_forward(out, inp, n, stream_);
-  }
-  void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) override {
-    select();
-    cuda::gelu_backward(dinp, inp, dout, n, stream_);
-  }
-  void residual_forward(float* out, const float* a, const float* b, int64_t n) override {
-    select();
-    cuda::residual_forward(out, a, b, n, stream_);
-  }
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH,
-                         bool causal) override {
-    select();
-    cuda::attention_forward(out, lse, qkv, B, T, C, NH, causal, stream_);
-  }
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                          int B, int T, int C, int NH, bool causal) override {
-    select();
-    cuda::attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, causal, stream_);
-  }
-  void cross_entropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                             int V) override {
-    select();
-    cuda::cross_entropy_forward(losses, lse, logits, targets, N, V, stream_);
-  }
-  void cross_entropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                              float dloss, int64_t N, int V) override {
-    select();
-    cuda::cross_entropy_backward(dlogits, logits, lse, targets, dloss, N, V, stream_);
-  }
-  void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n,
-                    const cpu::AdamWHyper& h) override {
-    select();
-    cuda::adamw_update(param, grad, m, v, n, h, stream_);
+    if (dtype == DType::bf16) return cuda::widen(out, P<bf16>(in), n, stream_);
+    if (dtype == DType::f16) return cuda::widen(out, P<f16>(in), n, stream_);
+    copy(out, in, n * sizeof(float));
   }
   double sum_squares(const float* x, int64_t n) override {
     select();
@@ -135,13 +111,69 @@ class CudaBackend final : public Backend {
     cuda::scale_inplace(x, n, s, stream_);
   }
 
+ protected:
+  void encoder_forward_(DType d, void* out, const int32_t* idx, cv* wte, cv* wpe, int B, int T, int C) override {
+    FASTGPT_TYPED(d, cuda::encoder_forward(P<S>(out), idx, P<S>(wte), P<S>(wpe), B, T, C, stream_));
+  }
+  void encoder_backward_(DType d, float* dwte, float* dwpe, cv* dout, const int32_t* idx, int B, int T, int C,
+                         int V) override {
+    FASTGPT_TYPED(d, cuda::encoder_backward(dwte, dwpe, P<S>(dout), idx, B, T, C, V, stream_));
+  }
+  void layernorm_forward_(DType d, void* out, float* mean, float* rstd, cv* inp, cv* weight, cv* bias, int64_t N,
+                          int C) override {
+    FASTGPT_TYPED(d, cuda::layernorm_forward(P<S>(out), mean, rstd, P<S>(inp), P<S>(weight), P<S>(bias), N, C,
+                                             stream_));
+  }
+  void layernorm_backward_(DType d, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
+                           const float* mean, const float* rstd, int64_t N, int C) override {
+    FASTGPT_TYPED(d, cuda::layernorm_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), mean,
+                                              rstd, N, C, stream_));
+  }
+  void matmul_forward_(DType d, void* out, cv* inp, cv* weight, cv* bias, int64_t N, int C, int OC) override {
+    FASTGPT_TYPED(d, cuda::matmul_forward(P<S>(out), P<S>(inp), P<S>(weight), P<S>(bias), N, C, OC, stream_, tf32_));
+  }
+  void matmul_backward_(DType d, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight, int64_t N,
+                        int C, int OC) override {
+    FASTGPT_TYPED(d, cuda::matmul_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), N, C, OC,
+                                           stream_, tf32_));
+  }
+  void gelu_forward_(DType d, void* out, cv* inp, int64_t n) override {
+    FASTGPT_TYPED(d, cuda::gelu_forward(P<S>(out), P<S>(inp), n, stream_));
+  }
+  void gelu_backward_(DType d, void* dinp, cv* inp, cv* dout, int64_t n) override {
+    FASTGPT_TYPED(d, cuda::gelu_backward(P<S>(dinp), P<S>(inp), P<S>(dout), n, stream_));
+  }
+  void residual_forward_(DType d, void* out, cv* a, cv* b, int64_t n) override {
+    FASTGPT_TYPED(d, cuda::residual_forward(P<S>(out), P<S>(a), P<S>(b), n, stream_));
+  }
+  void attention_forward_(DType d, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
+                          bool causal) override {
+    FASTGPT_TYPED(d, cuda::attention_forward(P<S>(out), lse, P<S>(qkv), B, T, C, NH, causal, stream_));
+  }
+  void attention_backward_(DType d, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T, int C,
+                           int NH, bool causal) override {
+    FASTGPT_TYPED(d, cuda::attention_backward(P<S>(dqkv), P<S>(dout), P<S>(qkv), P<S>(out), lse, B, T, C, NH, causal,
+                                              stream_));
+  }
+  void cross_entropy_forward_(DType d, float* losses, float* lse, cv* logits, const int32_t* targets, int64_t N,
+                              int V) override {
+    FASTGPT_TYPED(d, cuda::cross_entropy_forward(losses, lse, P<S>(logits), targets, N, V, stream_));
+  }
+  void cross_entropy_backward_(DType d, void* dlogits, cv* logits, const float* lse, const int32_t* targets,
+                               float dloss, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cuda::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, N, V, stream_));
+  }
+
  private:
   // The calling thread may have another device current (torch, another model): make ours current first.
   void select() { FASTGPT_CUDA_CHECK(cudaSetDevice(device_)); }
 
   int device_;
   cudaStream_t stream_ = nullptr;
+  bool tf32_ = false;
 };
+
+#undef FASTGPT_TYPED
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 // GPT-2 forward and backward, composed from the kernels of a Backend (csrc/cpu/ or csrc/cuda/).
 // Layout and op order follow build-nanogpt's model exactly (pre-LN blocks, fused QKV, tanh GELU, tied lm_head),
-// so a PyTorch model loaded with these weights computes the same function.
+// so a PyTorch model loaded with these weights computes the same function. forward_t/backward_t are the one copy
+// of the order of operations, templates over the storage type S of activations and compute weights.
 #include "engine/gpt.h"
 
 #include <cmath>
@@ -40,6 +41,35 @@ std::string layer_name(const std::string& pattern, int l) {
 
 }  // namespace
 
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::fp32;
+  if (name == "tf32") return Precision::tf32;
+  if (name == "bf16") return Precision::bf16;
+  if (name == "fp16") return Precision::fp16;
+  throw std::invalid_argument("precision must be one of 'fp32', 'tf32', 'bf16', 'fp16', got '" + name + "'");
+}
+
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::fp32: return "fp32";
+    case Precision::tf32: return "tf32";
+    case Precision::bf16: return "bf16";
+    case Precision::fp16: return "fp16";
+  }
+  return "?";
+}
+
+void LossScaler::update(bool found_inf) {
+  if (!enabled) return;
+  if (found_inf) {
+    scale *= backoff_factor;
+    growth_tracker = 0;
+  } else if (++growth_tracker == growth_interval) {
+    scale *= growth_factor;
+    growth_tracker = 0;
+  }
+}
+
 void GPTConfig::validate() const {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
@@ -53,8 +83,19 @@ void GPTConfig::validate() const {
                                                 std::to_string(n_head) + "), got " + std::to_string(n_embd));
 }
 
-GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend) : cfg_(cfg), be_(std::move(backend)) {
+GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, Precision precision)
+    : cfg_(cfg),
+      be_(std::move(backend)),
+      precision_(precision),
+      storage_(precision == Precision::bf16 ? DType::bf16 : precision == Precision::fp16 ? DType::f16 : DType::f32),
+      seed_(seed) {
   cfg_.validate();
+  be_->check_precision(precision_name(precision));
+  be_->set_tf32(precision == Precision::tf32);
+  if (precision == Precision::fp16) {  // GradScaler's defaults
+    scaler_.enabled = true;
+    scaler_.scale = 65536.0;
+  }
   const int64_t V = cfg.vocab_size, maxT = cfg.block_size, C = cfg.n_embd, L = cfg.n_layer;
   const float std0 = 0.02f, std_proj = 0.02f / std::sqrt(2.f * (float)L);  // residual projections, GPT-2 style
   struct Spec { const char* name; std::vector<int64_t> shape; bool per_layer, decay; float std, value; };
@@ -86,7 +127,23 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend) 
   }
   params_ = Buffer<float>(be_.get(), offset);
   grads_ = Buffer<float>(be_.get(), offset);
+  if (storage_ != DType::f32) cparams_ = Buffer<uint8_t>(be_.get(), offset * dtype_size(storage_));
   init_params(seed);
+}
+
+void GPT::refresh_compute_params() {
+  if (storage_ != DType::f32) be_->narrow(cparams_.data(), storage_, params_.data(), params_.size(), RoundKey{});
+}
+
+int64_t GPT::activation_bytes() const {
+  int64_t n = 0;
+  for (const auto* b : {&encoded_, &ln1_, &qkv_, &atty_, &residual2_, &ln2_, &fch_, &fch_gelu_, &residual3_, &lnf_,
+                        &last_rows_, &logits_, &dresidual_, &dbtc_, &dbt4c_, &dqkv_})
+    n += b->size();
+  for (const auto* b : {&ln1_mean_, &ln1_rstd_, &att_lse_, &ln2_mean_, &ln2_rstd_, &lnf_mean_, &lnf_rstd_, &losses_,
+                        &ce_lse_})
+    n += b->size() * 4;
+  return n + (idx_.size() + targets_.size()) * 4;
 }
 
 void GPT::init_params(uint64_t seed) {
@@ -107,6 +164,7 @@ void GPT::init_params(uint64_t seed) {
     }
   }
   be_->upload(params_.data(), host.data(), (int64_t)host.size() * sizeof(float));
+  refresh_compute_params();
 }
 
 std::vector<NamedView> GPT::named_views() const {
@@ -126,9 +184,12 @@ std::vector<NamedView> GPT::named_views() const {
   return out;
 }
 
-const float* GPT::P(int i, int l) const {
+template <typename S>
+const S* GPT::P(int i, int l) const {
   const ParamTensor& t = tensors_[i];
-  return params_.data() + t.offset + (t.per_layer ? l * (t.numel / cfg_.n_layer) : 0);
+  const S* base = storage_ == DType::f32 ? reinterpret_cast<const S*>(params_.data())
+                                         : reinterpret_cast<const S*>(cparams_.data());
+  return base + t.offset + (t.per_layer ? l * (t.numel / cfg_.n_layer) : 0);
 }
 
 float* GPT::G(int i, int l) {
@@ -141,32 +202,34 @@ void GPT::ensure_activations(int B, int T) {
   if (BT <= act_bt_) return;
   const int64_t C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size;
   Backend* be = be_.get();
+  const int64_t es = dtype_size(storage_);  // bytes per stored activation
+  auto act = [&](int64_t n) { return Buffer<uint8_t>(be, n * es); };
   act_bt_ = BT;
   idx_ = Buffer<int32_t>(be, BT);
   targets_ = Buffer<int32_t>(be, BT);
-  encoded_ = Buffer<float>(be, BT * C);
-  for (auto* b : {&ln1_, &atty_, &residual2_, &ln2_, &residual3_}) *b = Buffer<float>(be, L * BT * C);
+  encoded_ = act(BT * C);
+  for (auto* b : {&ln1_, &atty_, &residual2_, &ln2_, &residual3_}) *b = act(L * BT * C);
   for (auto* b : {&ln1_mean_, &ln1_rstd_, &ln2_mean_, &ln2_rstd_}) *b = Buffer<float>(be, L * BT);
-  qkv_ = Buffer<float>(be, L * BT * 3 * C);
+  qkv_ = act(L * BT * 3 * C);
   att_lse_ = Buffer<float>(be, L * BT * NH);
-  fch_ = Buffer<float>(be, L * BT * 4 * C);
-  fch_gelu_ = Buffer<float>(be, L * BT * 4 * C);
-  lnf_ = Buffer<float>(be, BT * C);
+  fch_ = act(L * BT * 4 * C);
+  fch_gelu_ = act(L * BT * 4 * C);
+  lnf_ = act(BT * C);
   lnf_mean_ = Buffer<float>(be, BT);
   lnf_rstd_ = Buffer<float>(be, BT);
-  last_rows_ = Buffer<float>(be, BT * C);
-  logits_ = Buffer<float>(be, BT * V);
+  last_rows_ = act(BT * C);
+  logits_ = act(BT * V);
   losses_ = Buffer<float>(be, BT);
   ce_lse_ = Buffer<float>(be, BT);
   host_losses_.resize(BT);
-  dresidual_ = Buffer<float>(be, BT * C);
-  dbtc_ = Buffer<float>(be, BT * C);
-  dbt4c_ = Buffer<float>(be, BT * 4 * C);
-  dqkv_ = Buffer<float>(be, BT * 3 * C);
+  dresidual_ = act(BT * C);
+  dbtc_ = act(BT * C);
+  dbt4c_ = act(BT * 4 * C);
+  dqkv_ = act(BT * 3 * C);
 }
 
 float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only) {
-  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size;
+  const int V = cfg_.vocab_size;
   if (B < 1) throw std::invalid_argument("batch size B must be >= 1, got " + std::to_string(B));
   if (T < 1 || T > cfg_.block_size)
     throw std::invalid_argument("sequence length T must be in [1, block_size=" + std::to_string(cfg_.block_size) +
@@ -188,102 +251,130 @@ float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, boo
   T_ = T;
   be_->upload(idx_.data(), idx, BT * sizeof(int32_t));
   if (targets) be_->upload(targets_.data(), targets, BT * sizeof(int32_t));
-  Backend& k = *be_;
-
-  k.encoder_forward(encoded_.data(), idx_.data(), P(WTE), P(WPE), B, T, C);
-  for (int l = 0; l < L; l++) {
-    const float* residual = l == 0 ? encoded_.data() : residual3_.data() + (l - 1) * BT * C;
-    float* ln1 = ln1_.data() + l * BT * C;
-    float* qkv = qkv_.data() + l * BT * 3 * C;
-    float* atty = atty_.data() + l * BT * C;
-    float* res2 = residual2_.data() + l * BT * C;
-    float* ln2 = ln2_.data() + l * BT * C;
-    float* fch = fch_.data() + l * BT * 4 * C;
-    float* fch_gelu = fch_gelu_.data() + l * BT * 4 * C;
-    float* res3 = residual3_.data() + l * BT * C;
-    k.layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P(LN1W, l),
-                           P(LN1B, l), BT, C);
-    k.matmul_forward(qkv, ln1, P(QKVW, l), P(QKVB, l), BT, C, 3 * C);
-    k.attention_forward(atty, att_lse_.data() + l * BT * NH, qkv, B, T, C, NH, true);
-    // The projection lands in residual2 and the skip is added in place: no separate buffer for it.
-    k.matmul_forward(res2, atty, P(ATTPROJW, l), P(ATTPROJB, l), BT, C, C);
-    k.residual_forward(res2, res2, residual, BT * C);
-    k.layernorm_forward(ln2, ln2_mean_.data() + l * BT, ln2_rstd_.data() + l * BT, res2, P(LN2W, l),
-                           P(LN2B, l), BT, C);
-    k.matmul_forward(fch, ln2, P(FCW, l), P(FCB, l), BT, C, 4 * C);
-    k.gelu_forward(fch_gelu, fch, BT * 4 * C);
-    k.matmul_forward(res3, fch_gelu, P(FCPROJW, l), P(FCPROJB, l), BT, 4 * C, C);
-    k.residual_forward(res3, res3, res2, BT * C);
-  }
-  const float* final_res = residual3_.data() + (L - 1) * BT * C;
-  k.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), final_res, P(LNFW), P(LNFB), BT, C);
-
+  with_dtype(storage_, [&](auto s) { forward_t<decltype(s)>(B, T, last_only, targets != nullptr); });
   last_only_ = last_only;
   have_targets_ = targets != nullptr;
   logits_valid_ = true;
-  if (last_only) {
-    for (int b = 0; b < B; b++)
-      k.copy(last_rows_.data() + (int64_t)b * C, lnf_.data() + ((int64_t)b * T + T - 1) * C, C * sizeof(float));
-    k.matmul_forward(logits_.data(), last_rows_.data(), P(WTE), nullptr, B, C, V);  // lm_head tied to wte
-    return std::numeric_limits<float>::quiet_NaN();
-  }
-  k.matmul_forward(logits_.data(), lnf_.data(), P(WTE), nullptr, BT, C, V);
   if (!targets) return std::numeric_limits<float>::quiet_NaN();
-  k.cross_entropy_forward(losses_.data(), ce_lse_.data(), logits_.data(), targets_.data(), BT, V);
-  k.download(host_losses_.data(), losses_.data(), BT * sizeof(float));
+  be_->download(host_losses_.data(), losses_.data(), BT * sizeof(float));
   double sum = 0.0;
   for (int64_t i = 0; i < BT; i++) sum += host_losses_[i];
   return (float)(sum / BT);
 }
 
+template <typename S>
+void GPT::forward_t(int B, int T, bool last_only, bool with_targets) {
+  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size;
+  const int64_t BT = (int64_t)B * T;
+  Backend& k = *be_;
+  k.encoder_forward(A<S>(encoded_), idx_.data(), P<S>(WTE), P<S>(WPE), B, T, C);
+  for (int l = 0; l < L; l++) {
+    const S* residual = l == 0 ? A<S>(encoded_) : A<S>(residual3_, (l - 1) * BT * C);
+    S* ln1 = A<S>(ln1_, l * BT * C);
+    S* qkv = A<S>(qkv_, l * BT * 3 * C);
+    S* atty = A<S>(atty_, l * BT * C);
+    S* res2 = A<S>(residual2_, l * BT * C);
+    S* ln2 = A<S>(ln2_, l * BT * C);
+    S* fch = A<S>(fch_, l * BT * 4 * C);
+    S* fch_gelu = A<S>(fch_gelu_, l * BT * 4 * C);
+    S* res3 = A<S>(residual3_, l * BT * C);
+    k.layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P<S>(LN1W, l),
+                        P<S>(LN1B, l), BT, C);
+    k.matmul_forward(qkv, ln1, P<S>(QKVW, l), P<S>(QKVB, l), BT, C, 3 * C);
+    k.attention_forward(atty, att_lse_.data() + l * BT * NH, qkv, B, T, C, NH, true);
+    // The projection lands in residual2 and the skip is added in place: no separate buffer for it.
+    k.matmul_forward(res2, atty, P<S>(ATTPROJW, l), P<S>(ATTPROJB, l), BT, C, C);
+    k.residual_forward(res2, res2, residual, BT * C);
+    k.layernorm_forward(ln2, ln2_mean_.data() + l * BT, ln2_rstd_.data() + l * BT, res2, P<S>(LN2W, l),
+                        P<S>(LN2B, l), BT, C);
+    k.matmul_forward(fch, ln2, P<S>(FCW, l), P<S>(FCB, l), BT, C, 4 * C);
+    k.gelu_forward(fch_gelu, fch, BT * 4 * C);
+    k.matmul_forward(res3, fch_gelu, P<S>(FCPROJW, l), P<S>(FCPROJB, l), BT, 4 * C, C);
+    k.residual_forward(res3, res3, res2, BT * C);
+  }
+  const S* final_res = A<S>(residual3_, (L - 1) * BT * C);
+  k.layernorm_forward(A<S>(lnf_), lnf_mean_.data(), lnf_rstd_.data(), final_res, P<S>(LNFW), P<S>(LNFB), BT, C);
+  if (last_only) {
+    for (int b = 0; b < B; b++)
+      k.copy(A<S>(last_rows_, (int64_t)b * C), A<S>(lnf_, ((int64_t)b * T + T - 1) * C), C * sizeof(S));
+    k.matmul_forward(A<S>(logits_), A<S>(last_rows_), P<S>(WTE), (const S*)nullptr, B, C, V);  // lm_head = wte
+    return;
+  }
+  k.matmul_forward(A<S>(logits_), A<S>(lnf_), P<S>(WTE), (const S*)nullptr, BT, C, V);
+  if (with_targets) k.cross_entropy_forward(losses_.data(), ce_lse_.data(), A<S>(logits_), targets_.data(), BT, V);
+}
+
 void GPT::backward(float grad_scale) {
   if (!have_targets_ || !logits_valid_)
     throw std::logic_error("backward() needs a forward() with targets first (and one backward per forward)");
-  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size, B = B_, T = T_;
-  const int64_t BT = (int64_t)B * T;
+  if (grads_unscaled_)
+    throw std::logic_error("backward() after the gradients were unscaled (clip_grad_norm or a skipped step) adds "
+                           "scaled gradients to unscaled ones: call zero_grad() first");
   logits_valid_ = false;  // the logit gradients overwrite the logits
-  Backend& k = *be_;
-
-  float* dlogits = logits_.data();
-  k.cross_entropy_backward(dlogits, logits_.data(), ce_lse_.data(), targets_.data(), grad_scale / (float)BT,
-                              BT, V);
-  float* dlnf = dbtc_.data();
-  k.matmul_backward(dlnf, G(WTE), nullptr, dlogits, lnf_.data(), P(WTE), BT, C, V);
-  float* dres = dresidual_.data();  // d(residual stream), accumulated through the blocks
-  k.zero(dres, BT * C * sizeof(float));
-  k.layernorm_backward(dres, G(LNFW), G(LNFB), dlnf, residual3_.data() + (L - 1) * BT * C, P(LNFW),
-                          lnf_mean_.data(), lnf_rstd_.data(), BT, C);
-  for (int l = L - 1; l >= 0; l--) {
-    const float* residual = l == 0 ? encoded_.data() : residual3_.data() + (l - 1) * BT * C;
-    const float* ln1 = ln1_.data() + l * BT * C;
-    const float* qkv = qkv_.data() + l * BT * 3 * C;
-    const float* atty = atty_.data() + l * BT * C;
-    const float* res2 = residual2_.data() + l * BT * C;
-    const float* ln2 = ln2_.data() + l * BT * C;
-    const float* fch = fch_.data() + l * BT * 4 * C;
-    const float* fch_gelu = fch_gelu_.data() + l * BT * 4 * C;
-    float* d4c = dbt4c_.data();
-    float* dc = dbtc_.data();
-    // residual3 = residual2 + mlp(ln2(residual2)): dres flows to both, the MLP branch adds through ln_2.
-    k.matmul_backward(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P(FCPROJW, l), BT, 4 * C, C);
-    k.gelu_backward(d4c, fch, d4c, BT * 4 * C);
-    k.matmul_backward(dc, G(FCW, l), G(FCB, l), d4c, ln2, P(FCW, l), BT, C, 4 * C);
-    k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P(LN2W, l), ln2_mean_.data() + l * BT,
-                            ln2_rstd_.data() + l * BT, BT, C);
-    // residual2 = residual + attn(ln1(residual)).
-    k.matmul_backward(dc, G(ATTPROJW, l), G(ATTPROJB, l), dres, atty, P(ATTPROJW, l), BT, C, C);
-    k.attention_backward(dqkv_.data(), dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true);
-    k.matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv_.data(), ln1, P(QKVW, l), BT, C, 3 * C);
-    k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P(LN1W, l), ln1_mean_.data() + l * BT,
-                            ln1_rstd_.data() + l * BT, BT, C);
-  }
-  k.encoder_backward(G(WTE), G(WPE), dres, idx_.data(), B, T, C, V);
+  const float dloss = (float)(grad_scale * scaler_.scale / ((double)B_ * T_));
+  with_dtype(storage_, [&](auto s) { backward_t<decltype(s)>(dloss); });
 }
 
-void GPT::zero_grad() { be_->zero(grads_.data(), grads_.size() * sizeof(float)); }
+template <typename S>
+void GPT::backward_t(float dloss) {
+  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size, B = B_, T = T_;
+  const int64_t BT = (int64_t)B * T;
+  Backend& k = *be_;
+
+  S* dlogits = A<S>(logits_);
+  k.cross_entropy_backward(dlogits, A<S>(logits_), ce_lse_.data(), targets_.data(), dloss, BT, V);
+  S* dlnf = A<S>(dbtc_);
+  k.matmul_backward(dlnf, G(WTE), nullptr, dlogits, A<S>(lnf_), P<S>(WTE), BT, C, V);
+  S* dres = A<S>(dresidual_);  // d(residual stream), accumulated through the blocks
+  k.zero(dres, BT * C * sizeof(S));
+  k.layernorm_backward(dres, G(LNFW), G(LNFB), dlnf, A<S>(residual3_, (L - 1) * BT * C), P<S>(LNFW),
+                       lnf_mean_.data(), lnf_rstd_.data(), BT, C);
+  for (int l = L - 1; l >= 0; l--) {
+    const S* residual = l == 0 ? A<S>(encoded_) : A<S>(residual3_, (l - 1) * BT * C);
+    const S* ln1 = A<S>(ln1_, l * BT * C);
+    const S* qkv = A<S>(qkv_, l * BT * 3 * C);
+    const S* atty = A<S>(atty_, l * BT * C);
+    const S* res2 = A<S>(residual2_, l * BT * C);
+    const S* ln2 = A<S>(ln2_, l * BT * C);
+    const S* fch = A<S>(fch_, l * BT * 4 * C);
+    const S* fch_gelu = A<S>(fch_gelu_, l * BT * 4 * C);
+    S* d4c = A<S>(dbt4c_);
+    S* dc = A<S>(dbtc_);
+    S* dqkv = A<S>(dqkv_);
+    // residual3 = residual2 + mlp(ln2(residual2)): dres flows to both, the MLP branch adds through ln_2.
+    k.matmul_backward(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P<S>(FCPROJW, l), BT, 4 * C, C);
+    k.gelu_backward(d4c, fch, d4c, BT * 4 * C);
+    k.matmul_backward(dc, G(FCW, l), G(FCB, l), d4c, ln2, P<S>(FCW, l), BT, C, 4 * C);
+    k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P<S>(LN2W, l), ln2_mean_.data() + l * BT,
+                         ln2_rstd_.data() + l * BT, BT, C);
+    // residual2 = residual + attn(ln1(residual)).
+    k.matmul_backward(dc, G(ATTPROJW, l), G(ATTPROJB, l), dres, atty, P<S>(ATTPROJW, l), BT, C, C);
+    k.attention_backward(dqkv, dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true);
+    k.matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv, ln1, P<S>(QKVW, l), BT, C, 3 * C);
+    k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P<S>(LN1W, l), ln1_mean_.data() + l * BT,
+                         ln1_rstd_.data() + l * BT, BT, C);
+  }
+  k.encoder_backward(G(WTE), G(WPE), (const S*)dres, idx_.data(), B, T, C, V);
+}
+
+void GPT::zero_grad() {
+  be_->zero(grads_.data(), grads_.size() * sizeof(float));
+  grads_unscaled_ = found_inf_ = false;
+}
+
+bool GPT::unscale_grads() {
+  if (!scaler_.enabled || grads_unscaled_) return found_inf_;
+  // One pass finds a non-finite gradient (its square sums to inf/NaN in double) before anything is scaled.
+  const double ss = be_->sum_squares(grads_.data(), grads_.size());
+  found_inf_ = !std::isfinite(ss);
+  if (!found_inf_) be_->scale_inplace(grads_.data(), grads_.size(), (float)(1.0 / scaler_.scale));
+  grads_unscaled_ = true;
+  return found_inf_;
+}
 
 double GPT::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
+  if (unscale_grads()) return std::numeric_limits<double>::infinity();
   const double norm = std::sqrt(be_->sum_squares(grads_.data(), grads_.size()));
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) be_->scale_inplace(grads_.data(), grads_.size(), (float)coef);

@@ -2,6 +2,11 @@
 // of the same layout, the activations of the last forward, and forward/backward composed from the kernels of a
 // Backend (CPU or CUDA). This is the only place that knows the order of operations in a block; kernels know
 // nothing of the model, and nothing here knows Python (the binding in csrc/binding.cpp wraps it).
+//
+// Precision (llm.c's recipe): activations and the compute weights the kernels read are stored in the storage type
+// of the precision (float for fp32/tf32, bf16, f16); the fp32 masters, the gradients (fp32, so micro-batches
+// accumulate exactly) and the optimizer moments stay fp32. The order of operations is written once, as member
+// templates over the storage type, instantiated for all three. fp16 scales the loss (LossScaler, GradScaler's rules).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -41,62 +46,117 @@ struct NamedView {
   int64_t offset;
 };
 
+enum class Precision { fp32, tf32, bf16, fp16 };
+// "fp32" | "tf32" | "bf16" | "fp16"; throws std::invalid_argument naming the choices otherwise.
+Precision parse_precision(const std::string& name);
+const char* precision_name(Precision p);
+
+// Dynamic loss scaling as torch.amp.GradScaler: the loss gradient is multiplied by `scale`; a step whose gradients
+// hold an inf/NaN is skipped and the scale multiplied by backoff_factor; after growth_interval finite steps in a
+// row the scale is multiplied by growth_factor. Used by fp16 only (other precisions keep scale 1, never skip).
+struct LossScaler {
+  bool enabled = false;
+  double scale = 1.0;
+  double growth_factor = 2.0, backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+  int64_t growth_tracker = 0;  // finite steps since the last change
+  void update(bool found_inf);
+};
+
 class GPT {
  public:
-  GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend);
+  GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, Precision precision = Precision::fp32);
 
   const GPTConfig& config() const { return cfg_; }
   Backend& backend() { return *be_; }
   int64_t num_parameters() const { return params_.size(); }
-  float* params() { return params_.data(); }  // backend memory (device memory for CUDA)
+  Precision precision() const { return precision_; }
+  DType storage() const { return storage_; }  // of activations and compute weights
+  uint64_t seed() const { return seed_; }
+  float* params() { return params_.data(); }  // fp32 masters, backend memory (device memory for CUDA)
   float* grads() { return grads_.data(); }
+  // The weights the kernels read: the masters themselves in fp32/tf32, else their 16-bit copy (storage()).
+  void* compute_params() { return storage_ == DType::f32 ? (void*)params_.data() : (void*)cparams_.data(); }
+  // Rewrites the compute weights from the masters, rounded to nearest: after the masters were set from outside.
+  void refresh_compute_params();
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   std::vector<NamedView> named_views() const;
 
   // Runs the model on idx (B, T), host token ids. With targets, returns the mean cross-entropy loss and keeps what
   // backward needs; without, returns NaN. last_only computes logits for the last position of each row only.
   float forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only = false);
-  // Logits of the last forward, in backend memory: (B, T, V), or (B, 1, V) after last_only. Backward overwrites them.
-  const float* logits() const { return logits_.data(); }
+  // Logits of the last forward, in backend memory and the storage type: (B, T, V), or (B, 1, V) after last_only.
+  // Backward overwrites them.
+  const void* logits() const { return logits_.data(); }
   bool logits_valid() const { return logits_valid_; }
   int last_B() const { return B_; }
   int last_T() const { return last_only_ ? 1 : T_; }  // rows of logits per sequence
-  // Adds d(grad_scale * mean loss)/d(params) to the gradient buffer.
+  // Adds d(grad_scale * mean loss)/d(params) to the gradient buffer (times the loss scale in fp16, until unscaled).
   void backward(float grad_scale);
   void zero_grad();
   // Global L2 norm of the gradients; if above max_norm, scales them by max_norm / (norm + 1e-6) (torch's rule).
+  // fp16: unscales first; if the gradients hold an inf/NaN the norm returned is inf/NaN and nothing is clipped.
   double clip_grad_norm(double max_norm);
+  // fp16: divides the gradients by the loss scale once per step (a no-op after the first call until zero_grad or
+  // backward) and returns whether they hold an inf/NaN. Other precisions: false, without touching the gradients.
+  bool unscale_grads();
+  LossScaler& scaler() { return scaler_; }
+  // Bytes of backend memory held by the model: fp32 masters + compute weights, gradients, activations.
+  int64_t param_bytes() const { return params_.size() * 4 + cparams_.size(); }
+  int64_t grad_bytes() const { return grads_.size() * 4; }
+  int64_t activation_bytes() const;
 
  private:
   void init_params(uint64_t seed);
   void ensure_activations(int B, int T);
-  const float* P(int i, int l = 0) const;  // parameter tensor i (its layer l slice)
-  float* G(int i, int l = 0);               // gradient tensor i
+  template <typename S>
+  void forward_t(int B, int T, bool last_only, bool with_targets);
+  template <typename S>
+  void backward_t(float dloss);
+  template <typename S>
+  const S* P(int i, int l = 0) const;  // compute weights of parameter tensor i (its layer l slice)
+  float* G(int i, int l = 0);          // gradient tensor i
+  // Activation buffer a as the storage type, from element `off`.
+  template <typename S>
+  static S* A(const Buffer<uint8_t>& a, int64_t off = 0) {
+    return reinterpret_cast<S*>(a.data()) + off;
+  }
 
   GPTConfig cfg_;
   std::unique_ptr<Backend> be_;
+  Precision precision_;
+  DType storage_;
+  uint64_t seed_;
+  LossScaler scaler_;
+  bool grads_unscaled_ = false, found_inf_ = false;
   std::vector<ParamTensor> tensors_;
   Buffer<float> params_, grads_;
+  Buffer<uint8_t> cparams_;  // 16-bit compute weights (bf16/fp16 only), parameter layout
 
   // Activations of the last forward, sized for the largest (B, T) seen. Per-layer ones are stacked (L, B, T, ...).
   int64_t act_bt_ = 0;
   int B_ = 0, T_ = 0;
   bool have_targets_ = false, last_only_ = false, logits_valid_ = false;
+  // Buffer<uint8_t> holds the storage type (A<S>), Buffer<float> is float in every precision.
   Buffer<int32_t> idx_, targets_;   // (B, T)
-  Buffer<float> encoded_;           // (B, T, C)
-  Buffer<float> ln1_, ln1_mean_, ln1_rstd_;  // (L, B, T, C), (L, B, T) x2
-  Buffer<float> qkv_;               // (L, B, T, 3C)
-  Buffer<float> atty_, att_lse_;    // (L, B, T, C), (L, B, NH, T)
-  Buffer<float> residual2_;         // (L, B, T, C)
-  Buffer<float> ln2_, ln2_mean_, ln2_rstd_;
-  Buffer<float> fch_, fch_gelu_;    // (L, B, T, 4C)
-  Buffer<float> residual3_;         // (L, B, T, C)
-  Buffer<float> lnf_, lnf_mean_, lnf_rstd_, last_rows_;
-  Buffer<float> logits_;            // (B, T, V); backward writes dlogits over it
+  Buffer<uint8_t> encoded_;         // (B, T, C)
+  Buffer<uint8_t> ln1_;             // (L, B, T, C)
+  Buffer<float> ln1_mean_, ln1_rstd_;  // (L, B, T) x2
+  Buffer<uint8_t> qkv_;             // (L, B, T, 3C)
+  Buffer<uint8_t> atty_;            // (L, B, T, C)
+  Buffer<float> att_lse_;           // (L, B, NH, T)
+  Buffer<uint8_t> residual2_;       // (L, B, T, C)
+  Buffer<uint8_t> ln2_;
+  Buffer<float> ln2_mean_, ln2_rstd_;
+  Buffer<uint8_t> fch_, fch_gelu_;  // (L, B, T, 4C)
+  Buffer<uint8_t> residual3_;       // (L, B, T, C)
+  Buffer<uint8_t> lnf_, last_rows_; // (B, T, C)
+  Buffer<float> lnf_mean_, lnf_rstd_;
+  Buffer<uint8_t> logits_;          // (B, T, V); backward writes dlogits over it
   Buffer<float> losses_, ce_lse_;   // (B, T)
   std::vector<float> host_losses_;  // (B, T)
   // Backward scratch, reused across layers.
-  Buffer<float> dresidual_, dbtc_, dbt4c_, dqkv_;
+  Buffer<uint8_t> dresidual_, dbtc_, dbt4c_, dqkv_;
 };
 
 }  // namespace fastgpt

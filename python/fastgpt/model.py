@@ -4,6 +4,15 @@ All parameters live in one float32 buffer inside the engine (llm.c's layout); `s
 zero-copy NumPy views of it under build-nanogpt's names and nn.Linear (out, in) shapes, so the weights load into a
 PyTorch GPT-2 as they are. The training step is three calls into C++ (forward, backward, optimizer step); Python
 never loops over layers.
+
+precision (llm.c's mixed-precision recipe, chosen at run time; one engine for all):
+  "fp32"  float32 everywhere.
+  "tf32"  float32 storage, matmuls on TF32 tensor cores (a GPU only).
+  "bf16"  activations and the weights the kernels read in bfloat16; matmuls accumulate in fp32; LayerNorm
+          statistics, softmax, log-sum-exp and the loss in fp32; fp32 master weights, gradients and AdamW moments.
+          After each optimizer step the bf16 weights are written from the masters with stochastic rounding.
+  "fp16"  as bf16 with float16 storage (weights rounded to nearest), plus dynamic loss scaling with
+          torch.amp.GradScaler's rules; AdamW.step() returns False for a skipped (inf/NaN) step.
 """
 from dataclasses import asdict, dataclass
 
@@ -13,7 +22,7 @@ from . import _C
 from ._convert import as_ids, check_float, check_int, to_numpy
 
 DEVICES = ("cpu", "cuda")
-PRECISIONS = ("fp32", "tf32", "bf16")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 @dataclass
@@ -43,10 +52,9 @@ def _check_device(device, precision):
                                "PATH (or with FASTGPT_CUDA=ON)")
         if _C.cuda_device_count() == 0:
             raise RuntimeError("device='cuda': no CUDA GPU is visible (no driver or no device)")
-        if precision != "fp32":
-            raise NotImplementedError(f"precision={precision!r} on CUDA is not implemented yet; use 'fp32'")
-    elif precision != "fp32":
-        raise ValueError(f"precision={precision!r} needs device='cuda'; the CPU backend computes in 'fp32'")
+    elif precision == "tf32":
+        raise ValueError("precision='tf32' needs device='cuda' (TF32 is a tensor-core format; the CPU has none): "
+                         "use 'fp32', 'bf16' or 'fp16' on the CPU")
 
 
 class GPT:
@@ -56,7 +64,7 @@ class GPT:
         self.device, self.precision = device, precision
         seed = check_int(seed, "seed", low=0, high=2**64 - 1)
         c = self.config
-        self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed, device)
+        self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed, device, precision)
         self._layout = [(name, tuple(shape), offset) for name, shape, offset in self._engine.named_views()]
         self._on_cpu = device == "cpu"
         if self._on_cpu:  # zero-copy views of the engine's buffers, made once
@@ -85,8 +93,9 @@ class GPT:
                 raise ValueError(f"targets shape {tgt.shape} must equal idx shape {ids.shape}")
         loss = self._engine.forward(ids, tgt, False)
         logits = None
-        if return_logits:  # a CPU view is copied (backward overwrites it); a GPU's arrives as a host copy already
-            logits = np.array(self._engine.logits()) if self._on_cpu else self._engine.logits()
+        if return_logits:  # an fp32 CPU view is copied (backward overwrites it); others arrive as copies already
+            logits = self._engine.logits()
+            logits = np.array(logits) if self._on_cpu and self.precision == "fp32" else logits
         return logits, (float(loss) if tgt is not None else None)
 
     __call__ = forward
@@ -103,14 +112,46 @@ class GPT:
         return int(self._engine.num_parameters())
 
     def state_dict(self):
-        """name -> float32 array with build-nanogpt's names; lm_head.weight is the same storage as
-        transformer.wte.weight. On the CPU these are zero-copy views of the model (writes change it); on a GPU,
-        host copies."""
+        """name -> float32 array with build-nanogpt's names: the fp32 master weights in every precision;
+        lm_head.weight is the same storage as transformer.wte.weight. On the CPU these are zero-copy views of the
+        model (in bf16/fp16 a write reaches the 16-bit compute weights only through load_state_dict, which recasts);
+        on a GPU, host copies."""
         return dict(self._params) if self._on_cpu else self._views(self._engine.params)
 
     def grads(self):
-        """Like state_dict(), for the gradient buffer."""
+        """Like state_dict(), for the gradient buffer (float32 in every precision; in fp16 multiplied by
+        loss_scale until AdamW.clip_grad_norm or AdamW.step unscales them)."""
         return dict(self._grads) if self._on_cpu else self._views(self._engine.grads)
+
+    def compute_weights(self):
+        """name -> float32 copy of the weights the kernels read: the bf16/fp16 rounding of the masters (exactly
+        widened), or the masters themselves in fp32/tf32. Read-only: write through load_state_dict."""
+        views = self._views(self._engine.compute_params())
+        for v in views.values():
+            v.flags.writeable = False
+        return views
+
+    def memory(self):
+        """Bytes of engine memory: 'parameters' (fp32 masters + 16-bit compute weights), 'gradients',
+        'activations' (sized by the largest batch run so far) and 'total' (also the optimizer moments)."""
+        return dict(self._engine.memory())
+
+    # ---- fp16 loss scaling (torch.amp.GradScaler's rules)
+    @property
+    def loss_scale(self):
+        """The factor the loss gradient is multiplied by: 1.0 except in fp16 (initially 2**16)."""
+        return float(self._engine.loss_scale)
+
+    def set_loss_scaler(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                        growth_tracker=0):
+        """GradScaler's settings (and state, to resume): fp16 only."""
+        if self.precision != "fp16":
+            raise ValueError(f"loss scaling is used by precision='fp16' only, this model is {self.precision!r}")
+        self._engine.set_loss_scaler(check_float(init_scale, "init_scale", 0.0, low_open=True),
+                                     check_float(growth_factor, "growth_factor", 1.0, low_open=True),
+                                     check_float(backoff_factor, "backoff_factor", 0.0, 1.0, low_open=True),
+                                     check_int(growth_interval, "growth_interval", 1),
+                                     check_int(growth_tracker, "growth_tracker", 0))
 
     def load_state_dict(self, state_dict):
         """Copies weights in from NumPy arrays or torch tensors with build-nanogpt names (a torch.compile or DDP
@@ -144,6 +185,7 @@ class GPT:
         if self._on_cpu:
             for name, a in arrays.items():
                 self._params[name][...] = a
+            self._engine.refresh_compute_params()
         else:  # assemble the whole buffer on the host, then one upload
             flat = self._engine.params
             views = self._views(flat)

@@ -3,7 +3,14 @@ PyTorch on its own. Arrays on the CPU (NumPy arrays, CPU torch tensors, anything
 kernels and come back as NumPy float32 arrays. CUDA arrays (torch tensors, CuPy arrays) are passed zero-copy
 through DLPack to the CUDA kernels, run on the caller's current stream, and come back as arrays of the caller's
 framework. Parameter gradients are returned fresh (the engine accumulates them; here they start from zero).
+
+Precision: the model's ops (embedding, layernorm, matmul, gelu, attention, cross_entropy) run in the storage type
+of their activation and weight inputs, float32, bfloat16 or float16 (one dtype per call), as the engine does in
+bf16/fp16: 16-bit loads, float arithmetic, one rounding per output. On the CPU, bfloat16 arrays are ml_dtypes
+arrays (NumPy has no bfloat16; CPU torch tensors of either 16-bit dtype are taken too) and outputs come back in the
+same dtype. Statistics (mean, rstd, lse, losses) and parameter gradients are always float32.
 """
+import ml_dtypes
 import numpy as np
 
 from . import _C
@@ -26,16 +33,21 @@ class _Host:
         return as_float32(x, name)
 
     def floating(self, x, name):
-        return as_float32(x, name)  # the CPU kernels compute in float32: half inputs are widened exactly
+        return as_float32(x, name)  # the CPU flash kernel computes in float32: half inputs are widened exactly
+
+    def storage(self, x, name):
+        """float32, or a 16-bit array kept in its dtype (bfloat16 as ml_dtypes, float16)."""
+        half = _host_half(x)
+        return np.ascontiguousarray(half) if half is not None else as_float32(x, name)
 
     def ids(self, x, name, ndim=None):
         return as_ids(x, name, ndim)
 
     def empty(self, shape, like=None):
-        return np.empty(shape, np.float32)
+        return np.empty(shape, np.float32 if like is None else like.dtype)
 
-    def zeros(self, shape):
-        return np.zeros(shape, np.float32)
+    def zeros(self, shape, like=None):
+        return np.zeros(shape, np.float32 if like is None else like.dtype)
 
     def arg(self, a):
         return a
@@ -69,6 +81,9 @@ class _Device:
         if str(x.dtype) not in ("torch.float32", "float32"):
             raise TypeError(f"{name} must be float32 on the GPU, got {x.dtype}")
         return x if self._contiguous(x) else self._contiguous_copy(x)
+
+    def storage(self, x, name):
+        return self.floating(x, name)
 
     def floating(self, x, name):
         """float32, bfloat16 or float16, contiguous and (for the tensor-core kernels) 16-byte aligned."""
@@ -112,17 +127,31 @@ class _Device:
         with self.device:
             return self.cupy.empty(shape, self.cupy.float32 if like is None else like.dtype)
 
-    def zeros(self, shape):
+    def zeros(self, shape, like=None):
         if self.module == "torch":
-            return self.torch.zeros(shape, dtype=self.torch.float32, device=self.device)
+            dtype = self.torch.float32 if like is None else like.dtype
+            return self.torch.zeros(shape, dtype=dtype, device=self.device)
         with self.device:
-            return self.cupy.zeros(shape, self.cupy.float32)
+            return self.cupy.zeros(shape, self.cupy.float32 if like is None else like.dtype)
 
     def arg(self, a):
         # DLPack names CUDA's legacy default stream 1 (0 is reserved); torch refuses tensors that require grad.
         if self.module == "torch":
             a = a.detach()
         return a.__dlpack__(stream=self.stream or 1)
+
+
+def _host_half(x):
+    """x as a NumPy bfloat16 (ml_dtypes) or float16 array if it is one (or a CPU torch tensor of one), else None."""
+    if isinstance(x, np.ndarray):
+        return x if x.dtype in (np.float16, ml_dtypes.bfloat16) else None
+    dtype = str(getattr(x, "dtype", ""))
+    if dtype == "torch.float16":
+        return x.detach().cpu().numpy()
+    if dtype == "torch.bfloat16":  # NumPy cannot take torch's bfloat16: reinterpret the bits
+        import torch
+        return x.detach().cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return None
 
 
 def _where(*arrays):
@@ -137,10 +166,10 @@ def _shape(a):
 def embedding_forward(idx, wte, wpe):
     """Token + position embedding: idx (B, T) -> (B, T, C)."""
     d = _where(idx, wte, wpe)
-    idx, wte, wpe = d.ids(idx, "idx", ndim=2), d.f32(wte, "wte"), d.f32(wpe, "wpe")
+    idx, wte, wpe = d.ids(idx, "idx", ndim=2), d.storage(wte, "wte"), d.storage(wpe, "wpe")
     if isinstance(d, _Device):
         d.check_vocab(_shape(wte)[0], "idx")
-    out = d.empty(_shape(idx) + _shape(wte)[1:])
+    out = d.empty(_shape(idx) + _shape(wte)[1:], like=wte)
     _ops.encoder_forward(d.arg(out), d.arg(idx), d.arg(wte), d.arg(wpe), d.stream)
     return out
 
@@ -148,7 +177,7 @@ def embedding_forward(idx, wte, wpe):
 def embedding_backward(dout, idx, vocab_size, block_size):
     """-> (dwte (vocab_size, C), dwpe (block_size, C))."""
     d = _where(dout, idx)
-    dout, idx = d.f32(dout, "dout"), d.ids(idx, "idx", ndim=2)
+    dout, idx = d.storage(dout, "dout"), d.ids(idx, "idx", ndim=2)
     V, maxT = check_int(vocab_size, "vocab_size", 1), check_int(block_size, "block_size", 1)
     if isinstance(d, _Device):
         d.check_vocab(V, "idx")
@@ -161,9 +190,9 @@ def embedding_backward(dout, idx, vocab_size, block_size):
 def layernorm_forward(x, weight, bias):
     """x (..., C) -> (out (..., C), mean (N,), rstd (N,)), eps 1e-5."""
     d = _where(x, weight, bias)
-    x, weight, bias = d.f32(x, "x"), d.f32(weight, "weight"), d.f32(bias, "bias")
+    x, weight, bias = d.storage(x, "x"), d.storage(weight, "weight"), d.storage(bias, "bias")
     n = int(np.prod(_shape(x)[:-1], dtype=np.int64)) if len(_shape(x)) else 0
-    out, mean, rstd = d.empty(_shape(x)), d.empty((n,)), d.empty((n,))
+    out, mean, rstd = d.empty(_shape(x), like=x), d.empty((n,)), d.empty((n,))
     _ops.layernorm_forward(d.arg(out), d.arg(mean), d.arg(rstd), d.arg(x), d.arg(weight), d.arg(bias), d.stream)
     return out, mean, rstd
 
@@ -171,9 +200,9 @@ def layernorm_forward(x, weight, bias):
 def layernorm_backward(dout, x, weight, mean, rstd):
     """-> (dx, dweight, dbias)."""
     d = _where(dout, x, weight, mean, rstd)
-    dout, x, weight = d.f32(dout, "dout"), d.f32(x, "x"), d.f32(weight, "weight")
+    dout, x, weight = d.storage(dout, "dout"), d.storage(x, "x"), d.storage(weight, "weight")
     mean, rstd = d.f32(mean, "mean"), d.f32(rstd, "rstd")
-    dx, dw, db = d.zeros(_shape(x)), d.zeros(_shape(weight)), d.zeros(_shape(weight))
+    dx, dw, db = d.zeros(_shape(x), like=x), d.zeros(_shape(weight)), d.zeros(_shape(weight))
     _ops.layernorm_backward(d.arg(dx), d.arg(dw), d.arg(db), d.arg(dout), d.arg(x), d.arg(weight), d.arg(mean),
                             d.arg(rstd), d.stream)
     return dx, dw, db
@@ -182,9 +211,9 @@ def layernorm_backward(dout, x, weight, mean, rstd):
 def matmul_forward(x, weight, bias=None):
     """nn.Linear: x (..., in) @ weight (out, in)^T + bias (out) -> (..., out)."""
     d = _where(x, weight, bias)
-    x, weight = d.f32(x, "x"), d.f32(weight, "weight")
-    bias = None if bias is None else d.f32(bias, "bias")
-    out = d.empty(_shape(x)[:-1] + _shape(weight)[:1])
+    x, weight = d.storage(x, "x"), d.storage(weight, "weight")
+    bias = None if bias is None else d.storage(bias, "bias")
+    out = d.empty(_shape(x)[:-1] + _shape(weight)[:1], like=x)
     _ops.matmul_forward(d.arg(out), d.arg(x), d.arg(weight), None if bias is None else d.arg(bias), d.stream)
     return out
 
@@ -192,8 +221,8 @@ def matmul_forward(x, weight, bias=None):
 def matmul_backward(dout, x, weight, bias=True):
     """-> (dx, dweight, dbias or None)."""
     d = _where(dout, x, weight)
-    dout, x, weight = d.f32(dout, "dout"), d.f32(x, "x"), d.f32(weight, "weight")
-    dx, dw = d.empty(_shape(x)), d.zeros(_shape(weight))
+    dout, x, weight = d.storage(dout, "dout"), d.storage(x, "x"), d.storage(weight, "weight")
+    dx, dw = d.empty(_shape(x), like=x), d.zeros(_shape(weight))
     db = d.zeros(_shape(weight)[:1]) if bias else None
     _ops.matmul_backward(d.arg(dx), d.arg(dw), None if db is None else d.arg(db), d.arg(dout), d.arg(x),
                          d.arg(weight), d.stream)
@@ -203,16 +232,16 @@ def matmul_backward(dout, x, weight, bias=True):
 def gelu_forward(x):
     """GELU, tanh approximation."""
     d = _where(x)
-    x = d.f32(x, "x")
-    out = d.empty(_shape(x))
+    x = d.storage(x, "x")
+    out = d.empty(_shape(x), like=x)
     _ops.gelu_forward(d.arg(out), d.arg(x), d.stream)
     return out
 
 
 def gelu_backward(dout, x):
     d = _where(dout, x)
-    dout, x = d.f32(dout, "dout"), d.f32(x, "x")
-    dx = d.empty(_shape(x))
+    dout, x = d.storage(dout, "dout"), d.storage(x, "x")
+    dx = d.empty(_shape(x), like=x)
     _ops.gelu_backward(d.arg(dx), d.arg(dout), d.arg(x), d.stream)
     return dx
 
@@ -221,9 +250,9 @@ def attention_forward(qkv, n_head, causal=True):
     """Scaled dot-product attention on the fused projection qkv (B, T, 3C) = q | k | v, n_head heads.
     -> (out (B, T, C), lse (B, n_head, T)): lse is all backward needs besides the inputs."""
     d = _where(qkv)
-    qkv, n_head = d.f32(qkv, "qkv"), check_int(n_head, "n_head", 1)
+    qkv, n_head = d.storage(qkv, "qkv"), check_int(n_head, "n_head", 1)
     B, T, C3 = _shape(qkv) if len(_shape(qkv)) == 3 else (0, 0, 0)
-    out, lse = d.empty((B, T, C3 // 3)), d.empty((B, n_head, T))
+    out, lse = d.empty((B, T, C3 // 3), like=qkv), d.empty((B, n_head, T))
     _ops.attention_forward(d.arg(out), d.arg(lse), d.arg(qkv), n_head, bool(causal), d.stream)
     return out, lse
 
@@ -231,8 +260,9 @@ def attention_forward(qkv, n_head, causal=True):
 def attention_backward(dout, qkv, out, lse, n_head, causal=True):
     """-> dqkv (B, T, 3C)."""
     d = _where(dout, qkv, out, lse)
-    dout, qkv, out, lse = d.f32(dout, "dout"), d.f32(qkv, "qkv"), d.f32(out, "out"), d.f32(lse, "lse")
-    dqkv = d.empty(_shape(qkv))
+    dout, qkv, out = d.storage(dout, "dout"), d.storage(qkv, "qkv"), d.storage(out, "out")
+    lse = d.f32(lse, "lse")
+    dqkv = d.empty(_shape(qkv), like=qkv)
     _ops.attention_backward(d.arg(dqkv), d.arg(dout), d.arg(qkv), d.arg(out), d.arg(lse),
                             check_int(n_head, "n_head", 1), bool(causal), d.stream)
     return dqkv
@@ -286,7 +316,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bhtd"
 def cross_entropy_forward(logits, targets):
     """logits (..., V), targets (...) -> (mean loss, losses (N,), lse (N,))."""
     d = _where(logits, targets)
-    logits, targets = d.f32(logits, "logits"), d.ids(targets, "targets")
+    logits, targets = d.storage(logits, "logits"), d.ids(targets, "targets")
     if isinstance(d, _Device):
         d.check_vocab(_shape(logits)[-1], "targets")
     n = int(np.prod(_shape(logits)[:-1], dtype=np.int64))
@@ -299,11 +329,11 @@ def cross_entropy_forward(logits, targets):
 def cross_entropy_backward(logits, targets, lse, grad=1.0):
     """Gradient of grad * mean cross-entropy with respect to logits."""
     d = _where(logits, targets, lse)
-    logits, targets, lse = d.f32(logits, "logits"), d.ids(targets, "targets"), d.f32(lse, "lse")
+    logits, targets, lse = d.storage(logits, "logits"), d.ids(targets, "targets"), d.f32(lse, "lse")
     if isinstance(d, _Device):
         d.check_vocab(_shape(logits)[-1], "targets")
     n = max(1, int(np.prod(_shape(logits)[:-1], dtype=np.int64)))
-    dlogits = d.empty(_shape(logits))
+    dlogits = d.empty(_shape(logits), like=logits)
     _ops.cross_entropy_backward(d.arg(dlogits), d.arg(logits), d.arg(targets), d.arg(lse),
                                 check_float(grad, "grad") / n, d.stream)
     return dlogits
@@ -325,3 +355,41 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr=6e-4, betas=(0.9, 0.
                       check_float(lr, "lr", 0.0), check_float(betas[0], "betas[0]", 0.0, 0.999999),
                       check_float(betas[1], "betas[1]", 0.0, 0.999999), check_float(eps, "eps", 0.0, low_open=True),
                       check_float(weight_decay, "weight_decay", 0.0), check_int(step, "step", 1), d.stream)
+
+
+_CAST_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                "float32": "float32", "fp32": "float32"}
+
+
+def cast(x, dtype, stochastic=False, seed=0, step=0):
+    """x rounded to dtype "bfloat16" / "float16" (to nearest even, as torch's .to(); or, for bfloat16 with
+    stochastic=True, stochastically as the optimizer writes bf16 weights: rounded up with probability equal to the
+    dropped fraction, keyed by (seed, step, element index), so unbiased and reproducible), or a 16-bit x widened to
+    "float32". CPU results are NumPy arrays (bfloat16 as ml_dtypes)."""
+    name = str(dtype).replace("torch.", "").replace("numpy.", "")
+    if name not in _CAST_DTYPES:
+        raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
+    name = _CAST_DTYPES[name]
+    seed, step = check_int(seed, "seed", 0, 2**64 - 1), check_int(step, "step", 0, 2**64 - 1)
+    if stochastic and name != "bfloat16":
+        raise ValueError(f"stochastic rounding is for bfloat16 only, got dtype {dtype!r}")
+    d = _where(x)
+    if name == "float32":
+        x = d.storage(x, "x")
+        out = d.empty(_shape(x))
+        if str(x.dtype).replace("torch.", "") == "float32":
+            raise TypeError("x is already float32: cast to 'float32' widens bfloat16 or float16 arrays")
+        _ops.widen(d.arg(out), d.arg(x), d.stream)
+        return out
+    x = d.f32(x, "x")
+    if isinstance(d, _Host):
+        out = np.empty(_shape(x), ml_dtypes.bfloat16 if name == "bfloat16" else np.float16)
+    elif d.module == "torch":
+        out = d.torch.empty(_shape(x), dtype=getattr(d.torch, name), device=d.device)
+    elif name == "bfloat16":
+        raise TypeError("CuPy has no bfloat16 arrays: pass torch tensors to cast to bfloat16 on a GPU")
+    else:
+        with d.device:
+            out = d.cupy.empty(_shape(x), d.cupy.float16)
+    _ops.narrow(d.arg(out), d.arg(x), bool(stochastic), seed, step, d.stream)
+    return out

@@ -1,7 +1,9 @@
 """fastgpt.AdamW: torch.optim.AdamW's update over the model's flat parameter buffer, in C++.
 
 Weight decay applies to the 2-D weights only (embeddings and matmul weights), never to biases or LayerNorm
-parameters: build-nanogpt's two parameter groups. Moments live in buffers of the parameter layout.
+parameters: build-nanogpt's two parameter groups. Moments live in buffers of the parameter layout. In bf16/fp16
+the update also rewrites the model's 16-bit compute weights from the fp32 masters (one pass); in fp16 it first
+unscales the gradients and skips the step if they hold an inf/NaN, as GradScaler.step does.
 """
 from . import _C
 from ._convert import check_float
@@ -21,12 +23,19 @@ class AdamW:
         self._opt = _C.AdamW(model._engine, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay)
 
     def step(self, lr=None):
-        """One update of every parameter from the gradient buffer; lr overrides the default for this step."""
-        self._opt.step(self.lr if lr is None else check_float(lr, "lr", low=0.0))
+        """One update of every parameter from the gradient buffer; lr overrides the default for this step.
+        Returns True if applied, False if skipped (fp16 only: inf/NaN gradients; weights, moments and step_count
+        unchanged, the loss scale backed off)."""
+        return bool(self._opt.step(self.lr if lr is None else check_float(lr, "lr", low=0.0)))
+
+    @property
+    def skipped_steps(self):
+        """Steps skipped for inf/NaN gradients (fp16 loss scaling)."""
+        return int(self._opt.skipped_steps)
 
     def clip_grad_norm(self, max_norm):
         """Scales the gradients so their global L2 norm is at most max_norm; returns the norm before clipping
-        (what torch.nn.utils.clip_grad_norm_ returns)."""
+        (what torch.nn.utils.clip_grad_norm_ returns). fp16: unscales first; inf when the gradients overflowed."""
         return float(self.model._engine.clip_grad_norm(check_float(max_norm, "max_norm", low=0.0, low_open=True)))
 
     def zero_grad(self):

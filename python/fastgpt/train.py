@@ -76,7 +76,9 @@ def build_parser():
     p.add_argument("--sample-interval", type=pos, default=100, help="steps between samples (also at the end)")
     p.add_argument("--sample-tokens", type=nonneg, default=64)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"),
+                   help="fp32; tf32 (GPU); bf16 or fp16 mixed precision: 16-bit activations and weights, fp32 "
+                        "masters, gradients and moments; fp16 with dynamic loss scaling")
     p.add_argument("--seed", type=nonneg, default=1337)
     p.add_argument("--out-dir", help="default: runs/<timestamp>")
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
@@ -191,12 +193,17 @@ def main(argv=None):
             model.backward(grad_scale=1.0 / grad_accum)  # the mean over micro steps, as one big batch would
         norm = opt.clip_grad_norm(args.grad_clip)
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
-        opt.step(lr)
+        applied = opt.step(lr)
+        if not applied:  # fp16: the gradients overflowed at this loss scale; the weights were left as they were
+            say(f"step {step:5d} | skipped: inf/NaN gradients, loss scale now {model.loss_scale:g}")
         dt = time.perf_counter() - t0
         tok_per_s = total / dt
         losses.append(loss)
         times.append(dt)
-        record({"step": step, "loss": loss, "lr": lr, "norm": norm, "dt_ms": dt * 1e3, "tok_per_s": tok_per_s})
+        entry = {"step": step, "loss": loss, "lr": lr, "norm": norm, "dt_ms": dt * 1e3, "tok_per_s": tok_per_s}
+        if args.precision == "fp16":
+            entry.update(loss_scale=model.loss_scale, skipped=not applied)
+        record(entry)
         if args.no_progress:
             print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | {dt * 1e3:.1f} ms | "
                   f"{tok_per_s:.0f} tok/s", flush=True)
@@ -215,6 +222,7 @@ def main(argv=None):
     result = {"final_train_loss": losses[-1], "first_val_loss": val_losses[0], "last_val_loss": val_losses[-1],
               "mean_tok_per_s": mean_tok_per_s, "mean_ms_per_step": 1e3 * sum(steady) / len(steady),
               "grad_accum": grad_accum, "steps": args.max_steps, "num_parameters": model.num_parameters(),
+              "precision": args.precision, "skipped_steps": opt.skipped_steps,
               "samples": samples, "checkpoint": ckpt, "out_dir": out_dir, "model": model}
     record({"summary": {k: v for k, v in result.items() if k != "model"}})
     log.close()

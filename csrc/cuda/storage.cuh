@@ -1,0 +1,54 @@
+// Storage types inside CUDA kernels: 16-byte packs for the elementwise kernels' 128-bit loads and stores, and the
+// cuBLASLt data type of each storage type. Values are converted with dtype.h's to_float / from_float (integer bit
+// operations, round to nearest even), so a GPU kernel rounds exactly as its CPU twin does.
+// CUDA-only header: include it from .cu files, never from the binding.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+#include <library_types.h>
+
+#include "cpu/dtype.h"
+
+namespace fastgpt::cuda {
+
+// 16 bytes of S: 4 floats or 8 16-bit values, moved as one uint4 (ld.global.v4 / st.global.v4).
+template <typename S>
+struct Pack {
+  static constexpr int N = 16 / (int)sizeof(S);
+  union {
+    uint4 raw;
+    S v[N];
+  };
+};
+
+template <typename S>
+__device__ __forceinline__ Pack<S> load_pack(const S* p) {  // p 16-byte aligned
+  Pack<S> r;
+  r.raw = *reinterpret_cast<const uint4*>(p);
+  return r;
+}
+template <typename S>
+__device__ __forceinline__ void store_pack(S* p, const Pack<S>& x) {  // p 16-byte aligned
+  *reinterpret_cast<uint4*>(p) = x.raw;
+}
+
+inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The cuBLASLt / cudaDataType_t of a storage type.
+template <typename S>
+constexpr cudaDataType_t data_type();
+template <>
+constexpr cudaDataType_t data_type<float>() {
+  return CUDA_R_32F;
+}
+template <>
+constexpr cudaDataType_t data_type<bf16>() {
+  return CUDA_R_16BF;
+}
+template <>
+constexpr cudaDataType_t data_type<f16>() {
+  return CUDA_R_16F;
+}
+
+}  // namespace fastgpt::cuda

@@ -1,0 +1,170 @@
+"""Every op of the model, forward and backward, in bfloat16 and float16 storage (the kernels the bf16/fp16 engine
+runs), against PyTorch. Half precision has no fixed tolerance, so the rule is flash-attention's: on the same 16-bit
+inputs, fastgpt's error against a float64 reference computed from those inputs must be at most twice PyTorch's own
+error in that dtype against the same reference, plus a small slack (values near 0). Parameter gradients come back
+in float32 from fastgpt (the engine accumulates them in fp32), so they are usually far better than torch's.
+CPU here; the same cases run the CUDA kernels where a GPU is (torch CUDA tensors go through DLPack)."""
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastgpt import ops
+from devices import needs_cuda
+from reference_gpt import rel_err
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SLACK = {"bf16": 1e-4, "fp16": 1e-5}  # in relative-error units, well below one rounding (2^-8 and 2^-11)
+
+
+def half(rng, shape, tdt, scale=1.0, device="cpu"):
+    """Fresh random values rounded to tdt: the 16-bit inputs both sides share."""
+    return torch.tensor(rng.standard_normal(shape) * scale, dtype=torch.float32).to(tdt).to(device)
+
+
+def to_ours(t):
+    """A 16-bit torch tensor as what fastgpt.ops takes: itself on a GPU, NumPy (ml_dtypes bfloat16) on the CPU."""
+    if t.is_cuda or t.dtype == torch.float32:
+        return t
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def f64(a):
+    if isinstance(a, torch.Tensor):
+        return a.detach().double().cpu()
+    return torch.from_numpy(np.asarray(a).astype(np.float64))
+
+
+def check(name, ours, torch_half, ref64, prec):
+    e_ours, e_torch = rel_err(f64(ours), ref64), rel_err(f64(torch_half), ref64)
+    assert e_ours <= 2 * e_torch + SLACK[prec], f"{name}: fastgpt {e_ours:.3e} vs torch {e_torch:.3e}"
+
+
+def torch_both(fn, leaves, dy, prec):
+    """fn on the leaves in the 16-bit dtype and in float64, backward with dy: {dtype: (out, *leaf grads)}."""
+    res = {}
+    for dtype in (DTYPES[prec], torch.float64):
+        xs = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        out = fn(*xs)
+        out.backward(dy.to(dtype))
+        res[dtype] = (out, *(t.grad for t in xs))
+    return res
+
+
+def check_all(names, ours, res, prec):
+    for i, (name, o) in enumerate(zip(names, ours)):
+        check(name, o, res[DTYPES[prec]][i], f64(res[torch.float64][i]), prec)
+
+
+def device_cases():
+    return [pytest.param("cpu"), pytest.param("cuda", marks=needs_cuda)]
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_layernorm(rng, prec, device):
+    tdt = DTYPES[prec]
+    x, w, b = half(rng, (4, 33, 96), tdt, device=device), half(rng, (96,), tdt, device=device), \
+        half(rng, (96,), tdt, 0.1, device=device)
+    dy = half(rng, (4, 33, 96), tdt, device=device)
+    out, mean, rstd = ops.layernorm_forward(to_ours(x), to_ours(w), to_ours(b))
+    dx, dw, db = ops.layernorm_backward(to_ours(dy), to_ours(x), to_ours(w), mean, rstd)
+    res = torch_both(lambda x, w, b: F.layer_norm(x, (96,), w, b, 1e-5), (x, w, b), dy, prec)
+    check_all(("out", "dx", "dweight", "dbias"), (out, dx, dw, db), res, prec)
+    assert str(np.asarray(out).dtype if device == "cpu" else out.dtype).endswith(
+        "bfloat16" if prec == "bf16" else "float16")
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matmul(rng, prec, bias, device):
+    tdt = DTYPES[prec]
+    x, w = half(rng, (3, 40, 96), tdt, device=device), half(rng, (80, 96), tdt, 0.1, device=device)
+    bvec = half(rng, (80,), tdt, 0.1, device=device) if bias else None
+    dy = half(rng, (3, 40, 80), tdt, device=device)
+    out = ops.matmul_forward(to_ours(x), to_ours(w), to_ours(bvec) if bias else None)
+    dx, dw, db = ops.matmul_backward(to_ours(dy), to_ours(x), to_ours(w), bias=bias)
+    res = torch_both(lambda x, w, *b: F.linear(x, w, *b), (x, w) + ((bvec,) if bias else ()), dy, prec)
+    check_all(("out", "dx", "dweight", "dbias")[:3 + bias], (out, dx, dw, db), res, prec)
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_gelu(rng, prec, device):
+    tdt = DTYPES[prec]
+    x, dy = half(rng, (5000,), tdt, 2.0, device=device), half(rng, (5000,), tdt, device=device)
+    out = ops.gelu_forward(to_ours(x))
+    dx = ops.gelu_backward(to_ours(dy), to_ours(x))
+    res = torch_both(lambda x: F.gelu(x, approximate="tanh"), (x,), dy, prec)
+    check_all(("out", "dx"), (out, dx), res, prec)
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_embedding(rng, prec, device):
+    tdt = DTYPES[prec]
+    V, maxT, C, B, T = 300, 24, 48, 3, 20
+    idx = torch.tensor(rng.integers(0, V, (B, T)), device=device)
+    wte, wpe = half(rng, (V, C), tdt, device=device), half(rng, (maxT, C), tdt, device=device)
+    dy = half(rng, (B, T, C), tdt, device=device)
+    out = ops.embedding_forward(idx if device == "cuda" else idx.numpy(), to_ours(wte), to_ours(wpe))
+    dwte, dwpe = ops.embedding_backward(to_ours(dy), idx if device == "cuda" else idx.numpy(), V, maxT)
+    res = torch_both(lambda a, b: F.embedding(idx, a) + b[:T], (wte, wpe), dy, prec)
+    check_all(("out", "dwte", "dwpe"), (out, dwte, dwpe), res, prec)
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+@pytest.mark.parametrize("T,NH,hs", [(37, 3, 16), (64, 2, 64)])
+def test_attention(rng, prec, T, NH, hs, device):
+    tdt = DTYPES[prec]
+    B, C = 2, NH * hs
+    qkv, dy = half(rng, (B, T, 3 * C), tdt, device=device), half(rng, (B, T, C), tdt, device=device)
+    out, lse = ops.attention_forward(to_ours(qkv), NH)
+    dqkv = ops.attention_backward(to_ours(dy), to_ours(qkv), out, lse, NH)
+    def sdpa(a):
+        q, k, v = (t.view(B, T, NH, hs).transpose(1, 2) for t in a.split(C, dim=2))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+
+    res = torch_both(sdpa, (qkv,), dy, prec)
+    check_all(("out", "dqkv"), (out, dqkv), res, prec)
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_cross_entropy(rng, prec, device):
+    tdt = DTYPES[prec]
+    N, V = 48, 1000
+    logits = half(rng, (N, V), tdt, 3.0, device=device)
+    targets = torch.tensor(rng.integers(0, V, (N,)), device=device)
+    tg = targets if device == "cuda" else targets.numpy()
+    loss, losses, lse = ops.cross_entropy_forward(to_ours(logits), tg)
+    dlogits = ops.cross_entropy_backward(to_ours(logits), tg, lse)
+    res = torch_both(lambda a: F.cross_entropy(a, targets, reduction="none"), (logits,),
+                     torch.full((N,), 1.0 / N, device=device), prec)  # backward of the mean
+    assert str(losses.dtype).endswith("float32")  # statistics stay fp32
+    check_all(("losses", "dlogits"), (losses, dlogits), res, prec)
+    assert abs(loss - res[torch.float64][0].mean().item()) <= 1e-5 * res[torch.float64][0].mean().item() + \
+        2 * abs(res[tdt][0].float().mean().item() - res[torch.float64][0].mean().item())
+
+
+def test_mixed_dtypes_are_refused(rng):
+    x = half(rng, (4, 8), torch.bfloat16)
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="weight must have the same dtype as x"):
+        ops.layernorm_forward(to_ours(x), w.numpy(), w.numpy())
+    with pytest.raises(ValueError, match="must have the same dtype"):
+        ops.matmul_forward(to_ours(x), to_ours(half(rng, (3, 8), torch.float16)))
+
+
+def test_cpu_torch_half_tensors_are_taken(rng):
+    # CPU torch bf16/fp16 tensors go in as they are (bits reinterpreted), and come back as NumPy of that dtype.
+    for tdt, np_dtype in ((torch.bfloat16, ml_dtypes.bfloat16), (torch.float16, np.float16)):
+        x = half(rng, (6, 16), tdt, 2.0)
+        out = ops.gelu_forward(x)
+        assert out.dtype == np_dtype
+        ref = F.gelu(x.double(), approximate="tanh")
+        assert rel_err(f64(out), ref) <= 2 * rel_err(f64(F.gelu(x, approximate="tanh")), ref) + SLACK[
+            "bf16" if tdt == torch.bfloat16 else "fp16"]
