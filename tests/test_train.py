@@ -123,6 +123,28 @@ def test_grad_accumulation(shakespeare_txt, encoder_json, tmp_path, capsys):
     assert math.isfinite(again["final_train_loss"]) and again["grad_accum"] == 1
 
 
+def test_fp16_run_logs_the_loss_scale(shakespeare_txt, encoder_json, tmp_path, capsys):
+    # --precision fp16 with gradient accumulation: every step logs the loss scale and whether it was skipped, the
+    # summary counts skips, and the checkpoint holds the fp32 masters (loadable in any precision).
+    out = tmp_path / "fp16"
+    result = main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "4",
+                   "--total-batch-size", str(2 * 4 * 32), "--eval-steps", "1", "--sample-tokens", "4",
+                   "--precision", "fp16", "--out-dir", str(out)])
+    steps = [e for e in _read_log(out) if "loss" in e]
+    assert [e["loss_scale"] for e in steps] == [2.0**16] * 4 and not any(e["skipped"] for e in steps)
+    assert result["precision"] == "fp16" and result["skipped_steps"] == 0
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    back = load_checkpoint(out / "model.safetensors", precision="bf16")
+    np.testing.assert_array_equal(back.state_dict()["transformer.wpe.weight"],
+                                  result["model"].state_dict()["transformer.wpe.weight"])
+
+
+def test_bad_precision_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--input", "x.txt", "--precision", "fp8", "--out-dir", str(tmp_path / "r")])
+    assert "--precision" in capsys.readouterr().err
+
+
 # ---- checkpoints ----
 
 def _model(seed):

@@ -40,9 +40,12 @@ void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const
     S* dx = dlogits + n * V;
     const float l = lse[n];
     const int32_t tgt = targets[n];
-    // The target's term is subtracted before rounding: in 16 bits, p - 1 rounded once, not p rounded then - 1.
+    const float xt = to_float(x[tgt]);  // read before the loop: dx may be x
 #pragma omp simd
-    for (int j = 0; j < V; j++) dx[j] = from_float<S>((vexp(to_float(x[j]) - l) - (j == tgt ? 1.f : 0.f)) * dloss);
+    for (int j = 0; j < V; j++) dx[j] = from_float<S>(vexp(to_float(x[j]) - l) * dloss);
+    // The target's term is subtracted before rounding: in 16 bits, p - 1 rounded once, not p rounded then - 1.
+    // (Outside the loop, which a j-dependent term would keep from vectorising.)
+    dx[tgt] = from_float<S>((vexp(xt - l) - 1.f) * dloss);
   }
 }
 

@@ -13,7 +13,7 @@
 #if defined(__CUDACC__)
 #define FASTGPT_HD __host__ __device__ __forceinline__
 #else
-#define FASTGPT_HD inline
+#define FASTGPT_HD inline __attribute__((always_inline))
 #endif
 
 namespace fastgpt {
@@ -44,14 +44,15 @@ FASTGPT_HD float bits_float(uint32_t u) {
 // ---- widen (exact)
 FASTGPT_HD float to_float(float x) { return x; }
 FASTGPT_HD float to_float(bf16 x) { return bits_float((uint32_t)x.bits << 16); }
+// Branch-free (selects only), so loops over f16 vectorise: rebias the exponent; inf/NaN get the top exponent;
+// subnormals are renormalised by one exact float subtraction.
 FASTGPT_HD float to_float(f16 x) {
-  const uint32_t sign = (uint32_t)(x.bits & 0x8000) << 16, e = (x.bits >> 10) & 0x1F, m = x.bits & 0x3FF;
-  if (e == 0x1F) return bits_float(sign | 0x7F800000u | (m << 13));  // inf / NaN (payload kept)
-  if (e == 0) {                                                     // zero or subnormal: m * 2^-24, exact
-    const float v = (float)m * 5.9604644775390625e-08f;
-    return sign ? -v : v;
-  }
-  return bits_float(sign | ((e + 112) << 23) | (m << 13));
+  const uint32_t h = x.bits, em = (h & 0x7FFFu) << 13, e = em & 0x0F800000u;
+  uint32_t o = em + 0x38000000u;                 // exponent 15 -> 127 bias
+  o = e == 0x0F800000u ? o + 0x38000000u : o;    // inf / NaN (payload kept)
+  const uint32_t sub = float_bits(bits_float(o + 0x00800000u) - bits_float(0x38800000u));  // m * 2^-24, exact
+  o = e == 0 ? sub : o;
+  return bits_float(o | ((h & 0x8000u) << 16));
 }
 
 // ---- narrow, round to nearest even
@@ -67,24 +68,18 @@ FASTGPT_HD bf16 from_float<bf16>(float x) {
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16{(uint16_t)((u >> 16) | 0x40)};  // NaN stays a quiet NaN
   return bf16{(uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
 }
+// Branch-free as well: the normal-range rounding, the subnormal rounding (one float add of 0.5, whose ulp is the
+// half subnormal step 2^-24, so the FPU rounds to nearest even for us) and inf/NaN, then a select.
 template <>
 FASTGPT_HD f16 from_float<f16>(float x) {
-  uint32_t u = float_bits(x);
-  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
-  u &= 0x7FFFFFFFu;
-  if (u >= 0x7F800000u) return f16{(uint16_t)(sign | (u > 0x7F800000u ? 0x7E00 : 0x7C00))};
-  if (u >= 0x477FF000u) return f16{(uint16_t)(sign | 0x7C00)};  // >= 65520 rounds to inf
-  if (u >= 0x38800000u) {                                      // a normal half: rebias, round off 13 bits
-    const uint32_t r = u - 0x38000000u;
-    return f16{(uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13))};
-  }
-  if (u < 0x33000000u) return f16{sign};  // below 2^-25 (ties at 2^-25 go to even: 0)
-  // Subnormal half: round(value * 2^24) with value = m * 2^(e - 150).
-  const uint32_t e = u >> 23, m = (u & 0x7FFFFFu) | 0x800000u, shift = 126 - e;  // shift in [14, 24]
-  uint32_t q = m >> shift;
-  const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-  if (rem > half || (rem == half && (q & 1u))) q++;
-  return f16{(uint16_t)(sign | q)};
+  const uint32_t u0 = float_bits(x), sign = (u0 >> 16) & 0x8000u, u = u0 & 0x7FFFFFFFu;
+  const uint32_t r = u - 0x38000000u;                             // rebias 127 -> 15
+  const uint32_t normal = (r + 0xFFFu + ((r >> 13) & 1u)) >> 13;  // a carry into the exponent is right (65520 -> inf)
+  const uint32_t sub = float_bits(bits_float(u) + 0.5f) - 0x3F000000u;
+  uint32_t o = u < 0x38800000u ? sub : normal;                     // below 2^-14: subnormal half (or 0)
+  o = u >= 0x47800000u ? 0x7C00u : o;                             // >= 65536: inf (65520..65536 carry above)
+  o = u > 0x7F800000u ? 0x7E00u : o;                              // NaN
+  return f16{(uint16_t)(sign | o)};
 }
 
 // ---- stochastic rounding of fp32 masters to bf16 weights
