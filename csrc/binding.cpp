@@ -451,7 +451,7 @@ void bind_ops(py::module_& m) {
          k = view_of(k_, "k", 'a'), v = view_of(v_, "v", 'a');
     Flash f = flash_args({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}, lse, layout, causal);
     Ctx c = context({&out, &lse, &q, &k, &v}, stream);
-    (void)c;  // used by the CUDA branch only
+    need(c.cuda || q.dtype == 'f', "q, k, v must be float32 on the CPU (fastgpt.ops widens 16-bit inputs)");
     py::gil_scoped_release nogil;
 #ifdef FASTGPT_WITH_CUDA
     if (c.cuda)
@@ -471,7 +471,7 @@ void bind_ops(py::module_& m) {
                           {&dv, "dv"}},
                          lse, layout, causal);
     Ctx c = context({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse}, stream);
-    (void)c;  // used by the CUDA branch only
+    need(c.cuda || q.dtype == 'f', "q, k, v must be float32 on the CPU (fastgpt.ops widens 16-bit inputs)");
     py::gil_scoped_release nogil;
 #ifdef FASTGPT_WITH_CUDA
     if (c.cuda)

@@ -192,6 +192,31 @@ def test_fp16_grads_are_scaled_until_unscaled(rng):
         model.backward()
 
 
+def test_fp16_second_step_on_the_same_gradients_is_refused(rng):
+    # It would apply the gradients twice and update the loss scale twice (GradScaler refuses it as well).
+    model = fastgpt.GPT(CONFIG, precision="fp16", seed=7)
+    opt = fastgpt.AdamW(model, lr=1e-3)
+    x, y = rng.integers(0, CONFIG.vocab_size, (2, 16)), rng.integers(0, CONFIG.vocab_size, (2, 16))
+    model.forward(x, y, return_logits=False)
+    model.backward()
+    assert opt.step()
+    with pytest.raises(RuntimeError, match="already taken on these gradients"):
+        opt.step()
+    assert opt.step_count == 1 and model.loss_scale == 2.0**16
+    model.zero_grad()
+    model.forward(x, y, return_logits=False)
+    model.backward()
+    assert opt.step() and opt.step_count == 2
+
+
+def test_cpu_flash_kernel_refuses_16_bit_arrays():
+    # fastgpt.ops widens half inputs for the CPU flash kernel; the raw binding must refuse them, never misread them.
+    from fastgpt import _C
+    q = np.zeros((1, 1, 4, 8), np.float16)
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        _C.ops.flash_attention_forward(q.copy(), np.zeros((1, 1, 4), np.float32), q, q, q, "bhtd", True, 0)
+
+
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
 def test_compute_weights_are_rounded_masters(rng, prec):
     model = fastgpt.GPT(CONFIG, precision=prec, seed=6)

@@ -136,7 +136,7 @@ def test_attention(rng, prec, T, NH, hs, device):
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
 def test_cross_entropy(rng, prec, device):
     tdt = DTYPES[prec]
-    N, V = 48, 1000
+    N, V = 64, 1000  # 1/N exact in 16 bits: torch's half backward then starts from the exact mean gradient
     logits = half(rng, (N, V), tdt, 3.0, device=device)
     targets = torch.tensor(rng.integers(0, V, (N,)), device=device)
     tg = targets if device == "cuda" else targets.numpy()

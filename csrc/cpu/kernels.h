@@ -55,6 +55,13 @@ void matmul_backward(S* dinp,                    // (N, C) overwritten, or nullp
                      float* dbias,               // += (OC) or nullptr
                      const S* dout,              // (N, OC)
                      const S* inp, const S* weight, int64_t N, int C, int OC);
+// float is the sgemm itself; the 16-bit instantiations widen blocks of rows into it.
+template <>
+void matmul_forward<float>(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
+                           int OC);
+template <>
+void matmul_backward<float>(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                            const float* weight, int64_t N, int C, int OC);
 
 // ---- GELU, tanh approximation (gelu.cpp)
 template <typename S>
@@ -100,6 +107,11 @@ void attention_backward(S* dqkv,                 // (B, T, 3C) overwritten
                         const S* dout,           // (B, T, C)
                         const S* qkv, const S* out, const float* lse,
                         int B, int T, int C, int NH, bool causal);
+template <>
+void attention_forward<float>(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, bool causal);
+template <>
+void attention_backward<float>(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                               int B, int T, int C, int NH, bool causal);
 
 // ---- softmax cross-entropy; probabilities are never stored (cross_entropy.cpp)
 template <typename S>
@@ -137,7 +149,9 @@ void widen(float* out, const S* in, int64_t n);
 template <typename S>
 void narrow(S* out, const float* in, int64_t n, const RoundKey& key = {});
 // Float scratch of the calling thread, grown only (a training step allocates nothing after the first): the fp32
-// copies of 16-bit operands that the sgemm and flash kernels widen into. Slots are independent buffers.
+// copies of 16-bit operands that the sgemm and flash kernels widen into. Slots are independent buffers. Its size in
+// bf16/fp16 training: one fp32 copy of the largest weight (wte), matmul rows in blocks of at most 2^24 floats per
+// slot, and the fp32 copies of one layer's attention operands. Not counted by GPT::memory (not engine memory).
 constexpr int kScratchSlots = 5;
 float* scratch(int slot, int64_t n);
 template <typename S>

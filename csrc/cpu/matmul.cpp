@@ -2,6 +2,8 @@
 // The weight gradient accumulates (beta = 1), which is what makes gradient accumulation over micro-batches free.
 // 16-bit operands are widened exactly into float scratch and the product runs in float: a 16-bit GEMM with fp32
 // accumulation, the output rounded once, as a tensor-core GEMM does.
+#include <algorithm>
+
 #include "cpu/gemm.h"
 #include "cpu/kernels.h"
 
@@ -47,25 +49,39 @@ void matmul_backward<float>(float* dinp, float* dweight, float* dbias, const flo
   }
 }
 
+namespace {
+// Rows per block of the 16-bit paths, so that no widened operand of a block passes 2^24 floats (64 MiB): the
+// classifier's (B*T, V) logits are never copied whole. Fixed by the shapes alone, so results stay deterministic.
+int64_t block_rows(int64_t N, int64_t width) {
+  return std::max<int64_t>(1, std::min<int64_t>(N, (int64_t(1) << 24) / width));
+}
+}  // namespace
+
 template <typename S>
 void matmul_forward(S* out, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC) {
   const float* w = widened(0, weight, (int64_t)OC * C);
-  const float* x = widened(1, inp, N * C);
   const float* b = bias ? widened(2, bias, OC) : nullptr;
-  float* o = scratch(3, N * OC);
-  matmul_forward<float>(o, x, w, b, N, C, OC);
-  narrow(out, o, N * OC);
+  const int64_t rows = block_rows(N, std::max(C, OC));
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t n = std::min(rows, N - r0);
+    float* o = scratch(3, n * OC);
+    matmul_forward<float>(o, widened(1, inp + r0 * C, n * C), w, b, n, C, OC);
+    narrow(out + r0 * OC, o, n * OC);
+  }
 }
 
 template <typename S>
 void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight, int64_t N,
                      int C, int OC) {
   const float* w = widened(0, weight, (int64_t)OC * C);
-  const float* x = widened(1, inp, N * C);
-  const float* dy = widened(2, dout, N * OC);
-  float* dx = dinp ? scratch(3, N * C) : nullptr;
-  matmul_backward<float>(dx, dweight, dbias, dy, x, w, N, C, OC);
-  if (dinp) narrow(dinp, dx, N * C);
+  const int64_t rows = block_rows(N, std::max(C, OC));
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {  // dweight and dbias accumulate block by block, in block order
+    const int64_t n = std::min(rows, N - r0);
+    float* dx = dinp ? scratch(3, n * C) : nullptr;
+    matmul_backward<float>(dx, dweight, dbias, widened(2, dout + r0 * OC, n * OC), widened(1, inp + r0 * C, n * C),
+                           w, n, C, OC);
+    if (dinp) narrow(dinp + r0 * C, dx, n * C);
+  }
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                              \

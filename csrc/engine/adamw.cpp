@@ -30,8 +30,12 @@ AdamW::AdamW(GPT& model, const AdamWConfig& cfg)
 
 bool AdamW::step(float lr) {
   if (!(std::isfinite(lr) && lr >= 0.f)) throw std::invalid_argument("lr must be a finite number >= 0");
+  if (model_.scaler().enabled && model_.stepped())
+    throw std::logic_error("step() was already taken on these gradients: with fp16 loss scaling each step needs a "
+                           "new backward() (after zero_grad())");
   const bool found_inf = model_.unscale_grads();
   model_.scaler().update(found_inf);
+  if (model_.scaler().enabled) model_.mark_stepped();
   if (found_inf) {
     skipped_++;
     return false;

@@ -311,6 +311,7 @@ void GPT::backward(float grad_scale) {
     throw std::logic_error("backward() after the gradients were unscaled (clip_grad_norm or a skipped step) adds "
                            "scaled gradients to unscaled ones: call zero_grad() first");
   logits_valid_ = false;  // the logit gradients overwrite the logits
+  stepped_ = false;
   const float dloss = (float)(grad_scale * scaler_.scale / ((double)B_ * T_));
   with_dtype(storage_, [&](auto s) { backward_t<decltype(s)>(dloss); });
 }
@@ -359,7 +360,7 @@ void GPT::backward_t(float dloss) {
 
 void GPT::zero_grad() {
   be_->zero(grads_.data(), grads_.size() * sizeof(float));
-  grads_unscaled_ = found_inf_ = false;
+  grads_unscaled_ = found_inf_ = stepped_ = false;
 }
 
 bool GPT::unscale_grads() {

@@ -101,6 +101,10 @@ class GPT {
   // backward) and returns whether they hold an inf/NaN. Other precisions: false, without touching the gradients.
   bool unscale_grads();
   LossScaler& scaler() { return scaler_; }
+  // fp16: the optimizer took (or skipped) its step on the current gradients; cleared by backward and zero_grad.
+  // A second step on the same gradients would update the loss scale twice (GradScaler refuses it too).
+  bool stepped() const { return stepped_; }
+  void mark_stepped() { stepped_ = true; }
   // Bytes of backend memory held by the model: fp32 masters + compute weights, gradients, activations.
   int64_t param_bytes() const { return params_.size() * 4 + cparams_.size(); }
   int64_t grad_bytes() const { return grads_.size() * 4; }
@@ -128,7 +132,7 @@ class GPT {
   DType storage_;
   uint64_t seed_;
   LossScaler scaler_;
-  bool grads_unscaled_ = false, found_inf_ = false;
+  bool grads_unscaled_ = false, found_inf_ = false, stepped_ = false;
   std::vector<ParamTensor> tensors_;
   Buffer<float> params_, grads_;
   Buffer<uint8_t> cparams_;  // 16-bit compute weights (bf16/fp16 only), parameter layout
