@@ -580,7 +580,8 @@ PYBIND11_MODULE(_C, m) {
              GPT& g = self.cast<GPT&>();
              FArray out = host_floats(g.backend(), g.compute_params(), g.storage(), {(py::ssize_t)g.num_parameters()},
                                       self);
-             return g.storage() == DType::f32 ? FArray(out.attr("copy")()) : out;
+             // fp32 on the CPU is a view of the masters: copy it, so the result cannot write to them.
+             return g.storage() == DType::f32 && !g.backend().is_cuda() ? FArray(out.attr("copy")()) : out;
            })
       .def("refresh_compute_params", [](GPT& g) {
         py::gil_scoped_release nogil;

@@ -15,6 +15,7 @@
 #include "cuda/check.h"
 #include "cuda/flash_attention.cuh"
 #include "cuda/ops.h"
+#include "cuda/scratch.h"
 
 namespace fastgpt::cuda {
 
@@ -38,48 +39,11 @@ bool tensor_core_ok(int C, int NH, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
-// Stream-ordered fp32 scratch, returned to the pool on every exit path (exceptions included).
-struct Scratch {
-  float* ptr = nullptr;
-  Stream stream;
-  Scratch(int64_t n, Stream s) : stream(s) {
-    if (n > 0) FASTGPT_CUDA_CHECK(cudaMallocAsync((void**)&ptr, (size_t)n * sizeof(float), stream));
-  }
-  ~Scratch() {
-    if (ptr) cudaFreeAsync(ptr, stream);  // no throw from a destructor
-  }
-};
-
+// 16-bit operands widened into fresh fp32 scratch (cast.cu).
 template <typename S>
-__global__ void widen_kernel(float* out, const S* in, int64_t n) {
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = to_float(in[i]);
-}
-
-template <typename S>
-__global__ void narrow_kernel(S* out, const float* in, int64_t n) {
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = from_float<S>(in[i]);
-}
-
-constexpr int kThreads = 256;
-unsigned blocks_for(int64_t n) { return (unsigned)std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 16); }
-
-template <typename S>
-float* widen_into(Scratch& dst, const S* src, int64_t n, Stream stream) {
-  if (n > 0) {
-    widen_kernel<S><<<blocks_for(n), kThreads, 0, stream>>>(dst.ptr, src, n);
-    FASTGPT_CUDA_CHECK_LAUNCH();
-  }
+float* widened(Scratch& dst, const S* src, int64_t n, Stream stream) {
+  widen(dst.ptr, src, n, stream);
   return dst.ptr;
-}
-
-template <typename S>
-void narrow_from(S* dst, const Scratch& src, int64_t n, Stream stream) {
-  if (n > 0) {
-    narrow_kernel<S><<<blocks_for(n), kThreads, 0, stream>>>(dst, src.ptr, n);
-    FASTGPT_CUDA_CHECK_LAUNCH();
-  }
 }
 }  // namespace
 
@@ -94,9 +58,8 @@ void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, in
   // 16-bit without a tensor-core layout: the fp32 path on widened copies, out rounded once.
   const int64_t BT = (int64_t)B * T;
   Scratch qkv32(BT * 3 * C, stream), out32(BT * C, stream);
-  const float* q = widen_into(qkv32, qkv, BT * 3 * C, stream);
-  attention_forward<float>(out32.ptr, lse, q, B, T, C, NH, causal, stream);
-  narrow_from(out, out32, BT * C, stream);
+  attention_forward<float>(out32.ptr, lse, widened(qkv32, qkv, BT * 3 * C, stream), B, T, C, NH, causal, stream);
+  narrow(out, out32.ptr, BT * C, RoundKey{}, stream);
 }
 
 template <typename S>
@@ -112,11 +75,9 @@ void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, cons
   }
   const int64_t BT = (int64_t)B * T;
   Scratch dout32(BT * C, stream), qkv32(BT * 3 * C, stream), out32(BT * C, stream), dqkv32(BT * 3 * C, stream);
-  const float* dy = widen_into(dout32, dout, BT * C, stream);
-  const float* x = widen_into(qkv32, qkv, BT * 3 * C, stream);
-  const float* o = widen_into(out32, out, BT * C, stream);
-  attention_backward<float>(dqkv32.ptr, dy, x, o, lse, B, T, C, NH, causal, stream);
-  narrow_from(dqkv, dqkv32, BT * 3 * C, stream);
+  attention_backward<float>(dqkv32.ptr, widened(dout32, dout, BT * C, stream), widened(qkv32, qkv, BT * 3 * C, stream),
+                            widened(out32, out, BT * C, stream), lse, B, T, C, NH, causal, stream);
+  narrow(dqkv, dqkv32.ptr, BT * 3 * C, RoundKey{}, stream);
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                                 \

@@ -19,6 +19,7 @@
 
 #include "cuda/check.h"
 #include "cuda/cublaslt.h"
+#include "cuda/scratch.h"
 #include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
@@ -165,80 +166,38 @@ bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, u
   return true;
 }
 
-// C(M,N) (row-major, row stride ldc, batch stride sc) = beta * C + bias[col] (bias may be null): the K == 0 product,
-// and the bias when the epilogue cannot add it to an fp32 C (then beta = 1). beta == 0 writes without reading C,
-// as BLAS does. In float, rounded once to CT.
+// The epilogue by hand: C(M,N) (row-major, row stride ldc, batch stride sc) = acc + beta * C + bias[col], in float
+// and rounded once to CT. acc (the fp32 product alpha * AB packed (batch, M, N), or null for 0) and bias may be
+// null. Serves the K == 0 product (beta * C + bias), a bias the cuBLASLt epilogue could not add to an fp32 C
+// (acc null, beta 1) and a 16-bit C whose product went to fp32 scratch. beta == 0 never reads C, as BLAS does.
 template <typename CT, typename BT>
-__global__ void scale_add_bias_kernel(CT* c, const BT* bias, float beta, int64_t M, int64_t N, int64_t ldc,
-                                      int64_t sc, int64_t total) {
+__global__ void epilogue_kernel(CT* c, const float* __restrict__ acc, const BT* bias, float beta, int64_t M,
+                                int64_t N, int64_t ldc, int64_t sc, int64_t total) {
   for (int64_t n = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; n < total; n += (int64_t)gridDim.x * blockDim.x) {
     const int64_t col = n % N, row = (n / N) % M, b = n / (N * M);
     CT* p = c + b * sc + row * ldc + col;
-    float v = beta == 0.f ? 0.f : beta * to_float(*p);
-    if (bias) v += to_float(bias[col]);
-    *p = from_float<CT>(v);
-  }
-}
-
-// The 16-bit C fallback: C = round(acc + beta * C + bias[col]), acc the fp32 product alpha * AB packed (batch, M, N).
-template <typename CT, typename BT>
-__global__ void add_product_bias_kernel(CT* c, const float* __restrict__ acc, const BT* bias, float beta, int64_t M,
-                                        int64_t N, int64_t ldc, int64_t sc, int64_t total) {
-  for (int64_t n = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; n < total; n += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t col = n % N, row = (n / N) % M, b = n / (N * M);
-    CT* p = c + b * sc + row * ldc + col;
-    float v = acc[n];
+    float v = acc ? acc[n] : 0.f;
     if (beta != 0.f) v += beta * to_float(*p);
     if (bias) v += to_float(bias[col]);
     *p = from_float<CT>(v);
   }
 }
 
-unsigned epilogue_blocks(int64_t total, int threads) {
-  return (unsigned)std::min<int64_t>((total + threads - 1) / threads, 1 << 20);  // grid-stride beyond
-}
-
-void scale_add_bias(void* c, const void* bias, float beta, int64_t M, int64_t N, int64_t ldc, int batch, int64_t sc,
-                    const GemmTypes& t, cudaStream_t stream) {
+void epilogue(void* c, const float* acc, const void* bias, float beta, int64_t M, int64_t N, int64_t ldc, int batch,
+              int64_t sc, const GemmTypes& t, cudaStream_t stream) {
   const int64_t total = (int64_t)batch * M * N;
   const int threads = 256;
+  const unsigned blocks = (unsigned)std::min<int64_t>((total + threads - 1) / threads, 1 << 20);  // grid-stride
   with_type(t.c, [&](auto ctag) {
     with_type(t.bias, [&](auto btag) {
       using CT = decltype(ctag);
       using BT = decltype(btag);
-      scale_add_bias_kernel<CT, BT><<<epilogue_blocks(total, threads), threads, 0, stream>>>(
-          static_cast<CT*>(c), static_cast<const BT*>(bias), beta, M, N, ldc, sc, total);
+      epilogue_kernel<CT, BT><<<blocks, threads, 0, stream>>>(static_cast<CT*>(c), acc, static_cast<const BT*>(bias),
+                                                               beta, M, N, ldc, sc, total);
     });
   });
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
-
-void add_product_bias(void* c, const float* acc, const void* bias, float beta, int64_t M, int64_t N, int64_t ldc,
-                      int batch, int64_t sc, const GemmTypes& t, cudaStream_t stream) {
-  const int64_t total = (int64_t)batch * M * N;
-  const int threads = 256;
-  with_type(t.c, [&](auto ctag) {
-    with_type(t.bias, [&](auto btag) {
-      using CT = decltype(ctag);
-      using BT = decltype(btag);
-      add_product_bias_kernel<CT, BT><<<epilogue_blocks(total, threads), threads, 0, stream>>>(
-          static_cast<CT*>(c), acc, static_cast<const BT*>(bias), beta, M, N, ldc, sc, total);
-    });
-  });
-  FASTGPT_CUDA_CHECK_LAUNCH();
-}
-
-// Stream-ordered fp32 scratch, returned to the pool on every exit path (exceptions included).
-struct Scratch {
-  float* ptr = nullptr;
-  cudaStream_t stream;
-  Scratch(size_t n, cudaStream_t s) : stream(s) {
-    FASTGPT_CUDA_CHECK(cudaMallocAsync((void**)&ptr, n * sizeof(float), stream));
-  }
-  ~Scratch() {
-    if (ptr) cudaFreeAsync(ptr, stream);  // no throw from a destructor
-  }
-};
 
 }  // namespace
 
@@ -247,7 +206,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
           const GemmTypes& types, int batch, int64_t stride_a, int64_t stride_b, int64_t stride_c) {
   if (M <= 0 || N <= 0 || batch <= 0) return;
   if (K <= 0) {  // empty sum: cuBLASLt may reject k = 0, and the answer is just beta * C (+ bias)
-    scale_add_bias(C, bias, beta, M, N, ldc, batch, stride_c, types, stream);
+    epilogue(C, nullptr, bias, beta, M, N, ldc, batch, stride_c, types, stream);
     return;
   }
   int device = 0;
@@ -271,7 +230,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     ft.c = CUDA_R_32F;
     gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, 0.f, acc.ptr, N, nullptr, stream, ft, batch, stride_a,
          stride_b, M * N);
-    add_product_bias(C, acc.ptr, bias, beta, M, N, ldc, batch, stride_c, types, stream);
+    epilogue(C, acc.ptr, bias, beta, M, N, ldc, batch, stride_c, types, stream);
   };
   if (bias && !want_epilogue && types.c != CUDA_R_32F) return product_then_bias();
 
@@ -324,7 +283,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   }
   if (bias && !used_epilogue) {
     if (types.c != CUDA_R_32F) return product_then_bias();
-    scale_add_bias(C, bias, 1.f, M, N, ldc, batch, stride_c, types, stream);
+    epilogue(C, nullptr, bias, 1.f, M, N, ldc, batch, stride_c, types, stream);
   }
 }
 

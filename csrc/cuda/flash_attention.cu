@@ -15,6 +15,7 @@
 
 #include "cuda/check.h"
 #include "cuda/flash_attention.cuh"
+#include "cuda/scratch.h"
 #include "cuda/warp.cuh"
 
 namespace fastgpt::cuda {
@@ -265,18 +266,6 @@ void compute_delta(const Params& p, Stream stream) {
 }  // namespace flash
 
 namespace {
-
-// Stream-ordered fp32 scratch, returned to the pool on every exit path (exceptions included).
-struct Scratch {
-  float* ptr = nullptr;
-  Stream stream;
-  Scratch(size_t n, Stream s) : stream(s) {
-    if (n) FASTGPT_CUDA_CHECK(cudaMallocAsync((void**)&ptr, n * sizeof(float), stream));
-  }
-  ~Scratch() {
-    if (ptr) cudaFreeAsync(ptr, stream);
-  }
-};
 
 flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s) {
   flash::Params p{};

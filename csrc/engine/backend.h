@@ -94,10 +94,10 @@ class Backend {
                               int64_t N, int V) {
     cross_entropy_backward_(dt<S>(), dlogits, logits, lse, targets, dloss, N, V);
   }
-  // AdamW on fp32 masters; with lowp (a 16-bit copy of dtype `lowp_dtype`), also writes the compute weights.
+  // AdamW on fp32 masters; with lowp (a 16-bit copy, bf16 or f16), also writes the compute weights.
   virtual void adamw_update(float* param, void* lowp, DType lowp_dtype, const float* grad, float* m, float* v,
                             int64_t n, const cpu::AdamWHyper& h, const RoundKey& key) = 0;
-  // Masters to compute weights (dtype bf16 or f16), as `key` says; and 16-bit memory widened to float.
+  // Masters to compute weights as `key` says, and 16-bit memory widened to float: dtype bf16 or f16 only.
   virtual void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) = 0;
   virtual void widen(float* out, const void* in, DType dtype, int64_t n) = 0;
   virtual double sum_squares(const float* x, int64_t n) = 0;  // deterministic; waits for the device

@@ -47,19 +47,17 @@ class CpuBackend final : public Backend {
 
   void adamw_update(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v, int64_t n,
                     const cpu::AdamWHyper& h, const RoundKey& key) override {
-    if (!lowp || dtype == DType::f32) return cpu::adamw_update(param, grad, m, v, n, h);
+    if (!lowp) return cpu::adamw_update(param, grad, m, v, n, h);
     if (dtype == DType::bf16) return cpu::adamw_update_mixed(param, P<bf16>(lowp), grad, m, v, n, h, key);
     cpu::adamw_update_mixed(param, P<f16>(lowp), grad, m, v, n, h, key);
   }
   void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
     if (dtype == DType::bf16) return cpu::narrow(P<bf16>(out), in, n, key);
-    if (dtype == DType::f16) return cpu::narrow(P<f16>(out), in, n, key);
-    std::memcpy(out, in, n * sizeof(float));
+    cpu::narrow(P<f16>(out), in, n, key);
   }
   void widen(float* out, const void* in, DType dtype, int64_t n) override {
     if (dtype == DType::bf16) return cpu::widen(out, P<bf16>(in), n);
-    if (dtype == DType::f16) return cpu::widen(out, P<f16>(in), n);
-    std::memcpy(out, in, n * sizeof(float));
+    cpu::widen(out, P<f16>(in), n);
   }
   double sum_squares(const float* x, int64_t n) override { return cpu::sum_squares(x, n); }
   void scale_inplace(float* x, int64_t n, float s) override { cpu::scale_inplace(x, n, s); }

@@ -85,7 +85,7 @@ class CudaBackend final : public Backend {
   void adamw_update(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v, int64_t n,
                     const cpu::AdamWHyper& h, const RoundKey& key) override {
     select();
-    if (!lowp || dtype == DType::f32) return cuda::adamw_update(param, grad, m, v, n, h, stream_);
+    if (!lowp) return cuda::adamw_update(param, grad, m, v, n, h, stream_);
     if (dtype == DType::bf16)
       return cuda::adamw_update_mixed(param, P<bf16>(lowp), grad, m, v, n, h, key, stream_);
     cuda::adamw_update_mixed(param, P<f16>(lowp), grad, m, v, n, h, key, stream_);
@@ -93,14 +93,12 @@ class CudaBackend final : public Backend {
   void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
     select();
     if (dtype == DType::bf16) return cuda::narrow(P<bf16>(out), in, n, key, stream_);
-    if (dtype == DType::f16) return cuda::narrow(P<f16>(out), in, n, key, stream_);
-    copy(out, in, n * sizeof(float));
+    cuda::narrow(P<f16>(out), in, n, key, stream_);
   }
   void widen(float* out, const void* in, DType dtype, int64_t n) override {
     select();
     if (dtype == DType::bf16) return cuda::widen(out, P<bf16>(in), n, stream_);
-    if (dtype == DType::f16) return cuda::widen(out, P<f16>(in), n, stream_);
-    copy(out, in, n * sizeof(float));
+    cuda::widen(out, P<f16>(in), n, stream_);
   }
   double sum_squares(const float* x, int64_t n) override {
     select();

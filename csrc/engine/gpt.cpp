@@ -369,14 +369,17 @@ bool GPT::unscale_grads() {
   const double ss = be_->sum_squares(grads_.data(), grads_.size());
   found_inf_ = !std::isfinite(ss);
   if (!found_inf_) be_->scale_inplace(grads_.data(), grads_.size(), (float)(1.0 / scaler_.scale));
+  unscaled_sumsq_ = ss / (scaler_.scale * scaler_.scale);
   grads_unscaled_ = true;
   return found_inf_;
 }
 
 double GPT::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
+  // fp16's first call unscales, and the norm comes from that same pass: one reduction (and one sync), not two.
+  const bool unscales_now = scaler_.enabled && !grads_unscaled_;
   if (unscale_grads()) return std::numeric_limits<double>::infinity();
-  const double norm = std::sqrt(be_->sum_squares(grads_.data(), grads_.size()));
+  const double norm = std::sqrt(unscales_now ? unscaled_sumsq_ : be_->sum_squares(grads_.data(), grads_.size()));
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) be_->scale_inplace(grads_.data(), grads_.size(), (float)coef);
   return norm;

@@ -133,6 +133,7 @@ class GPT {
   uint64_t seed_;
   LossScaler scaler_;
   bool grads_unscaled_ = false, found_inf_ = false, stepped_ = false;
+  double unscaled_sumsq_ = 0.0;  // sum of squares of the gradients, measured by unscale_grads before it scaled
   std::vector<ParamTensor> tensors_;
   Buffer<float> params_, grads_;
   Buffer<uint8_t> cparams_;  // 16-bit compute weights (bf16/fp16 only), parameter layout

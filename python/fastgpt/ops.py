@@ -376,9 +376,9 @@ def cast(x, dtype, stochastic=False, seed=0, step=0):
     d = _where(x)
     if name == "float32":
         x = d.storage(x, "x")
-        out = d.empty(_shape(x))
         if str(x.dtype).replace("torch.", "") == "float32":
             raise TypeError("x is already float32: cast to 'float32' widens bfloat16 or float16 arrays")
+        out = d.empty(_shape(x))
         _ops.widen(d.arg(out), d.arg(x), d.stream)
         return out
     x = d.f32(x, "x")
