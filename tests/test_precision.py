@@ -72,7 +72,12 @@ def test_twenty_steps_match_autocast(rng, prec):
     opt = fastgpt.AdamW(model, lr=3e-3, weight_decay=0.1)
     ref = ref_from_fastgpt(model)
     ref_opt = ref.configure_optimizers(weight_decay=0.1, learning_rate=3e-3)
-    scaler = torch.amp.GradScaler("cpu", enabled=prec == "fp16")
+    # Both sides start at scale 2^10. At GradScaler's default 2^16, autocast's fp16 weight gradients (fastgpt keeps
+    # them in fp32) overflow now and then from step ~10 on, so torch skips a step fastgpt takes and the runs part
+    # (seen: seeds 1749789645, 515799622); the default scale's behaviour is tested on its own below.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=prec == "fp16")
+    if prec == "fp16":
+        model.set_loss_scaler(init_scale=2.0**10)
     x, y = rng.integers(0, CONFIG.vocab_size, (4, 4, 32)), rng.integers(0, CONFIG.vocab_size, (4, 4, 32))
     losses, ref_losses = [], []
     for step in range(20):
@@ -99,7 +104,7 @@ def test_twenty_steps_match_autocast(rng, prec):
     assert losses[-1] < losses[0] - 1.0  # it learned: the four batches are seen five times each
     assert opt.step_count == 20 and opt.skipped_steps == 0
     if prec == "fp16":
-        assert model.loss_scale == scaler.get_scale() == 2.0**16
+        assert model.loss_scale == scaler.get_scale() == 2.0**10  # neither side skipped a step
 
 
 def _val_losses(out_dir):
