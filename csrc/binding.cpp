@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -16,6 +17,8 @@
 #include "cuda/runtime.h"
 #include "interop/dlpack.h"
 #include "engine/adamw.h"
+#include "engine/comm.h"
+#include "engine/comm_nccl.h"
 #include "engine/gpt.h"
 
 namespace py = pybind11;
@@ -94,6 +97,56 @@ std::unique_ptr<Backend> backend_for(const std::string& device) {
   }
   throw std::invalid_argument("device must be 'cpu', 'cuda' or 'cuda:N', got '" + device + "'");
 }
+
+// ---- data parallel on CPUs: the engine's Comm over a Python object (fastgpt.distributed's MPI communicator,
+// mpi4py underneath), so the engine needs no MPI headers and works with whichever MPI mpi4py was built for. The
+// engine calls it without the GIL; each call takes it back and hands the buffers over as zero-copy NumPy views.
+class PyComm final : public Comm {
+ public:
+  PyComm(py::object impl, int rank, int world) : impl_(std::move(impl)), rank_(rank), world_(world) {}
+  ~PyComm() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string name() const override { return "mpi"; }
+  void all_reduce(float* x, int64_t n, bool average) override { call("all_reduce", floats(x, n), average); }
+  void reduce_scatter(float* x, int64_t shard, bool average) override {
+    call("reduce_scatter", floats(x, shard * world_), shard, average);
+  }
+  void all_gather(void* x, int64_t shard_bytes) override { call("all_gather", bytes(x, shard_bytes * world_)); }
+  void broadcast(void* x, int64_t n, int root) override { call("broadcast", bytes(x, n), root); }
+  void all_reduce_host(double* x, int n) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("all_reduce_host")(py::array_t<double>({(py::ssize_t)n}, {(py::ssize_t)8}, x, no_owner()));
+  }
+  void barrier() override { call("barrier"); }
+
+ private:
+  static py::capsule no_owner() { return py::capsule((void*)1, [](void*) {}); }  // engine memory outlives the call
+  static std::function<py::object()> floats(float* p, int64_t n) {
+    return [=] { return py::array_t<float>({(py::ssize_t)n}, {(py::ssize_t)4}, p, no_owner()); };
+  }
+  static std::function<py::object()> bytes(void* p, int64_t n) {
+    return [=] { return py::array_t<uint8_t>({(py::ssize_t)n}, {(py::ssize_t)1}, (uint8_t*)p, no_owner()); };
+  }
+  // Arrays are made under the GIL: the lambdas defer their construction until it is held.
+  template <typename... A>
+  void call(const char* method, A&&... args) {
+    py::gil_scoped_acquire gil;
+    impl_.attr(method)(arg(std::forward<A>(args))...);
+  }
+  template <typename A>
+  static py::object arg(A&& a) {
+    if constexpr (std::is_same_v<std::decay_t<A>, std::function<py::object()>>)
+      return a();
+    else
+      return py::cast(a);
+  }
+  py::object impl_;
+  int rank_, world_;
+};
 
 // ---- ops on arrays that live on the CPU (NumPy) or on a GPU (DLPack capsules): one shape check per op, then the
 // kernel of the device the arrays are on, on the caller's stream. Outputs are allocated by the caller (fastgpt.ops),
@@ -565,13 +618,26 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<GPT>(m, "GPT")
       .def(py::init([](int block_size, int vocab_size, int n_layer, int n_head, int n_embd, uint64_t seed,
-                       const std::string& device, const std::string& precision) {
+                       const std::string& device, const std::string& precision, std::shared_ptr<Comm> comm) {
              GPTConfig c{block_size, vocab_size, n_layer, n_head, n_embd};
              const Precision p = parse_precision(precision);
-             return new GPT(c, seed, backend_for(device), p);
+             auto be = backend_for(device);
+             if (comm && comm->name() == "mpi") need(!be->is_cuda(), "the MPI communicator serves CPU models only");
+             if (comm && comm->name() == "nccl") need(be->is_cuda(), "the NCCL communicator serves CUDA models only");
+             py::gil_scoped_release nogil;  // the broadcast of the initial weights is a collective: other threads may run
+             return new GPT(c, seed, std::move(be), p, std::move(comm));
            }),
            py::arg("block_size"), py::arg("vocab_size"), py::arg("n_layer"), py::arg("n_head"), py::arg("n_embd"),
-           py::arg("seed"), py::arg("device") = "cpu", py::arg("precision") = "fp32")
+           py::arg("seed"), py::arg("device") = "cpu", py::arg("precision") = "fp32", py::arg("comm") = nullptr)
+      .def_property_readonly("rank", &GPT::rank)
+      .def_property_readonly("world_size", &GPT::world_size)
+      .def_property_readonly("grad_sync_count", &GPT::grad_sync_count)
+      .def_property_readonly("zero_stage", &GPT::zero_stage)
+      .def_property_readonly("shard", [](GPT& g) { return py::make_tuple(g.shard_begin(), g.shard_size()); })
+      .def("sync_grads", [](GPT& g) {
+        py::gil_scoped_release nogil;
+        g.sync_grads();
+      })
       .def_property_readonly("device", [](GPT& g) { return g.backend().name(); })
       .def_property_readonly("precision", [](GPT& g) { return std::string(precision_name(g.precision())); })
       // The 16-bit weights the kernels read, widened to float32 (a copy; the masters themselves in fp32/tf32).
@@ -659,12 +725,12 @@ PYBIND11_MODULE(_C, m) {
                                 self);
            })
       .def("backward",
-           [](GPT& g, float grad_scale) {
+           [](GPT& g, float grad_scale, bool sync) {
              need(std::isfinite(grad_scale), "grad_scale must be finite");
              py::gil_scoped_release nogil;
-             g.backward(grad_scale);
+             g.backward(grad_scale, sync);
            },
-           py::arg("grad_scale") = 1.f)
+           py::arg("grad_scale") = 1.f, py::arg("sync") = true)
       .def("zero_grad", &GPT::zero_grad)
       .def("unscale_grads", [](GPT& g) {
         py::gil_scoped_release nogil;
@@ -676,11 +742,12 @@ PYBIND11_MODULE(_C, m) {
       });
 
   py::class_<AdamW>(m, "AdamW")
-      .def(py::init([](GPT& g, float lr, float beta1, float beta2, float eps, float weight_decay) {
-             return new AdamW(g, AdamWConfig{lr, beta1, beta2, eps, weight_decay});
+      .def(py::init([](GPT& g, float lr, float beta1, float beta2, float eps, float weight_decay, int zero_stage) {
+             return new AdamW(g, AdamWConfig{lr, beta1, beta2, eps, weight_decay}, zero_stage);
            }),
            py::keep_alive<1, 2>(), py::arg("model"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-           py::arg("eps"), py::arg("weight_decay"))
+           py::arg("eps"), py::arg("weight_decay"), py::arg("zero_stage") = 0)
+      .def_property_readonly("moments_begin", &AdamW::moments_begin)
       .def("step",
            [](AdamW& o, float lr) {
              py::gil_scoped_release nogil;
@@ -696,6 +763,35 @@ PYBIND11_MODULE(_C, m) {
         AdamW& o = self.cast<AdamW&>();
         return host_array(o.backend(), o.v(), {(py::ssize_t)o.size()}, self);
       });
+
+  // Communicators: built by fastgpt.distributed, handed to GPT(comm=...); host collectives for the Python layer.
+  m.attr("built_with_nccl") = built_with_nccl();
+  m.def("nccl_unique_id", [] { return py::bytes(nccl_unique_id()); });
+  py::class_<Comm, std::shared_ptr<Comm>>(m, "Comm")
+      .def_static("mpi", [](py::object impl, int rank, int world) -> std::shared_ptr<Comm> {
+        need(world >= 1 && rank >= 0 && rank < world, "rank must be in [0, world_size)");
+        return std::make_shared<PyComm>(std::move(impl), rank, world);
+      })
+      .def_static("nccl", [](py::bytes id, int rank, int world, int device) {
+        std::string raw = id;
+        py::gil_scoped_release nogil;  // ncclCommInitRank waits for every rank
+        return make_nccl_comm(raw, rank, world, device);
+      })
+      .def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("world_size", &Comm::world_size)
+      .def_property_readonly("name", &Comm::name)
+      // x: float64 NumPy array, summed over ranks in place (the same bits on every rank).
+      .def("all_reduce_host", [](Comm& c, py::array_t<double, py::array::c_style> x) {
+        double* p = x.mutable_data();
+        const int n = (int)x.size();
+        py::gil_scoped_release nogil;
+        c.all_reduce_host(p, n);
+      })
+      .def("barrier", [](Comm& c) {
+        py::gil_scoped_release nogil;
+        c.barrier();
+      })
+      .def("abort", &Comm::abort);
 
   py::module_ ops = m.def_submodule("ops", "the kernels on NumPy arrays (CPU) or DLPack capsules (CUDA)");
   bind_ops(ops);

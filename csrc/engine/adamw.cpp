@@ -1,6 +1,7 @@
 // AdamW step over the flat parameter buffer (see adamw.h).
 #include "engine/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -20,12 +21,13 @@ void AdamWConfig::validate() const {
        "weight_decay must be a finite number >= 0, got " + std::to_string(weight_decay));
 }
 
-AdamW::AdamW(GPT& model, const AdamWConfig& cfg)
-    : model_(model),
-      cfg_(cfg),
-      m_(&model.backend(), model.num_parameters()),
-      v_(&model.backend(), model.num_parameters()) {
+AdamW::AdamW(GPT& model, const AdamWConfig& cfg, int zero_stage) : model_(model), cfg_(cfg) {
   cfg_.validate();
+  model_.set_zero_stage(zero_stage);
+  lo_ = zero_stage == 1 ? model.shard_begin() : 0;
+  hi_ = zero_stage == 1 ? lo_ + model.shard_size() : model.num_parameters();
+  m_ = Buffer<float>(&model.backend(), hi_ - lo_);
+  v_ = Buffer<float>(&model.backend(), hi_ - lo_);
 }
 
 bool AdamW::step(float lr) {
@@ -46,11 +48,17 @@ bool AdamW::step(float lr) {
   uint8_t* lowp = st == DType::f32 ? nullptr : static_cast<uint8_t*>(model_.compute_params());
   RoundKey key{st == DType::bf16, model_.seed(), (uint64_t)t_, 0};
   for (const ParamTensor& t : model_.tensors()) {
+    const int64_t a = std::max(t.offset, lo_), b = std::min(t.offset + t.numel, hi_);  // this tensor in [lo, hi)
+    if (a >= b) continue;
     h.weight_decay = t.decay ? cfg_.weight_decay : 0.f;
-    key.offset = (uint64_t)t.offset;
-    model_.backend().adamw_update(model_.params() + t.offset, lowp ? lowp + t.offset * dtype_size(st) : nullptr, st,
-                                  model_.grads() + t.offset, m_.data() + t.offset, v_.data() + t.offset, t.numel, h,
-                                  key);
+    key.offset = (uint64_t)a;
+    model_.backend().adamw_update(model_.params() + a, lowp ? lowp + a * dtype_size(st) : nullptr, st,
+                                  model_.grads() + a, m_.data() + (a - lo_), v_.data() + (a - lo_), b - a, h, key);
+  }
+  if (model_.zero_stage() == 1) {  // every rank updated its shard: now everyone gets all of them
+    Comm& c = *model_.comm();
+    c.all_gather(model_.params(), model_.shard_size() * (int64_t)sizeof(float));
+    if (lowp) c.all_gather(lowp, model_.shard_size() * dtype_size(st));
   }
   return true;
 }

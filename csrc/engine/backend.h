@@ -24,6 +24,9 @@ class Backend {
   virtual void check_precision(const std::string& precision) const = 0;
   // Matmuls on TF32 tensor cores (fp32 storage): the "tf32" precision. Only a GPU has them.
   virtual void set_tf32(bool on) = 0;
+  // The stream (cudaStream_t) the backend queues its work on; nullptr for the CPU. A communicator queues its
+  // collectives there, so they are ordered after the kernels that produced their buffers.
+  virtual void* stream() const { return nullptr; }
 
   // ---- memory (bytes); alloc returns zeroed memory
   virtual void* alloc(int64_t bytes) = 0;

@@ -53,6 +53,7 @@ class CudaBackend final : public Backend {
                                   " supports only 'fp32' here");
   }
   void set_tf32(bool on) override { tf32_ = on; }
+  void* stream() const override { return stream_; }
 
   void* alloc(int64_t bytes) override {
     void* p = nullptr;

@@ -83,9 +83,11 @@ void GPTConfig::validate() const {
                                                 std::to_string(n_head) + "), got " + std::to_string(n_embd));
 }
 
-GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, Precision precision)
+GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, Precision precision,
+         std::shared_ptr<Comm> comm)
     : cfg_(cfg),
       be_(std::move(backend)),
+      comm_(std::move(comm)),
       precision_(precision),
       storage_(precision == Precision::bf16 ? DType::bf16 : precision == Precision::fp16 ? DType::f16 : DType::f32),
       seed_(seed) {
@@ -125,10 +127,38 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
     tensors_.push_back({s.name, s.shape, offset, n, s.per_layer, s.decay, s.std, s.value});
     offset += n;
   }
+  n_params_ = offset;
+  if (comm_) {
+    // Equal shards of a multiple of 64 elements: every shard starts 256-byte aligned in fp32 (128 in 16 bits).
+    const int64_t unit = 64 * (int64_t)comm_->world_size();
+    offset = (offset + unit - 1) / unit * unit;
+    comm_->use_stream(be_->stream());
+  }
   params_ = Buffer<float>(be_.get(), offset);
   grads_ = Buffer<float>(be_.get(), offset);
   if (storage_ != DType::f32) cparams_ = Buffer<uint8_t>(be_.get(), offset * dtype_size(storage_));
   init_params(seed);
+  if (comm_) {  // every replica starts from rank 0's weights, whatever seed each was given
+    comm_->broadcast(params_.data(), params_.size() * (int64_t)sizeof(float), 0);
+    refresh_compute_params();
+    // ... and rounds them as rank 0 does: bf16's stochastic rounding is keyed by the seed. 16 bits per double, the
+    // other ranks adding zeros: exact, and no device memory needed.
+    double parts[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4 && comm_->rank() == 0; i++) parts[i] = (double)((seed_ >> (16 * i)) & 0xFFFF);
+    comm_->all_reduce_host(parts, 4);
+    seed_ = 0;
+    for (int i = 0; i < 4; i++) seed_ |= (uint64_t)parts[i] << (16 * i);
+  }
+}
+
+GPT::~GPT() = default;
+
+void GPT::set_zero_stage(int stage) {
+  if (stage != 0 && stage != 1) throw std::invalid_argument("zero_stage must be 0 or 1, got " + std::to_string(stage));
+  if (stage == 1 && !comm_)
+    throw std::invalid_argument("zero_stage=1 shards the optimizer over data-parallel ranks: the model has no "
+                                "communicator (build it after fastgpt.distributed.init(), data_parallel=True)");
+  zero_stage_ = stage;
 }
 
 void GPT::refresh_compute_params() {
@@ -304,16 +334,56 @@ void GPT::forward_t(int B, int T, bool last_only, bool with_targets) {
   if (with_targets) k.cross_entropy_forward(losses_.data(), ce_lse_.data(), A<S>(logits_), targets_.data(), BT, V);
 }
 
-void GPT::backward(float grad_scale) {
+void GPT::backward(float grad_scale, bool sync) {
   if (!have_targets_ || !logits_valid_)
     throw std::logic_error("backward() needs a forward() with targets first (and one backward per forward)");
   if (grads_unscaled_)
     throw std::logic_error("backward() after the gradients were unscaled (clip_grad_norm or a skipped step) adds "
                            "scaled gradients to unscaled ones: call zero_grad() first");
+  if (comm_ && zero_stage_ == 1 && grads_synced_)
+    throw std::logic_error("backward() onto gradients already reduced for ZeRO-1 (each rank holds only its shard "
+                           "reduced): call zero_grad() first, and sync only the last micro-step of an accumulation");
   logits_valid_ = false;  // the logit gradients overwrite the logits
   stepped_ = false;
+  overlap_ = comm_ && sync && zero_stage_ == 0 && comm_->overlaps();
   const float dloss = (float)(grad_scale * scaler_.scale / ((double)B_ * T_));
   with_dtype(storage_, [&](auto s) { backward_t<decltype(s)>(dloss); });
+  grads_dirty_ = true;
+  if (sync) sync_grads();
+}
+
+void GPT::reduce_layer_async(int l) {
+  // The per-layer tensors are stacked (tensor-major), so one layer's gradients are one slice of each of them.
+  std::vector<std::pair<float*, int64_t>> slices;
+  for (int i = LN1W; i <= FCPROJB; i++) slices.push_back({G(i, l), tensors_[i].numel / cfg_.n_layer});
+  comm_->all_reduce_async(slices);
+}
+
+void GPT::sync_grads() {
+  if (!comm_ || !grads_dirty_) return;
+  if (overlap_) {  // the layers are on their way; wte (lm_head and embedding), wpe and ln_f were written last
+    std::vector<std::pair<float*, int64_t>> rest;
+    for (int i : {WTE, WPE, LNFW, LNFB}) rest.push_back({G(i), tensors_[i].numel});
+    comm_->all_reduce_async(rest);
+    comm_->finish();
+  } else if (zero_stage_ == 1) {
+    comm_->reduce_scatter(grads_.data(), shard_size(), true);
+  } else {
+    comm_->all_reduce(grads_.data(), grads_.size(), true);
+  }
+  overlap_ = grads_dirty_ = false;
+  grads_synced_ = true;
+  grad_syncs_++;
+}
+
+double GPT::grad_sumsq() {
+  if (!comm_) return be_->sum_squares(grads_.data(), grads_.size());
+  std::vector<double> parts(world_size(), 0.0);  // a slot per rank: adding zeros to it is exact
+  parts[rank()] = be_->sum_squares(grads_.data() + shard_begin(), shard_size());
+  comm_->all_reduce_host(parts.data(), (int)parts.size());
+  double ss = 0.0;
+  for (double p : parts) ss += p;
+  return ss;
 }
 
 template <typename S>
@@ -354,6 +424,7 @@ void GPT::backward_t(float dloss) {
     k.matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv, ln1, P<S>(QKVW, l), BT, C, 3 * C);
     k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P<S>(LN1W, l), ln1_mean_.data() + l * BT,
                          ln1_rstd_.data() + l * BT, BT, C);
+    if (overlap_) reduce_layer_async(l);  // nothing below this layer writes its gradients again
   }
   k.encoder_backward(G(WTE), G(WPE), (const S*)dres, idx_.data(), B, T, C, V);
 }
@@ -361,12 +432,15 @@ void GPT::backward_t(float dloss) {
 void GPT::zero_grad() {
   be_->zero(grads_.data(), grads_.size() * sizeof(float));
   grads_unscaled_ = found_inf_ = stepped_ = false;
+  grads_dirty_ = grads_synced_ = overlap_ = false;
 }
 
 bool GPT::unscale_grads() {
+  sync_grads();
   if (!scaler_.enabled || grads_unscaled_) return found_inf_;
-  // One pass finds a non-finite gradient (its square sums to inf/NaN in double) before anything is scaled.
-  const double ss = be_->sum_squares(grads_.data(), grads_.size());
+  // One pass finds a non-finite gradient (its square sums to inf/NaN in double) before anything is scaled; with
+  // data parallel it is the global sum, so every rank skips (or takes) the step together.
+  const double ss = grad_sumsq();
   found_inf_ = !std::isfinite(ss);
   if (!found_inf_) be_->scale_inplace(grads_.data(), grads_.size(), (float)(1.0 / scaler_.scale));
   unscaled_sumsq_ = ss / (scaler_.scale * scaler_.scale);
@@ -379,7 +453,7 @@ double GPT::clip_grad_norm(double max_norm) {
   // fp16's first call unscales, and the norm comes from that same pass: one reduction (and one sync), not two.
   const bool unscales_now = scaler_.enabled && !grads_unscaled_;
   if (unscale_grads()) return std::numeric_limits<double>::infinity();
-  const double norm = std::sqrt(unscales_now ? unscaled_sumsq_ : be_->sum_squares(grads_.data(), grads_.size()));
+  const double norm = std::sqrt(unscales_now ? unscaled_sumsq_ : grad_sumsq());
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) be_->scale_inplace(grads_.data(), grads_.size(), (float)coef);
   return norm;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "engine/comm.h"
 
 namespace fastgpt {
 
@@ -65,11 +66,17 @@ struct LossScaler {
 
 class GPT {
  public:
-  GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, Precision precision = Precision::fp32);
+  // With a communicator the model is one replica of a data-parallel job: rank 0's initial weights are broadcast,
+  // gradients are reduced (averaged) over ranks once per optimizer step, and the flat buffers are padded to a
+  // multiple of world_size shards (ZeRO-1 and reduce-scatter need equal shards; the padding stays zero).
+  GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, Precision precision = Precision::fp32,
+      std::shared_ptr<Comm> comm = nullptr);
+  ~GPT();
 
   const GPTConfig& config() const { return cfg_; }
   Backend& backend() { return *be_; }
-  int64_t num_parameters() const { return params_.size(); }
+  int64_t num_parameters() const { return n_params_; }
+  int64_t padded_size() const { return params_.size(); }  // of the flat buffers: num_parameters() + padding
   Precision precision() const { return precision_; }
   DType storage() const { return storage_; }  // of activations and compute weights
   uint64_t seed() const { return seed_; }
@@ -92,8 +99,25 @@ class GPT {
   int last_B() const { return B_; }
   int last_T() const { return last_only_ ? 1 : T_; }  // rows of logits per sequence
   // Adds d(grad_scale * mean loss)/d(params) to the gradient buffer (times the loss scale in fp16, until unscaled).
-  void backward(float grad_scale);
+  // Data parallel: sync=true (the last micro-step of an accumulation) reduces the gradients over ranks, overlapped
+  // with the rest of the backward where the communicator can; sync=false only accumulates locally (DDP's no_sync).
+  void backward(float grad_scale, bool sync = true);
   void zero_grad();
+
+  // ---- data parallel (no-ops without a communicator)
+  Comm* comm() const { return comm_.get(); }
+  int rank() const { return comm_ ? comm_->rank() : 0; }
+  int world_size() const { return comm_ ? comm_->world_size() : 1; }
+  // Reduces gradients accumulated since the last reduction, if any: clip_grad_norm and AdamW call it, so a step
+  // never sees local gradients even when no backward asked to sync. Counts reductions (grad_sync_count).
+  void sync_grads();
+  int64_t grad_sync_count() const { return grad_syncs_; }
+  // ZeRO-1 (set by AdamW): gradients are reduce-scattered, each rank keeping only its shard reduced
+  // ([shard_begin, shard_begin + shard_size) of the flat buffer); the rest of the gradient buffer is stale.
+  void set_zero_stage(int stage);
+  int zero_stage() const { return zero_stage_; }
+  int64_t shard_size() const { return params_.size() / world_size(); }
+  int64_t shard_begin() const { return rank() * shard_size(); }
   // Global L2 norm of the gradients; if above max_norm, scales them by max_norm / (norm + 1e-6) (torch's rule).
   // fp16: unscales first; if the gradients hold an inf/NaN the norm returned is inf/NaN and nothing is clipped.
   double clip_grad_norm(double max_norm);
@@ -112,6 +136,10 @@ class GPT {
 
  private:
   void init_params(uint64_t seed);
+  // Sum of squares of the (reduced) gradients over all ranks: each rank measures its shard, the host sums the
+  // shards in rank order, so plain data parallel and ZeRO-1 get the same bits.
+  double grad_sumsq();
+  void reduce_layer_async(int l);  // overlap: layer l's gradients are final
   void ensure_activations(int B, int T);
   template <typename S>
   void forward_t(int B, int T, bool last_only, bool with_targets);
@@ -128,6 +156,13 @@ class GPT {
 
   GPTConfig cfg_;
   std::unique_ptr<Backend> be_;
+  std::shared_ptr<Comm> comm_;  // after be_: destroyed first, while the stream it uses still exists
+  int64_t n_params_ = 0;
+  int zero_stage_ = 0;
+  int64_t grad_syncs_ = 0;
+  bool grads_dirty_ = false;  // local contributions not reduced yet
+  bool grads_synced_ = false; // reduced since zero_grad (ZeRO-1 refuses to accumulate onto a reduced shard)
+  bool overlap_ = false;      // this backward starts reductions layer by layer
   Precision precision_;
   DType storage_;
   uint64_t seed_;

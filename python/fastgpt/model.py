@@ -14,11 +14,12 @@ precision (llm.c's mixed-precision recipe, chosen at run time; one engine for al
   "fp16"  as bf16 with float16 storage (weights rounded to nearest), plus dynamic loss scaling with
           torch.amp.GradScaler's rules; AdamW.step() returns False for a skipped (inf/NaN) step.
 """
+import contextlib
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import _C
+from . import _C, distributed
 from ._convert import as_ids, check_float, check_int, to_numpy
 
 DEVICES = ("cpu", "cuda")
@@ -58,13 +59,31 @@ def _check_device(device, precision):
 
 
 class GPT:
-    def __init__(self, config=None, device="cpu", precision="fp32", seed=0):
+    """data_parallel: None (the default) makes the model a replica of a data-parallel job when
+    fastgpt.distributed.init() found one with more than one rank; True forces it (a world of one without a
+    launcher), False never. A replica starts from rank 0's weights and averages gradients over ranks once per
+    optimizer step: on the backward with `require_backward_grad_sync` True (DDP's attribute; build-nanogpt sets it
+    on the last micro-step), or at the latest in clip_grad_norm/step. device='cuda' means cuda:LOCAL_RANK then."""
+
+    def __init__(self, config=None, device="cpu", precision="fp32", seed=0, data_parallel=None):
         self.config = (GPTConfig() if config is None else config).validate()
         _check_device(device, precision)
+        if data_parallel not in (None, True, False):
+            raise ValueError(f"data_parallel must be None, True or False, got {data_parallel!r}")
+        if data_parallel is None:
+            data_parallel = distributed.is_initialized() and distributed.world_size() > 1
+        if data_parallel:
+            distributed.init()
+        if device == "cuda" and distributed.is_initialized():
+            device = f"cuda:{distributed.local_rank()}"
+        comm = distributed._comm_for(device if device != "cuda" else "cuda:0") if data_parallel else None
         self.device, self.precision = device, precision
         seed = check_int(seed, "seed", low=0, high=2**64 - 1)
         c = self.config
-        self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed, device, precision)
+        self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed, device, precision,
+                              comm)
+        self.data_parallel = bool(data_parallel)
+        self.require_backward_grad_sync = True
         self._layout = [(name, tuple(shape), offset) for name, shape, offset in self._engine.named_views()]
         self._on_cpu = device == "cpu"
         if self._on_cpu:  # zero-copy views of the engine's buffers, made once
@@ -100,12 +119,44 @@ class GPT:
 
     __call__ = forward
 
-    def backward(self, grad_scale=1.0):
-        """Adds the gradients of grad_scale * (last forward's mean loss) to the gradient buffer."""
-        self._engine.backward(check_float(grad_scale, "grad_scale"))
+    def backward(self, grad_scale=1.0, sync=None):
+        """Adds the gradients of grad_scale * (last forward's mean loss) to the gradient buffer. Data parallel:
+        sync (default: require_backward_grad_sync) averages them over ranks at the end of this backward, overlapped
+        with it where the communicator can; otherwise they only accumulate, as under DDP's no_sync()."""
+        sync = self.require_backward_grad_sync if sync is None else sync
+        self._engine.backward(check_float(grad_scale, "grad_scale"), bool(sync))
 
     def zero_grad(self):
         self._engine.zero_grad()
+
+    # ---- data parallel
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's no_sync(): backwards inside only accumulate locally."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def sync_grads(self):
+        """Averages the gradients accumulated since the last reduction over ranks (no-op if none, or not data
+        parallel). AdamW.clip_grad_norm and AdamW.step call it."""
+        self._engine.sync_grads()
+
+    @property
+    def rank(self):
+        return int(self._engine.rank)
+
+    @property
+    def world_size(self):
+        return int(self._engine.world_size)
+
+    @property
+    def grad_sync_count(self):
+        """Gradient reductions over ranks so far: one per optimizer step when accumulation syncs only its last
+        micro-step."""
+        return int(self._engine.grad_sync_count)
 
     # ---- parameters
     def num_parameters(self):
@@ -230,5 +281,6 @@ class GPT:
         return out[0] if squeeze else out
 
     def __repr__(self):
+        dp = f", rank {self.rank} of {self.world_size}" if self.data_parallel else ""
         return (f"fastgpt.GPT({asdict(self.config)}, device={self.device!r}, precision={self.precision!r}, "
-                f"{self.num_parameters():,} parameters)")
+                f"{self.num_parameters():,} parameters{dp})")

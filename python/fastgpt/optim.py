@@ -10,7 +10,12 @@ from ._convert import check_float
 
 
 class AdamW:
-    def __init__(self, model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    """zero_stage=1 (a data-parallel model): each rank keeps the moments of its shard of the parameters only,
+    updates that shard from reduce-scattered gradients and all-gathers the weights (ZeRO-1); the same weights as
+    plain data parallel, with 8/world_size bytes of moments per parameter instead of 8. The fp32 masters stay whole
+    on every rank; grads() is then valid on this rank's shard only (model._engine.shard)."""
+
+    def __init__(self, model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, zero_stage=0):
         if not hasattr(model, "_engine"):
             raise TypeError(f"model must be a fastgpt.GPT, got {type(model).__name__}")
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -20,7 +25,14 @@ class AdamW:
         self.betas = (check_float(betas[0], "betas[0]", 0.0, 0.999999), check_float(betas[1], "betas[1]", 0.0, 0.999999))
         self.eps = check_float(eps, "eps", low=0.0, low_open=True)
         self.weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
-        self._opt = _C.AdamW(model._engine, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay)
+        if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
+            raise ValueError(f"zero_stage must be 0 (plain data parallel) or 1 (sharded moments), got {zero_stage!r}")
+        if zero_stage == 1 and not model.data_parallel:
+            raise ValueError("zero_stage=1 shards the optimizer over data-parallel ranks, but the model is not data "
+                             "parallel: build it after fastgpt.distributed.init() (or with data_parallel=True)")
+        self.zero_stage = zero_stage
+        self._opt = _C.AdamW(model._engine, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
+                             zero_stage)
 
     def step(self, lr=None):
         """One update of every parameter from the gradient buffer; lr overrides the default for this step.
@@ -46,5 +58,10 @@ class AdamW:
         return int(self._opt.step_count)
 
     def moments(self):
-        """(exp_avg, exp_avg_sq) as flat zero-copy views in the parameter layout."""
+        """(exp_avg, exp_avg_sq) as flat zero-copy views in the parameter layout; with zero_stage=1, of this
+        rank's shard only, which starts at flat index moments_begin."""
         return self._opt.m, self._opt.v
+
+    @property
+    def moments_begin(self):
+        return int(self._opt.moments_begin)

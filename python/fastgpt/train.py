@@ -4,6 +4,11 @@ build-nanogpt's training loop over the compiled engine: GPT-2 BPE tokens from a 
 with a linear-warmup + cosine learning rate, gradient accumulation up to --total-batch-size tokens per step,
 gradient clipping, periodic val loss and samples. Every step goes to <out-dir>/log.jsonl (one JSON object a line)
 and the final weights to <out-dir>/model.safetensors.
+
+Data parallel, unchanged: `torchrun --nproc_per_node=N train.py --device cuda ...` or `mpiexec -n N python train.py
+--device cpu ...`. The total batch is B*T*grad_accum*world_size tokens; each rank reads its own slice of every
+batch; gradients are averaged over ranks once per step (on the last micro-step); the loss printed is the mean over
+ranks; val loss is sharded over ranks and reduced; only rank 0 prints, samples and writes the log and checkpoint.
 """
 import argparse
 import json
@@ -15,6 +20,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from . import distributed
 from .checkpoint import save_checkpoint
 from .data import DataLoader, tokenize_file
 from .model import GPT, GPTConfig
@@ -79,6 +85,8 @@ def build_parser():
     p.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16", "fp16"),
                    help="fp32; tf32 (GPU); bf16 or fp16 mixed precision: 16-bit activations and weights, fp32 "
                         "masters, gradients and moments; fp16 with dynamic loss scaling")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0,
+                   help="data parallel: 1 shards the AdamW moments over ranks (ZeRO-1)")
     p.add_argument("--seed", type=nonneg, default=1337)
     p.add_argument("--out-dir", help="default: runs/<timestamp>")
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
@@ -89,7 +97,11 @@ def main(argv=None):
     """Train; returns a dict of the run's numbers (final losses, tok/s, the model)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    world_size = 1  # DDP arrives with the CUDA engine; the accumulation arithmetic already counts ranks
+    try:
+        rank, world_size, _ = distributed.init()
+    except RuntimeError as e:
+        parser.error(f"launch: {e}")
+    master = rank == 0
 
     # ---- flags that depend on each other: checked up front, so no mistake surfaces deep inside a run
     n_layer, n_head, n_embd = (o if o is not None else d for o, d in
@@ -108,22 +120,49 @@ def main(argv=None):
         parser.error("no data: pass --input TEXT_FILE (or set FASTGPT_DATA), or --shards GLOB")
     if args.input and not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: file not found")
-    out_dir = args.out_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run's log and checkpoint
-        parser.error(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder")
-    os.makedirs(out_dir, exist_ok=True)
-    say = tqdm.write  # prints above a live progress bar instead of through it
+    say = tqdm.write if master else (lambda *a, **k: None)  # above a live progress bar; rank 0 only
+
+    def agreed(check):
+        # A check that only rank 0 can make (the file system, the tokenizer): its verdict reaches every rank, so
+        # all of them stop together instead of some waiting forever in a collective.
+        error = None
+        if master:
+            try:
+                check()
+            except (OSError, ValueError, RuntimeError) as e:
+                error = str(e)
+        return distributed.broadcast_object(error)
+
+    # Rank 0 picks the run folder (the others' clocks may read another second) and tokenizes first; the others
+    # then reuse its cached tokens.
+    out_dir = distributed.broadcast_object(args.out_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+
+    def make_out_dir():
+        if os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run's log and checkpoint
+            raise ValueError(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder")
+        os.makedirs(out_dir, exist_ok=True)
+
+    error = agreed(make_out_dir)
+    if error:
+        parser.error(error)
 
     # ---- tokenizer, data, model
+    def tokenize():
+        return tokenize_file(args.input, os.path.join(out_dir, "data"), encoder_json=args.encoder, val_fraction=0.1)
+
+    error = agreed(tokenize) if args.input else None
+    if error:
+        parser.error(f"data: {error}")
     try:
         if args.input:
-            files = tokenize_file(args.input, os.path.join(out_dir, "data"), encoder_json=args.encoder,
-                                  val_fraction=0.1)
+            files = tokenize()
             train_src, val_src = files["train"], files["val"]
         else:
             train_src = val_src = args.shards
-        train_loader = DataLoader(train_src, B, T, split="train" if args.shards else None)
-        val_loader = DataLoader(val_src, B, T, split="val" if args.shards else None)
+        train_loader = DataLoader(train_src, B, T, split="train" if args.shards else None, rank=rank,
+                                  world_size=world_size)
+        val_loader = DataLoader(val_src, B, T, split="val" if args.shards else None, rank=rank,
+                                world_size=world_size)
     except (OSError, ValueError) as e:
         parser.error(f"data: {e}")
     try:
@@ -139,25 +178,32 @@ def main(argv=None):
         model = GPT(config, device=args.device, precision=args.precision, seed=args.seed)
     except (ValueError, RuntimeError, NotImplementedError) as e:
         parser.error(f"--device/--precision: {e}")
-    opt = AdamW(model, lr=args.max_lr, weight_decay=args.weight_decay)
+    if args.zero_stage and world_size == 1:
+        parser.error("--zero-stage 1 shards the optimizer over data-parallel ranks: launch more than one")
+    opt = AdamW(model, lr=args.max_lr, weight_decay=args.weight_decay, zero_stage=args.zero_stage)
     min_lr = args.max_lr * args.min_lr_ratio
 
-    log = open(os.path.join(out_dir, "log.jsonl"), "w", encoding="utf-8")
+    log = open(os.path.join(out_dir, "log.jsonl"), "w", encoding="utf-8") if master else None
 
     def record(entry):
-        log.write(json.dumps(entry) + "\n")
-        log.flush()  # a run killed midway still leaves every finished step on disk
+        if log:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()  # a run killed midway still leaves every finished step on disk
 
     header = {"config": vars(config), "num_parameters": model.num_parameters(), "grad_accum": grad_accum,
               "total_batch_size": total, "world_size": world_size, "args": vars(args)}
     record({"header": header})
+    ranks = f", {world_size} ranks" + (" (ZeRO-1)" if args.zero_stage else "") if world_size > 1 else ""
     say(f"fastgpt: {model.num_parameters():,} parameters (L{n_layer} H{n_head} C{n_embd}), "
-        f"B={B} T={T}, grad_accum={grad_accum} ({total} tokens/step), {args.max_steps} steps -> {out_dir}")
+        f"B={B} T={T}, grad_accum={grad_accum} ({total} tokens/step{ranks}), {args.max_steps} steps -> {out_dir}")
 
     def evaluate():
+        # Sharded over ranks: rank r takes batches r, r+world, ... of the first eval_steps (its loader's own
+        # slices), and the sums meet in one reduction: the same batches, the same mean as one process.
         val_loader.reset()  # the same val batches every time, so estimates are comparable across steps
-        return sum(model.forward(*val_loader.next_batch(), return_logits=False)[1]
-                   for _ in range(args.eval_steps)) / args.eval_steps
+        mine = len(range(rank, args.eval_steps, world_size))
+        local = sum(model.forward(*val_loader.next_batch(), return_logits=False)[1] for _ in range(mine))
+        return distributed.all_reduce(local) / args.eval_steps
 
     def sample():
         prompt = np.array([[EOT]], dtype=np.int64)  # start as a new document
@@ -169,7 +215,7 @@ def main(argv=None):
 
     # ---- training: step == max_steps is the extra pass that evaluates and samples the final weights
     val_losses, samples, times, losses = [], [], [], []
-    bar = tqdm(total=args.max_steps, disable=args.no_progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=args.max_steps, disable=args.no_progress or not master, unit="step", dynamic_ncols=True)
     for step in range(args.max_steps + 1):
         last = step == args.max_steps
         if step % args.eval_interval == 0 or last:
@@ -177,7 +223,7 @@ def main(argv=None):
             val_losses.append(val_loss)
             record({"step": step, "val_loss": val_loss})
             say(f"step {step:5d} | val loss {val_loss:.4f}")
-        if (step > 0 and step % args.sample_interval == 0) or (last and args.sample_tokens > 0):
+        if master and ((step > 0 and step % args.sample_interval == 0) or (last and args.sample_tokens > 0)):
             text = sample()
             samples.append(text)
             say(f"---- sample at step {step} ----\n{text}\n----")
@@ -187,10 +233,12 @@ def main(argv=None):
         t0 = time.perf_counter()
         model.zero_grad()
         loss = 0.0
-        for _ in range(grad_accum):
+        for micro in range(grad_accum):
             x, y = train_loader.next_batch()
             loss += model.forward(x, y, return_logits=False)[1] / grad_accum
+            model.require_backward_grad_sync = micro == grad_accum - 1  # reduce over ranks once, at the end
             model.backward(grad_scale=1.0 / grad_accum)  # the mean over micro steps, as one big batch would
+        loss = distributed.all_reduce(loss, "avg") if world_size > 1 else loss
         norm = opt.clip_grad_norm(args.grad_clip)
         lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
         applied = opt.step(lr)
@@ -204,7 +252,7 @@ def main(argv=None):
         if args.precision == "fp16":
             entry.update(loss_scale=model.loss_scale, skipped=not applied)
         record(entry)
-        if args.no_progress:
+        if args.no_progress and master:
             print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | {dt * 1e3:.1f} ms | "
                   f"{tok_per_s:.0f} tok/s", flush=True)
         else:
@@ -214,17 +262,22 @@ def main(argv=None):
     bar.close()
 
     # ---- the end: weights, summary
-    ckpt = save_checkpoint(model, os.path.join(out_dir, "model.safetensors"), metadata={
-        "step": args.max_steps, "train_loss": losses[-1], "val_loss": val_losses[-1]})
-    print(f"saved {ckpt}")
+    ckpt = os.path.join(out_dir, "model.safetensors")
+    if master:
+        ckpt = save_checkpoint(model, ckpt, metadata={
+            "step": args.max_steps, "train_loss": losses[-1], "val_loss": val_losses[-1]})
+        print(f"saved {ckpt}")
     steady = times[1:] or times  # the first step pays one-off costs (allocations, page faults)
     mean_tok_per_s = total * len(steady) / sum(steady)
     result = {"final_train_loss": losses[-1], "first_val_loss": val_losses[0], "last_val_loss": val_losses[-1],
               "mean_tok_per_s": mean_tok_per_s, "mean_ms_per_step": 1e3 * sum(steady) / len(steady),
               "grad_accum": grad_accum, "steps": args.max_steps, "num_parameters": model.num_parameters(),
-              "precision": args.precision, "skipped_steps": opt.skipped_steps,
+              "precision": args.precision, "skipped_steps": opt.skipped_steps, "world_size": world_size,
+              "rank": rank, "grad_syncs": model.grad_sync_count,
               "samples": samples, "checkpoint": ckpt, "out_dir": out_dir, "model": model}
     record({"summary": {k: v for k, v in result.items() if k != "model"}})
+    if not master:
+        return result
     log.close()
     print(f"done: train loss {losses[-1]:.4f} | val loss {val_losses[0]:.4f} -> {val_losses[-1]:.4f} | "
           f"{mean_tok_per_s:.0f} tok/s | {result['mean_ms_per_step']:.1f} ms/step")
