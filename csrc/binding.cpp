@@ -103,7 +103,9 @@ std::unique_ptr<Backend> backend_for(const std::string& device) {
 // engine calls it without the GIL; each call takes it back and hands the buffers over as zero-copy NumPy views.
 class PyComm final : public Comm {
  public:
-  PyComm(py::object impl, int rank, int world) : impl_(std::move(impl)), rank_(rank), world_(world) {}
+  PyComm(py::object impl, int rank, int world) : impl_(std::move(impl)), rank_(rank), world_(world) {
+    overlaps_ = py::hasattr(impl_, "overlaps") && impl_.attr("overlaps").cast<bool>();
+  }
   ~PyComm() override {
     py::gil_scoped_acquire gil;
     impl_ = py::object();
@@ -122,6 +124,9 @@ class PyComm final : public Comm {
     impl_.attr("all_reduce_host")(py::array_t<double>({(py::ssize_t)n}, {(py::ssize_t)8}, x, no_owner()));
   }
   void barrier() override { call("barrier"); }
+  // MPI blocks, so "overlapping" reduces each layer's slices when the backward hands them over: the same order of
+  // calls as NCCL's overlap, which lets the CPU tests check that every gradient is reduced exactly once.
+  bool overlaps() const override { return overlaps_; }
 
  private:
   static py::capsule no_owner() { return py::capsule((void*)1, [](void*) {}); }  // engine memory outlives the call
@@ -146,6 +151,7 @@ class PyComm final : public Comm {
   }
   py::object impl_;
   int rank_, world_;
+  bool overlaps_ = false;
 };
 
 // ---- ops on arrays that live on the CPU (NumPy) or on a GPU (DLPack capsules): one shape check per op, then the

@@ -10,12 +10,16 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 FASTGPT_CUDA=ON FASTGPT_SHARED=${FASTGPT_SHARED:-$PWD/.device/shared}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/nvidia-smi.txt"
 
-build=FAIL tests=FAIL bench=FAIL precision_bench=FAIL flash_bench=FAIL memcheck=FAIL racecheck=FAIL
+build=FAIL tests=FAIL nccl=FAIL bench=FAIL precision_bench=FAIL flash_bench=FAIL memcheck=FAIL racecheck=FAIL
 python3 -m pip install --no-build-isolation -q . > "$out/build.log" 2>&1 && build=ok
 tail -5 "$out/build.log"
 if [ $build = ok ]; then
   python3 -m pytest -q tests 2>&1 | tee "$out/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] && tests=ok
+  # Data parallel through NCCL (world size 1 here; 2 ranks where two GPUs exist), also inside the run above: its
+  # own line in the table, since a build without NCCL skips it silently there.
+  python3 -m pytest -q -rs tests/test_distributed_cuda.py > "$out/pytest_nccl.log" 2>&1 && nccl=ok
+  grep -q "SKIPPED.*built with NCCL" "$out/pytest_nccl.log" && nccl=no-nccl
   python3 bench/bench_gpu_train.py --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && bench=ok
   tail -30 "$out/bench.log"
   # GPT-2 124M in fp32 / tf32 / bf16 / fp16 against torch eager / TF32 / bf16 autocast / fp16 autocast+GradScaler.
@@ -41,7 +45,8 @@ if [ $build = ok ]; then
 fi
 echo
 echo "== gpu_check $(git rev-parse --short HEAD 2>/dev/null) on $(head -1 "$out/nvidia-smi.txt")"
-printf '%-16s %s\n' build "$build" tests "$tests ($(tail -1 "$out/pytest.log" 2>/dev/null))" bench "$bench" \
+printf '%-16s %s\n' build "$build" tests "$tests ($(tail -1 "$out/pytest.log" 2>/dev/null))" \
+  nccl "$nccl ($(tail -1 "$out/pytest_nccl.log" 2>/dev/null))" bench "$bench" \
   precision_bench "$precision_bench" flash_bench "$flash_bench" memcheck "$memcheck" racecheck "$racecheck"
 grep -E "^(fp32|tf32|bf16|fp16) " "$out/bench_precision.log" 2>/dev/null
 grep "fastgpt vs fastest" "$out/bench_flash.log" 2>/dev/null | tail -12

@@ -92,7 +92,7 @@ def test_matches_one_process_on_the_same_global_batch(ranks, tmp_path, shard):
     assert dp["losses"][-1] < dp["losses"][0] - 0.1, "it trains"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_zero1_gives_the_same_weights_as_plain_data_parallel(precision, tmp_path, shard):
     plain = _train(tmp_path, shard, 2, 2, "plain", "--precision", precision, "--steps", "4")
     zero = _train(tmp_path, shard, 2, 2, "zero", "--precision", precision, "--steps", "4", "--zero", "1")
@@ -101,6 +101,15 @@ def test_zero1_gives_the_same_weights_as_plain_data_parallel(precision, tmp_path
     np.testing.assert_array_equal(zero["losses"], plain["losses"])
     assert int(zero["moments"]) * 2 == int(zero["padded"]), "each rank keeps half the moments"
     assert int(plain["moments"]) == plain["params"].size
+
+
+def test_layer_by_layer_reduction_reduces_every_gradient_once(tmp_path, shard):
+    # The overlapped path (NCCL's) hands the gradients over per layer slice, then wte/wpe/ln_f: a slice reduced twice
+    # or never would leave the ranks apart or off plain data parallel. At 2 ranks a sum is a + b either way: same bits.
+    plain = _train(tmp_path, shard, 2, 2, "plain", "--steps", "3")
+    overlap = _train(tmp_path, shard, 2, 2, "overlap", "--steps", "3", "--overlap")
+    assert bool(overlap["identical"]) and int(overlap["syncs"]) == 3
+    np.testing.assert_array_equal(overlap["params"], plain["params"])
 
 
 @pytest.mark.parametrize("how", ["raise", "kill", "exit"])
@@ -134,11 +143,18 @@ def test_bad_launches_say_what_is_wrong(tmp_path, shard):
                 "vocab_size=16, n_layer=1, n_head=1, n_embd=8))",
                 {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     assert r.returncode != 0 and "mpiexec -n 2" in r.stderr
+    r = _python(f"import sys; sys.argv = ['train.py', '--input', {shard!r}]; from fastgpt.train import main; main()",
+                {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    assert r.returncode == 2 and "launch with mpiexec -n 2" in r.stderr
     # WORLD_SIZE that disagrees with mpiexec.
     env = dict(_env(), WORLD_SIZE="3")
     r = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", init], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "WORLD_SIZE=3 disagrees with the MPI launcher" in r.stdout + r.stderr
+    # A total batch that 2 ranks cannot split: every rank says so and the job ends (no rank left waiting).
+    r = _run([_mpiexec(), "-n", "2", sys.executable, str(REPO / "train.py"), "--input", shard, "-B", "2", "-T", "8",
+              "--total-batch-size", "48", "--out-dir", str(tmp_path / "run")], timeout=60, check=False)
+    assert r.returncode == 2 and "must be a multiple of B*T*world_size = 2*8*2" in r.stderr and r.seconds < 30
 
 
 def test_first_slurm_host():

@@ -56,7 +56,7 @@ bool AdamW::step(float lr) {
                                   model_.grads() + a, m_.data() + (a - lo_), v_.data() + (a - lo_), b - a, h, key);
   }
   if (model_.zero_stage() == 1) {  // every rank updated its shard: now everyone gets all of them
-    Comm& c = *model_.comm();
+    Comm& c = model_.bound_comm();
     c.all_gather(model_.params(), model_.shard_size() * (int64_t)sizeof(float));
     if (lowp) c.all_gather(lowp, model_.shard_size() * dtype_size(st));
   }

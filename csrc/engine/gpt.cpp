@@ -132,26 +132,27 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
     // Equal shards of a multiple of 64 elements: every shard starts 256-byte aligned in fp32 (128 in 16 bits).
     const int64_t unit = 64 * (int64_t)comm_->world_size();
     offset = (offset + unit - 1) / unit * unit;
-    comm_->use_stream(be_->stream());
   }
   params_ = Buffer<float>(be_.get(), offset);
   grads_ = Buffer<float>(be_.get(), offset);
   if (storage_ != DType::f32) cparams_ = Buffer<uint8_t>(be_.get(), offset * dtype_size(storage_));
   init_params(seed);
   if (comm_) {  // every replica starts from rank 0's weights, whatever seed each was given
-    comm_->broadcast(params_.data(), params_.size() * (int64_t)sizeof(float), 0);
+    bound_comm().broadcast(params_.data(), params_.size() * (int64_t)sizeof(float), 0);
     refresh_compute_params();
     // ... and rounds them as rank 0 does: bf16's stochastic rounding is keyed by the seed. 16 bits per double, the
     // other ranks adding zeros: exact, and no device memory needed.
     double parts[4] = {0, 0, 0, 0};
     for (int i = 0; i < 4 && comm_->rank() == 0; i++) parts[i] = (double)((seed_ >> (16 * i)) & 0xFFFF);
-    comm_->all_reduce_host(parts, 4);
+    bound_comm().all_reduce_host(parts, 4);
     seed_ = 0;
     for (int i = 0; i < 4; i++) seed_ |= (uint64_t)parts[i] << (16 * i);
   }
 }
 
-GPT::~GPT() = default;
+GPT::~GPT() {
+  if (comm_) comm_->use_stream(nullptr);  // this model's stream dies with it; the communicator lives on
+}
 
 void GPT::set_zero_stage(int stage) {
   if (stage != 0 && stage != 1) throw std::invalid_argument("zero_stage must be 0 or 1, got " + std::to_string(stage));
@@ -356,20 +357,21 @@ void GPT::reduce_layer_async(int l) {
   // The per-layer tensors are stacked (tensor-major), so one layer's gradients are one slice of each of them.
   std::vector<std::pair<float*, int64_t>> slices;
   for (int i = LN1W; i <= FCPROJB; i++) slices.push_back({G(i, l), tensors_[i].numel / cfg_.n_layer});
-  comm_->all_reduce_async(slices);
+  bound_comm().all_reduce_async(slices);
 }
 
 void GPT::sync_grads() {
   if (!comm_ || !grads_dirty_) return;
+  Comm& c = bound_comm();
   if (overlap_) {  // the layers are on their way; wte (lm_head and embedding), wpe and ln_f were written last
     std::vector<std::pair<float*, int64_t>> rest;
     for (int i : {WTE, WPE, LNFW, LNFB}) rest.push_back({G(i), tensors_[i].numel});
-    comm_->all_reduce_async(rest);
-    comm_->finish();
+    c.all_reduce_async(rest);
+    c.finish();
   } else if (zero_stage_ == 1) {
-    comm_->reduce_scatter(grads_.data(), shard_size(), true);
+    c.reduce_scatter(grads_.data(), shard_size(), true);
   } else {
-    comm_->all_reduce(grads_.data(), grads_.size(), true);
+    c.all_reduce(grads_.data(), grads_.size(), true);
   }
   overlap_ = grads_dirty_ = false;
   grads_synced_ = true;
@@ -380,7 +382,7 @@ double GPT::grad_sumsq() {
   if (!comm_) return be_->sum_squares(grads_.data(), grads_.size());
   std::vector<double> parts(world_size(), 0.0);  // a slot per rank: adding zeros to it is exact
   parts[rank()] = be_->sum_squares(grads_.data() + shard_begin(), shard_size());
-  comm_->all_reduce_host(parts.data(), (int)parts.size());
+  bound_comm().all_reduce_host(parts.data(), (int)parts.size());
   double ss = 0.0;
   for (double p : parts) ss += p;
   return ss;

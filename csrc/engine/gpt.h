@@ -106,6 +106,12 @@ class GPT {
 
   // ---- data parallel (no-ops without a communicator)
   Comm* comm() const { return comm_.get(); }
+  // The communicator, its collectives queued on this model's stream: one communicator per device serves every model
+  // there (and the host collectives of fastgpt.distributed), so each user binds its stream before it calls.
+  Comm& bound_comm() {
+    comm_->use_stream(be_->stream());
+    return *comm_;
+  }
   int rank() const { return comm_ ? comm_->rank() : 0; }
   int world_size() const { return comm_ ? comm_->world_size() : 1; }
   // Reduces gradients accumulated since the last reduction, if any: clip_grad_norm and AdamW call it, so a step

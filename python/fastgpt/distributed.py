@@ -197,6 +197,8 @@ class _MpiComm:
     all_reduce is reduce-scatter + all-gather, so every element is summed on one rank only and every rank ends with
     the same bits (MPI's own all-reduce may round differently per rank)."""
 
+    overlaps = False  # True: the engine hands over gradients layer by layer (the NCCL path's order; for tests)
+
     def __init__(self, comm):
         self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
 
@@ -325,6 +327,8 @@ def _host_comm():
     g = _group
     if g.world_size == 1 or g.mpi is not None:
         return _comm_for("cpu")
+    if not (_C.built_with_cuda and _C.cuda_device_count() > 0):
+        return _comm_for("cpu")  # raises: CPU processes need mpiexec
     return _comm_for(f"cuda:{g.local_rank}")
 
 

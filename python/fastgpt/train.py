@@ -102,6 +102,9 @@ def main(argv=None):
     except RuntimeError as e:
         parser.error(f"launch: {e}")
     master = rank == 0
+    if world_size > 1 and args.device == "cpu" and distributed.launcher() != "mpi":
+        parser.error(f"--device cpu with {world_size} ranks reduces gradients over MPI: launch with "
+                     f"mpiexec -n {world_size} python train.py ... ({distributed.launcher()} started this job)")
 
     # ---- flags that depend on each other: checked up front, so no mistake surfaces deep inside a run
     n_layer, n_head, n_embd = (o if o is not None else d for o, d in
