@@ -37,8 +37,10 @@ def _mpiexec():
 
 def _env(timeout=60):
     env = dict(os.environ, OMP_NUM_THREADS="1", FASTGPT_DIST_TIMEOUT=str(timeout))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
+    for k in list(env):  # whatever launched pytest must not leak into the jobs it starts
+        if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID") or \
+                k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_", "MPI_LOCAL")):
+            env.pop(k)
     return env
 
 
@@ -155,6 +157,20 @@ def test_bad_launches_say_what_is_wrong(tmp_path, shard):
     r = _run([_mpiexec(), "-n", "2", sys.executable, str(REPO / "train.py"), "--input", shard, "-B", "2", "-T", "8",
               "--total-batch-size", "48", "--out-dir", str(tmp_path / "run")], timeout=60, check=False)
     assert r.returncode == 2 and "must be a multiple of B*T*world_size = 2*8*2" in r.stderr and r.seconds < 30
+
+
+def test_slurm_environment():
+    show = ("from fastgpt import distributed as d; print(d.init(), d.launcher(), d._group.addr, d._group.port)")
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
+             "SLURM_JOB_NODELIST": "gpu[007-008]"}
+    r = _python(show, slurm)
+    assert r.returncode == 0 and r.stdout.split() == ["(1,", "4,", "1)", "slurm", "gpu007", str(29500 + 456)], r.stderr
+    r = _python(show, dict(slurm, MASTER_ADDR="head", MASTER_PORT="4000"))
+    assert r.stdout.split()[-2:] == ["head", "4000"], r.stderr
+    r = _python(show, dict(slurm, WORLD_SIZE="8"))
+    assert r.returncode != 0 and "WORLD_SIZE=8 disagrees with SLURM_NTASKS=4" in r.stderr
+    r = _python(show, {k: v for k, v in slurm.items() if k != "SLURM_JOB_NODELIST"})
+    assert r.returncode != 0 and "cannot find rank 0's host" in r.stderr
 
 
 def test_first_slurm_host():

@@ -7,7 +7,7 @@
 
 The C++ core (fastgpt._C) holds the model, optimizer and kernels; this package is a thin layer over it.
 """
-from . import _C, data, ops, tokenizer
+from . import _C, data, distributed, ops, tokenizer
 from .model import GPT, GPTConfig
 from .optim import AdamW
 
@@ -19,4 +19,4 @@ def cuda_available():
     return bool(_C.built_with_cuda) and _C.cuda_device_count() > 0
 
 
-__all__ = ["GPT", "GPTConfig", "AdamW", "ops", "data", "tokenizer", "cuda_available", "__version__"]
+__all__ = ["GPT", "GPTConfig", "AdamW", "ops", "data", "distributed", "tokenizer", "cuda_available", "__version__"]

@@ -279,6 +279,10 @@ def main(argv=None):
               "rank": rank, "grad_syncs": model.grad_sync_count,
               "samples": samples, "checkpoint": ckpt, "out_dir": out_dir, "model": model}
     record({"summary": {k: v for k, v in result.items() if k != "model"}})
+    # Everyone leaves together, after rank 0's checkpoint: a rank that exits alone waits at most
+    # FASTGPT_DIST_TIMEOUT for the others before it aborts the job (fastgpt.distributed), and the final
+    # evaluation, sample and save must not count against that.
+    distributed.barrier()
     if not master:
         return result
     log.close()
