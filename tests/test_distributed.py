@@ -173,6 +173,25 @@ def test_slurm_environment():
     assert r.returncode != 0 and "cannot find rank 0's host" in r.stderr
 
 
+def test_broadcast_object_without_mpi(monkeypatch):
+    # Under torchrun/srun the host channel is NCCL's sum of doubles: rank 1's view of a 2-rank job, rank 0's
+    # contributions (the size, then the bytes) played back by a stand-in communicator.
+    obj = {"out_dir": "runs/x", "n": [1, 2.5]}
+    import pickle
+    data = np.frombuffer(pickle.dumps(obj), np.uint8).astype(np.float64)
+    from_root = [np.array([float(data.size)]), data]
+
+    class Sum:
+        def all_reduce_host(self, x):
+            x += from_root.pop(0)
+
+    monkeypatch.setattr(distributed, "_group", distributed._Group(1, 2, 1, "torchrun", "h", 1))
+    monkeypatch.setattr(distributed, "_host_comm", lambda: Sum())
+    assert distributed.broadcast_object("ignored on rank 1") == obj and not from_root
+    with pytest.raises(ValueError, match="op must be"):
+        distributed.all_reduce(1.0, op="max")
+
+
 def test_first_slurm_host():
     assert distributed._first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
     assert distributed._first_slurm_host("node7,node8") == "node7"
