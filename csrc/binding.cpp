@@ -7,7 +7,6 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
-#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -113,41 +112,40 @@ class PyComm final : public Comm {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   std::string name() const override { return "mpi"; }
-  void all_reduce(float* x, int64_t n, bool average) override { call("all_reduce", floats(x, n), average); }
-  void reduce_scatter(float* x, int64_t shard, bool average) override {
-    call("reduce_scatter", floats(x, shard * world_), shard, average);
+  // Each call takes the GIL back (the engine calls without it) before it makes the NumPy views.
+  void all_reduce(float* x, int64_t n, bool average) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("all_reduce")(array(x, n), average);
   }
-  void all_gather(void* x, int64_t shard_bytes) override { call("all_gather", bytes(x, shard_bytes * world_)); }
-  void broadcast(void* x, int64_t n, int root) override { call("broadcast", bytes(x, n), root); }
+  void reduce_scatter(float* x, int64_t shard, bool average) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("reduce_scatter")(array(x, shard * world_), shard, average);
+  }
+  void all_gather(void* x, int64_t shard_bytes) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("all_gather")(array(static_cast<uint8_t*>(x), shard_bytes * world_));
+  }
+  void broadcast(void* x, int64_t n, int root) override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("broadcast")(array(static_cast<uint8_t*>(x), n), root);
+  }
   void all_reduce_host(double* x, int n) override {
     py::gil_scoped_acquire gil;
-    impl_.attr("all_reduce_host")(py::array_t<double>({(py::ssize_t)n}, {(py::ssize_t)8}, x, no_owner()));
+    impl_.attr("all_reduce_host")(array(x, n));
   }
-  void barrier() override { call("barrier"); }
+  void barrier() override {
+    py::gil_scoped_acquire gil;
+    impl_.attr("barrier")();
+  }
   // MPI blocks, so "overlapping" reduces each layer's slices when the backward hands them over: the same order of
   // calls as NCCL's overlap, which lets the CPU tests check that every gradient is reduced exactly once.
   bool overlaps() const override { return overlaps_; }
 
  private:
-  static py::capsule no_owner() { return py::capsule((void*)1, [](void*) {}); }  // engine memory outlives the call
-  static std::function<py::object()> floats(float* p, int64_t n) {
-    return [=] { return py::array_t<float>({(py::ssize_t)n}, {(py::ssize_t)4}, p, no_owner()); };
-  }
-  static std::function<py::object()> bytes(void* p, int64_t n) {
-    return [=] { return py::array_t<uint8_t>({(py::ssize_t)n}, {(py::ssize_t)1}, (uint8_t*)p, no_owner()); };
-  }
-  // Arrays are made under the GIL: the lambdas defer their construction until it is held.
-  template <typename... A>
-  void call(const char* method, A&&... args) {
-    py::gil_scoped_acquire gil;
-    impl_.attr(method)(arg(std::forward<A>(args))...);
-  }
-  template <typename A>
-  static py::object arg(A&& a) {
-    if constexpr (std::is_same_v<std::decay_t<A>, std::function<py::object()>>)
-      return a();
-    else
-      return py::cast(a);
+  // A zero-copy view of engine memory, which outlives the call: the capsule owns nothing.
+  template <typename T>
+  static py::array_t<T> array(T* p, int64_t n) {
+    return py::array_t<T>({(py::ssize_t)n}, {(py::ssize_t)sizeof(T)}, p, py::capsule((void*)p, [](void*) {}));
   }
   py::object impl_;
   int rank_, world_;

@@ -242,11 +242,13 @@ def _tiny(dp, seed=3, precision="fp32"):
 
 
 def _steps(model, opt, rng_seed, steps=3, accum=2, sync_last=True):
+    """Training steps on random tokens (2 rows of block_size), syncing the last micro-step (or none)."""
     rng = np.random.default_rng(rng_seed)
+    c = model.config
     for _ in range(steps):
         model.zero_grad()
         for micro in range(accum):
-            x = rng.integers(0, 96, size=(2, 16))
+            x = rng.integers(0, c.vocab_size, size=(2, c.block_size))
             model.forward(x, np.roll(x, -1, axis=1), return_logits=False)
             model.require_backward_grad_sync = sync_last and micro == accum - 1
             model.backward(1.0 / accum)

@@ -14,6 +14,7 @@ import pytest
 import fastgpt
 from fastgpt import _C, distributed
 from fastgpt.data import write_shard
+from test_distributed import _steps
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not (fastgpt.cuda_available() and _C.built_with_nccl),
@@ -24,19 +25,6 @@ def _cfg():
     return fastgpt.GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2, n_embd=64)
 
 
-def _train(model, opt, seed, steps=3, accum=2):
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        model.zero_grad()
-        for micro in range(accum):
-            x = rng.integers(0, 128, size=(2, 32))
-            model.forward(x, np.roll(x, -1, axis=1), return_logits=False)
-            model.require_backward_grad_sync = micro == accum - 1
-            model.backward(1.0 / accum)
-        opt.clip_grad_norm(1.0)
-        opt.step()
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("zero", [0, 1])
 def test_nccl_world_of_one_matches_a_plain_model(precision, zero):
@@ -44,8 +32,8 @@ def test_nccl_world_of_one_matches_a_plain_model(precision, zero):
     plain = fastgpt.GPT(_cfg(), device="cuda", precision=precision, seed=5)
     dp = fastgpt.GPT(_cfg(), device="cuda", precision=precision, seed=5, data_parallel=True)
     assert dp.data_parallel and dp._engine.world_size == 1
-    _train(plain, fastgpt.AdamW(plain), seed)
-    _train(dp, fastgpt.AdamW(dp, zero_stage=zero), seed)
+    _steps(plain, fastgpt.AdamW(plain), seed)
+    _steps(dp, fastgpt.AdamW(dp, zero_stage=zero), seed)
     assert dp.grad_sync_count == 3
     a = np.concatenate([w.ravel() for w in dp.state_dict().values()]).astype(np.float64)
     b = np.concatenate([w.ravel() for w in plain.state_dict().values()]).astype(np.float64)

@@ -4,7 +4,6 @@
 // bf16 stochastic rounding keyed on (seed, step, key.offset + i), so the GPU writes the very bits the CPU does.
 // Memory-bound: 16-byte packs of the 16-bit side (8 elements; two float packs) when both pointers are 16-byte
 // aligned, then a scalar tail; each element's value is the same on either path.
-#include <algorithm>
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
@@ -13,13 +12,8 @@
 namespace fastgpt::cuda {
 
 namespace {
-constexpr int kThreads = 256;
+constexpr int kThreads = kElementwiseThreads;
 constexpr int N = 8;  // 16-bit elements per 16-byte pack
-
-int grid_for(int64_t nvec, int64_t tail) {
-  const int64_t units = std::max(nvec, tail);
-  return (int)std::max<int64_t>(1, std::min<int64_t>((units + kThreads - 1) / kThreads, 1 << 16));
-}
 
 template <typename S>
 __global__ void widen_kernel(float* __restrict__ out, const S* __restrict__ in, int64_t n, int64_t nvec) {
@@ -60,7 +54,7 @@ template <typename S>
 void widen(float* out, const S* in, int64_t n, Stream stream) {
   if (n <= 0) return;
   const int64_t nvec = aligned16(out) && aligned16(in) ? n / N : 0;
-  widen_kernel<S><<<grid_for(nvec, n - nvec * N), kThreads, 0, stream>>>(out, in, n, nvec);
+  widen_kernel<S><<<elementwise_grid(nvec, n - nvec * N), kThreads, 0, stream>>>(out, in, n, nvec);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
@@ -68,7 +62,7 @@ template <typename S>
 void narrow(S* out, const float* in, int64_t n, const RoundKey& key, Stream stream) {
   if (n <= 0) return;
   const int64_t nvec = aligned16(out) && aligned16(in) ? n / N : 0;
-  narrow_kernel<S><<<grid_for(nvec, n - nvec * N), kThreads, 0, stream>>>(out, in, n, nvec, key);
+  narrow_kernel<S><<<elementwise_grid(nvec, n - nvec * N), kThreads, 0, stream>>>(out, in, n, nvec, key);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 

@@ -35,6 +35,15 @@ __device__ __forceinline__ void store_pack(S* p, const Pack<S>& x) {  // p 16-by
 
 inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Threads per block and blocks of the elementwise kernels: nvec packs, then `tail` single elements, each thread
+// taking one unit per pass; grid-stride beyond 65536 blocks, and never a zero-block grid (a launch error).
+constexpr int kElementwiseThreads = 256;
+inline int elementwise_grid(int64_t nvec, int64_t tail) {
+  const int64_t units = nvec > tail ? nvec : tail;
+  const int64_t blocks = (units + kElementwiseThreads - 1) / kElementwiseThreads;
+  return (int)(blocks < 1 ? 1 : blocks > (1 << 16) ? (1 << 16) : blocks);
+}
+
 // The cuBLASLt / cudaDataType_t of a storage type.
 template <typename S>
 constexpr cudaDataType_t data_type();

@@ -200,22 +200,18 @@ class _MpiComm:
     overlaps = False  # True: the engine hands over gradients layer by layer (the NCCL path's order; for tests)
 
     def __init__(self, comm):
-        self.comm, self.rank, self.world = comm, comm.Get_rank(), comm.Get_size()
-
-    def _mpi(self):
         from mpi4py import MPI
-        return MPI
+        self.MPI, self.comm, self.rank, self.world = MPI, comm, comm.Get_rank(), comm.Get_size()
 
     def reduce_scatter(self, x, shard, average):
-        MPI = self._mpi()
         out = np.empty(shard, dtype=np.float32)
-        self.comm.Reduce_scatter_block(x, out, op=MPI.SUM)
+        self.comm.Reduce_scatter_block(x, out, op=self.MPI.SUM)
         if average:
             out /= np.float32(self.world)
         x[self.rank * shard:(self.rank + 1) * shard] = out
 
     def all_gather(self, x):
-        self.comm.Allgather(self._mpi().IN_PLACE, x)
+        self.comm.Allgather(self.MPI.IN_PLACE, x)
 
     def all_reduce(self, x, average):
         n = x.size

@@ -126,15 +126,15 @@ def main(argv=None):
     say = tqdm.write if master else (lambda *a, **k: None)  # above a live progress bar; rank 0 only
 
     def agreed(check):
-        # A check that only rank 0 can make (the file system, the tokenizer): its verdict reaches every rank, so
-        # all of them stop together instead of some waiting forever in a collective.
-        error = None
+        # Work only rank 0 does (the file system, the tokenizer): its result on rank 0, and its verdict on every
+        # rank, so all of them stop together instead of some waiting forever in a collective.
+        result = error = None
         if master:
             try:
-                check()
+                result = check()
             except (OSError, ValueError, RuntimeError) as e:
                 error = str(e)
-        return distributed.broadcast_object(error)
+        return result, distributed.broadcast_object(error)
 
     # Rank 0 picks the run folder (the others' clocks may read another second) and tokenizes first; the others
     # then reuse its cached tokens.
@@ -145,7 +145,7 @@ def main(argv=None):
             raise ValueError(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder")
         os.makedirs(out_dir, exist_ok=True)
 
-    error = agreed(make_out_dir)
+    _, error = agreed(make_out_dir)
     if error:
         parser.error(error)
 
@@ -153,12 +153,12 @@ def main(argv=None):
     def tokenize():
         return tokenize_file(args.input, os.path.join(out_dir, "data"), encoder_json=args.encoder, val_fraction=0.1)
 
-    error = agreed(tokenize) if args.input else None
+    files, error = agreed(tokenize) if args.input else (None, None)
     if error:
         parser.error(f"data: {error}")
     try:
         if args.input:
-            files = tokenize()
+            files = files or tokenize()  # the other ranks find rank 0's tokens cached
             train_src, val_src = files["train"], files["val"]
         else:
             train_src = val_src = args.shards
