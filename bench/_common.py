@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 
 
@@ -65,6 +66,21 @@ def environment(threads):
             "fastgpt": fastgpt.__version__, "platform": platform.platform()}
 
 
+
+
+def cuda_median_ms(fn, warmup, repeats):
+    """Median milliseconds of fn() by CUDA events on the current stream (the one fastgpt.ops launches on too), after
+    `warmup` untimed calls."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def write_json(path, payload):

@@ -22,11 +22,10 @@ on the CPU, reported as ratios only (absolute CPU times are not recorded in this
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import warnings
 
-from _common import OtherLoad, default_threads, environment, report_other_load, write_json
+from _common import OtherLoad, cuda_median_ms, default_threads, environment, report_other_load, write_json
 from bench_ops import max_diff, paired_timings
 
 BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
@@ -69,17 +68,7 @@ def gpu_rows(args):
     causals = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
 
     def median_ms(fn):
-        """CUDA events on the current stream, the one fastgpt.ops launches on too."""
-        for _ in range(args.warmup):
-            fn()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(args.repeats)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
+        return cuda_median_ms(fn, args.warmup, args.repeats)
 
     rows = []
 

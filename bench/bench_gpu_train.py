@@ -10,6 +10,7 @@ the same batches, so their step-0 losses must agree (closely for fp32, less for 
 
     python3 bench/bench_gpu_train.py                      # GPT-2 124M, T 1024, B 8, all four variants
     python3 bench/bench_gpu_train.py --B 16 --json /tmp/gpu_train.json
+    python3 bench/bench_gpu_train.py --B max              # each variant at the largest of B 64/32/16/8 that fits
     python3 bench/bench_gpu_train.py --no-compile         # skip torch.compile (about a minute of compiling)
     python3 bench/bench_gpu_train.py --n-layer 2 --T 256  # a quick smoke run
 """
@@ -29,6 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 VARIANTS = ("fastgpt fp32", "torch eager fp32", "torch eager tf32", "torch compiled bf16")
+B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 
 
 def parse_args(argv=None):
@@ -37,7 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--T", type=int, default=1024, help="sequence length (also block_size)")
-    p.add_argument("--B", type=int, default=8, help="batch size (micro-batch; no gradient accumulation)")
+    p.add_argument("--B", default="8",
+                   help="batch size (micro-batch; no gradient accumulation), or 'max': each variant at the largest\n"
+                        f"of {'/'.join(map(str, B_MAX))} whose steps fit in GPU memory (an out-of-memory error moves "
+                        "to the next)")
     p.add_argument("--vocab", type=int, default=50304, help="vocab size (50304: GPT-2's 50257 padded, as nanoGPT)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps first, per variant (they include torch.compile's compilation; keep >= 1)")
@@ -49,9 +54,12 @@ def parse_args(argv=None):
                         "Every variant, fp32 ones included, is judged against this one peak, as nanoGPT does")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    if args.B != "max" and not (args.B.isdigit() and int(args.B) >= 1):
+        p.error(f"--B must be a positive integer or 'max', got {args.B!r}")
+    args.batches = B_MAX if args.B == "max" else (int(args.B),)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
-    if min(args.n_layer, args.n_head, args.n_embd, args.T, args.B, args.vocab, args.steps) < 1 or args.warmup < 0:
+    if min(args.n_layer, args.n_head, args.n_embd, args.T, args.vocab, args.steps) < 1 or args.warmup < 0:
         p.error("sizes and --steps must be >= 1, --warmup >= 0")
     if args.peak_tflops <= 0:
         p.error("--peak-tflops must be > 0")
@@ -91,7 +99,7 @@ def main(argv=None):
 
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
-    B, T, V = args.B, args.T, args.vocab
+    B, T, V = max(args.batches), args.T, args.vocab  # batches are made at the largest B, each variant slices them
     L, H, C = args.n_layer, args.n_head, args.n_embd
     dev = torch.device("cuda", 0)  # fastgpt's device="cuda" is device 0 of the visible ones: the same GPU
     fpt, n_params_mfu = flops_per_token(L, H, C, T, V)
@@ -120,8 +128,8 @@ def main(argv=None):
     env.update(gpu=gpu, gpu_capability=f"sm_{cc[0]}{cc[1]}", gpu_memory_gib=torch.cuda.mem_get_info(dev)[1] / 2**30,
                cuda_torch=torch.version.cuda, fastgpt_commit=git_commit(),
                fastgpt_built_with_cuda=bool(fastgpt._C.built_with_cuda))
-    print(f"bench_gpu_train: L{L} H{H} C{C} T{T} B{B} V{V} ({n_params:,} params; {n_params_mfu:,} without wpe for "
-          f"MFU) | random tokens | AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD} (2-D weights only) clip {CLIP}")
+    print(f"bench_gpu_train: L{L} H{H} C{C} T{T} B {args.B} V{V} ({n_params:,} params; {n_params_mfu:,} without wpe "
+          f"for MFU) | random tokens | AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD} (2-D weights only) clip {CLIP}")
     print(f"{gpu} ({env['gpu_capability']}, {env['gpu_memory_gib']:.0f} GiB) | torch {torch.__version__} "
           f"(CUDA {torch.version.cuda}) | fastgpt {fastgpt.__version__} @ {env['fastgpt_commit'] or '?'} | "
           f"warmup {args.warmup}, {args.steps} timed steps per variant | seed {args.seed}")
@@ -145,7 +153,7 @@ def main(argv=None):
                 after()
         return times, losses
 
-    def fastgpt_fp32():
+    def fastgpt_fp32(b):
         # fastgpt allocates with cudaMalloc, outside torch's allocator: the only view of its memory is the driver's
         # free-memory figure. Free before model creation minus the lowest free seen after creation and after every
         # step: rough (another process on the GPU changes it; scratch freed within a call is missed).
@@ -156,7 +164,7 @@ def main(argv=None):
         free_min = [torch.cuda.mem_get_info(dev)[0]]
 
         def step(i):
-            x, y = np_batches[i]
+            x, y = (a[:b] for a in np_batches[i])  # leading rows of a C-contiguous array: contiguous
             model.zero_grad()
             _, loss = model.forward(x, y, return_logits=False)  # returns after reading the loss back: synced
             model.backward()
@@ -170,7 +178,7 @@ def main(argv=None):
                                "peak_mem_how": "torch.cuda.mem_get_info: free before model creation minus lowest "
                                                "free after creation/steps (rough, driver-level)"}
 
-    def torch_variant(name):
+    def torch_variant(name, b):
         compiled = name == "torch compiled bf16"
         # Global matmul precision per variant (set before the model exists; torch.compile reads it when it traces).
         # 'highest' = true fp32 GEMMs; 'high' = TF32 for fp32 GEMMs. cudnn's flag is set too, for completeness.
@@ -197,7 +205,7 @@ def main(argv=None):
             model = raw
 
         def step(i):
-            x, y = th_batches[i]
+            x, y = (a[:b] for a in th_batches[i])
             opt.zero_grad(set_to_none=True)
             if compiled:
                 with torch.autocast(device_type="cuda", dtype=torch.bfloat16):  # forward only, as build-nanogpt
@@ -220,30 +228,38 @@ def main(argv=None):
         if name == "torch compiled bf16" and args.no_compile:
             res[name] = {"status": "skipped", "error": "--no-compile"}
             continue
-        # Each variant starts from an empty cache and fresh peak counters; the previous one's model, optimizer and
-        # activations are gone (they were locals of its function).
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        print(f"  {name}: running ...", end="", flush=True)
-        try:
-            times, losses, extra = fastgpt_fp32() if name == "fastgpt fp32" else torch_variant(name)
-        except Exception as e:  # out of memory, a CUDA error, no CUDA in this fastgpt build, a compile failure
-            msg = f"{type(e).__name__}: {e}".strip()
-            res[name] = {"status": "failed", "error": msg}
-            print(f" FAILED: {msg.splitlines()[0][:200]}", flush=True)
-        else:
-            timed = times[args.warmup:]
-            med = statistics.median(timed)
-            res[name] = {"status": "ok", "step_ms_median": 1e3 * med, "step_ms_mean": 1e3 * statistics.fmean(timed),
-                         "step_ms_min": 1e3 * min(timed), "tok_per_s": B * T / med,
-                         "mfu": fpt * B * T / med / peak_flops, "first_step_s": times[0],
-                         "step_ms": [1e3 * t for t in timed], "warmup_step_ms": [1e3 * t for t in times[:args.warmup]],
-                         "losses": losses, "first_loss": losses[0], "last_loss": losses[-1], **extra}
-            print(f" {1e3 * med:.1f} ms/step median, first step {times[0]:.1f} s", flush=True)
-        finally:
-            if name == "torch compiled bf16":
-                torch.compiler.reset()  # drop dynamo's caches, which keep the compiled model alive
+        tried = []
+        for b in args.batches:
+            # Each attempt starts from an empty cache and fresh peak counters; the previous one's model, optimizer
+            # and activations are gone (they were locals of its function).
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+            print(f"  {name} B{b}: running ...", end="", flush=True)
+            try:
+                times, losses, extra = fastgpt_fp32(b) if name == "fastgpt fp32" else torch_variant(name, b)
+            except Exception as e:  # out of memory, a CUDA error, no CUDA in this fastgpt build, a compile failure
+                msg = f"{type(e).__name__}: {e}".strip()
+                oom = "out of memory" in msg.lower()
+                print(f" {'out of memory' if oom else 'FAILED: ' + msg.splitlines()[0][:200]}", flush=True)
+                res[name] = {"status": "failed", "error": msg, "B": b}
+                tried.append(b)
+                if oom and b != args.batches[-1]:
+                    continue
+            else:
+                timed = times[args.warmup:]
+                med = statistics.median(timed)
+                res[name] = {"status": "ok", "B": b, "B_out_of_memory": tried, "step_ms_median": 1e3 * med,
+                             "step_ms_mean": 1e3 * statistics.fmean(timed), "step_ms_min": 1e3 * min(timed),
+                             "tok_per_s": b * T / med, "mfu": fpt * b * T / med / peak_flops,
+                             "first_step_s": times[0], "step_ms": [1e3 * t for t in timed],
+                             "warmup_step_ms": [1e3 * t for t in times[:args.warmup]], "losses": losses,
+                             "first_loss": losses[0], "last_loss": losses[-1], **extra}
+                print(f" {1e3 * med:.1f} ms/step median, first step {times[0]:.1f} s", flush=True)
+            finally:
+                if name == "torch compiled bf16":
+                    torch.compiler.reset()  # drop dynamo's caches, which keep the compiled model alive
+            break
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -257,7 +273,7 @@ def main(argv=None):
     if ref is not None:
         parts = []
         for k in ok:
-            if k != ref:
+            if k != ref and res[k]["B"] == res[ref]["B"]:  # the same batches only at the same B
                 d0 = abs(res[k]["first_loss"] - res[ref]["first_loss"])
                 d1 = abs(res[k]["last_loss"] - res[ref]["last_loss"])
                 sanity[k] = {"first_loss_abs_diff": d0, "last_loss_abs_diff": d1}
@@ -266,17 +282,19 @@ def main(argv=None):
               f"|difference| from it: {'; '.join(parts) or 'no other variant ran'}. Expect ~1e-5 fp32, ~1e-3 tf32, "
               f"~1e-2 bf16 at step 0")
 
-    print(f"\n{'variant':<20} {'median ms':>10} {'tok/s':>9} {'MFU':>6} {'peak mem':>9} {'first loss':>10} "
+    print(f"\n{'variant':<20} {'B':>3} {'median ms':>10} {'tok/s':>9} {'MFU':>6} {'peak mem':>9} {'first loss':>10} "
           f"{'last loss':>10} {'tok/s vs base':>14}")
     for k in VARIANTS:
         r = res[k]
         if r["status"] != "ok":
-            print(f"{k:<20} {r['status'].upper()}: {r['error'].splitlines()[0][:90] if r['error'] else ''}")
+            print(f"{k:<20} {r.get('B', '-'):>3} {r['status'].upper()}: "
+                  f"{r['error'].splitlines()[0][:90] if r['error'] else ''}")
             continue
         ratio = r["tok_per_s"] / res[base]["tok_per_s"] if base is not None else None
         r["tok_per_s_vs_base"] = ratio
         mem = f"{r['peak_mem_bytes'] / 2**30:.2f}G" + ("*" if k == "fastgpt fp32" else "")
-        print(f"{k:<20} {r['step_ms_median']:>10.1f} {r['tok_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% {mem:>9} "
+        print(f"{k:<20} {r['B']:>3} {r['step_ms_median']:>10.1f} {r['tok_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% "
+              f"{mem:>9} "
               f"{r['first_loss']:>10.4f} {r['last_loss']:>10.4f} {f'{ratio:.2f}x' if ratio is not None else '-':>14}")
     if base is not None:
         print(f"base: {base} (tok/s ratio above 1: faster than it). MFU against {args.peak_tflops:g} TFLOPS bf16 "
@@ -285,7 +303,7 @@ def main(argv=None):
 
     if args.json:
         payload = {"benchmark": "bench_gpu_train", "env": env,
-                   "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "vocab",
+                   "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "batches", "vocab",
                                                             "warmup", "steps", "seed", "no_compile", "peak_tflops")},
                    "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
                    "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -32,7 +33,8 @@ bool built_with_cuda() { return false; }
 int device_count() { return 0; }
 std::string device_name(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 bool smoke_test(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
-void set_device(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
+DeviceGuard::DeviceGuard(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
+DeviceGuard::~DeviceGuard() = default;
 }  // namespace fastgpt::cuda
 #endif
 
@@ -235,10 +237,11 @@ struct Ctx {
   bool cuda = false;
 #ifdef FASTGPT_WITH_CUDA
   cuda::Stream stream = nullptr;
+  std::shared_ptr<cuda::DeviceGuard> device;  // the arrays' device, current while the Ctx lives
 #endif
 };
 
-// All arrays of one call on one device; selects that device for the kernels that follow.
+// All arrays of one call on one device; makes that device current for the kernels that follow, until the Ctx ends.
 Ctx context(std::initializer_list<const View*> views, uintptr_t stream) {
   const View* first = *views.begin();
   for (const View* v : views)
@@ -250,7 +253,7 @@ Ctx context(std::initializer_list<const View*> views, uintptr_t stream) {
   c.cuda = first->cuda;
   if (c.cuda) {
 #ifdef FASTGPT_WITH_CUDA
-    cuda::set_device(first->device);
+    c.device = std::make_shared<cuda::DeviceGuard>(first->device);
     c.stream = reinterpret_cast<cuda::Stream>(stream);
 #else
     throw std::runtime_error("CUDA arrays need a fastgpt built with CUDA (reinstall where nvcc is on PATH)");

@@ -147,6 +147,11 @@ def test_unknown_precision():
 
 
 def test_cuda_device_is_a_clear_error():
+    if fastgpt.cuda_available():  # a GPU is usable here: a device index past the visible ones is the error (the
+        # CUDA backend's check, a ValueError through pybind11's std::invalid_argument)
+        with pytest.raises(ValueError, match="device='cuda:"):
+            fastgpt.GPT(CONFIG, device=f"cuda:{fastgpt._C.cuda_device_count()}")
+        return
     with pytest.raises((RuntimeError, NotImplementedError), match="device='cuda'"):
         fastgpt.GPT(CONFIG, device="cuda")
 

@@ -37,6 +37,7 @@ def test_cuda_ops_run_on_the_callers_stream_and_return_torch_tensors():
     from fastgpt import ops
     x = torch.randn(4, 64, device="cuda")
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x was written on the default stream
     with torch.cuda.stream(s):
         out = ops.gelu_forward(x)
     s.synchronize()
@@ -52,3 +53,86 @@ def test_cuda_op_rejects_mixed_devices():
     from fastgpt import ops
     with pytest.raises((ValueError, TypeError), match="weight"):
         ops.matmul_forward(torch.randn(2, 8, device="cuda"), np.ones((3, 8), np.float32))
+
+
+@needs_gpu
+def test_cuda_ops_wait_for_work_queued_on_the_callers_stream():
+    # The input is written on a non-blocking stream behind ~20 ms of spinning: an op enqueued anywhere but that
+    # stream would read it before it is written, and give a wrong answer.
+    import torch
+    from fastgpt import ops
+    base = torch.randn(256, 1024, device="cuda") + 0.1
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(40_000_000)
+        x = base * 2.0
+        out = ops.gelu_forward(x)
+        loss, losses, _ = ops.cross_entropy_forward(x, torch.randint(0, 1024, (256,), device="cuda"))
+    s.synchronize()
+    ref = torch.nn.functional.gelu((base * 2.0).double(), approximate="tanh")
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert losses.shape == (256,) and abs(loss - losses.double().mean().item()) < 1e-5 * max(1.0, abs(loss))
+
+
+def _cupy():
+    cupy = pytest.importorskip("cupy")
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 (CuPy installed without a usable CUDA runtime)
+        pytest.skip(f"CuPy cannot reach the GPU: {e}")
+    return cupy
+
+
+@needs_gpu
+def test_cuda_ops_take_cupy_arrays_on_their_stream():
+    cupy = _cupy()
+    import numpy as np
+    from fastgpt import ops
+    spin = cupy.RawKernel(r'''
+extern "C" __global__ void spin(long long cycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}''', "spin")
+    rng = np.random.default_rng()
+    base = cupy.asarray(rng.standard_normal((64, 512)).astype(np.float32) + 0.1)
+    w = cupy.asarray(rng.standard_normal((96, 512)).astype(np.float32) * 0.05)
+    targets = cupy.asarray(rng.integers(0, 96, 64))
+    cupy.cuda.Device().synchronize()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        spin((1,), (1,), (np.int64(40_000_000),))
+        x = base * 2
+        out = ops.gelu_forward(x)
+        logits = ops.matmul_forward(x, w)
+        loss, losses, lse = ops.cross_entropy_forward(logits, targets)
+    s.synchronize()
+    assert isinstance(out, cupy.ndarray) and isinstance(logits, cupy.ndarray) and isinstance(losses, cupy.ndarray)
+    x64 = cupy.asnumpy(base).astype(np.float64) * 2
+    g = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3)))
+    assert np.linalg.norm(cupy.asnumpy(out) - g) / np.linalg.norm(g) < 1e-5
+    ref_logits = x64 @ cupy.asnumpy(w).astype(np.float64).T
+    assert np.linalg.norm(cupy.asnumpy(logits) - ref_logits) / np.linalg.norm(ref_logits) < 1e-5
+    m = ref_logits.max(1, keepdims=True)
+    ref_lse = (m + np.log(np.exp(ref_logits - m).sum(1, keepdims=True)))[:, 0]
+    ref_losses = ref_lse - ref_logits[np.arange(64), cupy.asnumpy(targets)]
+    assert np.abs(cupy.asnumpy(losses) - ref_losses).max() < 1e-4
+    assert abs(loss - ref_losses.mean()) < 1e-5 * max(1.0, abs(ref_losses.mean()))
+
+
+@pytest.mark.skipif(not fastgpt.cuda_available() or _C.cuda_device_count() < 2, reason="needs two GPUs")
+def test_ops_and_models_leave_the_callers_device_current():
+    # Work on cuda:1 must not leave cuda:1 current: torch's "cuda" would silently become another GPU.
+    import numpy as np
+    import torch
+    from fastgpt import ops
+    torch.cuda.set_device(0)
+    ops.gelu_forward(torch.randn(8, 64, device="cuda:1"))
+    assert torch.cuda.current_device() == 0
+    model = fastgpt.GPT(fastgpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32),
+                        device="cuda:1")
+    tok = np.random.default_rng().integers(0, 64, (2, 17))
+    model(tok[:, :-1], tok[:, 1:])
+    model.backward()
+    fastgpt.AdamW(model).step()
+    assert torch.cuda.current_device() == 0

@@ -186,10 +186,20 @@ def cuda_inputs(B, H, T, d, layout, dtype, rng):
 
 
 def torch_sdpa(q, k, v, dout, causal, layout):
-    """torch's own SDPA in the inputs' dtype (whatever backend it picks): the yardstick for half precision."""
+    """torch's own SDPA in the inputs' dtype: the yardstick for half precision. Its flash backend where it has one:
+    the same algorithm, so the same roundings (P and dS rounded to the input dtype before the tensor-core products).
+    Left to choose, torch picked cuDNN for some shapes on an H100 (2026-11-23), whose max error over 2M elements
+    was at times half the flash backend's on the same inputs (dk 1.7e-3 vs 3.9e-3): a rule of 2x that yardstick
+    failed torch's own flash kernel too (scripts/flash_accuracy.py prints every backend beside fastgpt)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     qt, kt, vt = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    out = to_bhtd(F.scaled_dot_product_attention(*(to_bhtd(x, layout) for x in (qt, kt, vt)), is_causal=causal),
-                  layout)
+    args = [to_bhtd(x, layout) for x in (qt, kt, vt)]
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(*args, is_causal=causal)
+    except RuntimeError:  # no flash backend for this GPU or shape: torch's own choice
+        out = F.scaled_dot_product_attention(*args, is_causal=causal)
+    out = to_bhtd(out, layout)
     out.backward(dout)
     return out.detach(), qt.grad, kt.grad, vt.grad
 

@@ -57,7 +57,11 @@ def test_model_matches_autocast(rng, prec, device):
     for name, p in ref64.named_parameters():
         g = grads[name] / model.loss_scale  # fp16 gradients stay scaled until the optimizer unscales them
         e, e_ac = rel_err(g, p.grad), rel_err(ac_grads[name], p.grad)
-        assert e <= 2 * e_ac + SLACK[prec], f"{name}: {e:.3e} vs autocast {e_ac:.3e}"
+        # bf16 keeps the residual stream in 16 bits (llm.c's recipe), autocast in fp32. ln_f's weight gradient, a
+        # sum of dlnf * xhat over every row, shows it most: over 121 seeds on the CPU its error was 1.57x autocast's
+        # on average and 2.35x at most (every other tensor at most 1.8x; fp16 at most 1.5x), so it is given 3x.
+        factor = 3 if (prec, name) == ("bf16", "transformer.ln_f.weight") else 2
+        assert e <= factor * e_ac + SLACK[prec], f"{name}: {e:.3e} vs autocast {e_ac:.3e}"
 
 
 def lr_at(step, max_lr=3e-3, warmup=3, total=20):

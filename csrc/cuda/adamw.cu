@@ -10,6 +10,7 @@
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
+#include "cuda/scratch.h"
 
 namespace fastgpt::cuda {
 
@@ -77,7 +78,7 @@ double sum_squares(const float* x, int64_t n, Stream stream) {
   if (n <= 0) return 0.0;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   double* partial = nullptr;
-  FASTGPT_CUDA_CHECK(cudaMallocAsync(&partial, chunks * sizeof(double), stream));
+  partial = static_cast<double*>(pool_malloc(chunks * sizeof(double), stream));
   sum_squares_kernel<<<(unsigned)chunks, kReduceThreads, 0, stream>>>(x, n, partial);
   FASTGPT_CUDA_CHECK_LAUNCH();
   std::vector<double> host(chunks);

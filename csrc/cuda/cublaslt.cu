@@ -30,7 +30,6 @@ constexpr size_t kWorkspaceBytes = 32u << 20;  // 32 MiB: enough for split-K / s
 
 struct DeviceState {
   cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;
 };
 
 // Everything cuBLASLt needs for one problem, built once. use_epilogue is false when the bias epilogue was asked
@@ -61,14 +60,15 @@ std::mutex g_mutex;
 std::unordered_map<int, DeviceState> g_devices;
 std::unordered_map<Key, Plan, KeyHash> g_plans;
 
-// Handle and workspace of the current device, created on first use and never freed: they live as long as the
-// process, and destroying them from a static destructor could run after the CUDA context is gone.
+// Handle of the current device, created on first use and never freed: it lives as long as the process, and
+// destroying it from a static destructor could run after the CUDA context is gone. The workspace is not kept here:
+// one buffer per device would be shared by GEMMs enqueued on different streams (the engine's, the caller's), which
+// can then run at once; each call takes its own from the stream-ordered pool instead.
 DeviceState& device_state(int device) {
   auto it = g_devices.find(device);
   if (it != g_devices.end()) return it->second;
   DeviceState s;
   FASTGPT_CUBLAS_CHECK(cublasLtCreate(&s.handle));
-  FASTGPT_CUDA_CHECK(cudaMalloc(&s.workspace, kWorkspaceBytes));
   return g_devices.emplace(device, s).first->second;
 }
 
@@ -277,8 +277,9 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
       if (used_epilogue)
         FASTGPT_CUBLAS_CHECK(
             cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+      Scratch workspace((p.workspace + sizeof(float) - 1) / sizeof(float), stream);
       FASTGPT_CUBLAS_CHECK(cublasLtMatmul(dev.handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
-                                          &p.algo, dev.workspace, p.workspace, stream));
+                                          &p.algo, workspace.ptr, p.workspace, stream));
     }
   }
   if (bias && !used_epilogue) {

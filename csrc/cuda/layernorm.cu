@@ -11,6 +11,7 @@
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
+#include "cuda/scratch.h"
 #include "cuda/warp.cuh"
 
 namespace fastgpt::cuda {
@@ -132,7 +133,7 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   const unsigned col_blocks = (unsigned)((C + kColThreads - 1) / kColThreads);
   float* partial = nullptr;  // stream-ordered scratch: freed after the combine kernel without a sync
-  FASTGPT_CUDA_CHECK(cudaMallocAsync(&partial, (size_t)nchunks * 2 * C * sizeof(float), stream));
+  partial = static_cast<float*>(pool_malloc((size_t)nchunks * 2 * C * sizeof(float), stream));
   layernorm_backward_partial_kernel<S><<<dim3((unsigned)nchunks, col_blocks), kColThreads, 0, stream>>>(
       partial, dout, inp, mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();

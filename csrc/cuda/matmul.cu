@@ -13,6 +13,7 @@
 #include "cuda/check.h"
 #include "cuda/cublaslt.h"
 #include "cuda/ops.h"
+#include "cuda/scratch.h"
 #include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
@@ -66,7 +67,7 @@ void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream
   const int ncb = (OC + kCols - 1) / kCols;
   float* partial = nullptr;
   if (nchunks > 1)
-    FASTGPT_CUDA_CHECK(cudaMallocAsync((void**)&partial, (size_t)nchunks * OC * sizeof(float), stream));
+    partial = static_cast<float*>(pool_malloc((size_t)nchunks * OC * sizeof(float), stream));
   const dim3 grid((unsigned)nchunks, (unsigned)std::min(ncb, 65535)), block(kCols, kLanes);
   bias_partial_kernel<S><<<grid, block, 0, stream>>>(partial, dbias, dout, N, OC, (int)nchunks);
   FASTGPT_CUDA_CHECK_LAUNCH();

@@ -31,10 +31,17 @@ std::string device_name(int device) {
   return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
 }
 
-void set_device(int device) { FASTGPT_CUDA_CHECK(cudaSetDevice(device)); }
+DeviceGuard::DeviceGuard(int device) : device_(device) {
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&prev_));
+  if (prev_ != device_) FASTGPT_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (prev_ >= 0 && prev_ != device_) cudaSetDevice(prev_);  // no throw from a destructor
+}
 
 bool smoke_test(int device) {
-  FASTGPT_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard guard(device);
   const int n = 1000;
   std::vector<float> x(n), y(n);
   for (int i = 0; i < n; i++) {

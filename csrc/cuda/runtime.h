@@ -10,8 +10,18 @@ bool built_with_cuda();
 int device_count();
 // "name (sm_XY)" of a device; throws std::runtime_error when it cannot be queried.
 std::string device_name(int device);
-// Makes `device` current for the calling thread (the ops select the device their arrays are on).
-void set_device(int device);
+// Makes `device` current for the calling thread until the guard ends, then restores the caller's device: after an
+// op or a model call, torch's "cuda" (or any framework's current device) is what it was before.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_, prev_ = -1;
+};
 // Runs a tiny kernel on the device and checks its result: proves that the build's architectures run there.
 bool smoke_test(int device);
 

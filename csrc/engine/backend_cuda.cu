@@ -14,14 +14,14 @@ namespace fastgpt {
 
 namespace {
 
-// Runs `body` with S bound to the C++ type of `d` (see backend_cpu.cpp).
-#define FASTGPT_TYPED(d, ...)      \
-  do {                             \
-    select();                      \
-    with_dtype(d, [&](auto tag_) { \
-      using S = decltype(tag_);    \
-      __VA_ARGS__;                 \
-    });                            \
+// Runs `body` with S bound to the C++ type of `d` (see backend_cpu.cpp), on this backend's device.
+#define FASTGPT_TYPED(d, ...)                  \
+  do {                                         \
+    const cuda::DeviceGuard guard_(device_);   \
+    with_dtype(d, [&](auto tag_) {             \
+      using S = decltype(tag_);                \
+      __VA_ARGS__;                             \
+    });                                        \
   } while (0)
 
 
@@ -29,15 +29,18 @@ class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
     if (device < 0 || device >= cuda::device_count())
-      throw std::runtime_error("device='cuda:" + std::to_string(device) + "': no such CUDA device (" +
-                               std::to_string(cuda::device_count()) + " visible)");
-    FASTGPT_CUDA_CHECK(cudaSetDevice(device_));
+      throw std::invalid_argument("device='cuda:" + std::to_string(device) + "': no such CUDA device (" +
+                                  std::to_string(cuda::device_count()) + " visible)");
+    const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   ~CudaBackend() override {
-    cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    try {
+      const cuda::DeviceGuard guard(device_);
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    } catch (...) {  // no throw from a destructor (the guard throws only if the device cannot be queried)
+    }
   }
   bool is_cuda() const override { return true; }
   std::string name() const override { return "cuda:" + std::to_string(device_); }
@@ -57,56 +60,60 @@ class CudaBackend final : public Backend {
 
   void* alloc(int64_t bytes) override {
     void* p = nullptr;
-    select();
+    const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
     FASTGPT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
     return p;
   }
   void release(void* p) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     cudaStreamSynchronize(stream_);  // a kernel still in flight may read it
     cudaFree(p);                     // no throw from a destructor path
   }
-  void zero(void* p, int64_t bytes) override { FASTGPT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_)); }
+  void zero(void* p, int64_t bytes) override {
+    const cuda::DeviceGuard guard(device_);
+    FASTGPT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+  }
   void copy(void* dst, const void* src, int64_t bytes) override {
+    const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
   void upload(void* dst, const void* src, int64_t bytes) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     // Synchronous: the host buffer (a NumPy array, a token batch) may be freed as soon as this returns.
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void download(void* dst, const void* src, int64_t bytes) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
   void adamw_update(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v, int64_t n,
                     const cpu::AdamWHyper& h, const RoundKey& key) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     if (!lowp) return cuda::adamw_update(param, grad, m, v, n, h, stream_);
     if (dtype == DType::bf16)
       return cuda::adamw_update_mixed(param, P<bf16>(lowp), grad, m, v, n, h, key, stream_);
     cuda::adamw_update_mixed(param, P<f16>(lowp), grad, m, v, n, h, key, stream_);
   }
   void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     if (dtype == DType::bf16) return cuda::narrow(P<bf16>(out), in, n, key, stream_);
     cuda::narrow(P<f16>(out), in, n, key, stream_);
   }
   void widen(float* out, const void* in, DType dtype, int64_t n) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     if (dtype == DType::bf16) return cuda::widen(out, P<bf16>(in), n, stream_);
     cuda::widen(out, P<f16>(in), n, stream_);
   }
   double sum_squares(const float* x, int64_t n) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     return cuda::sum_squares(x, n, stream_);
   }
   void scale_inplace(float* x, int64_t n, float s) override {
-    select();
+    const cuda::DeviceGuard guard(device_);
     cuda::scale_inplace(x, n, s, stream_);
   }
 
@@ -164,9 +171,6 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // The calling thread may have another device current (torch, another model): make ours current first.
-  void select() { FASTGPT_CUDA_CHECK(cudaSetDevice(device_)); }
-
   int device_;
   cudaStream_t stream_ = nullptr;
   bool tf32_ = false;

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cuda/check.h"
+#include "cuda/runtime.h"
 #include "engine/comm_nccl.h"
 
 namespace fastgpt {
@@ -39,7 +40,7 @@ class NcclComm final : public Comm {
     std::memcpy(&id, unique_id.data(), sizeof(id));
     // The destructor does not run for a half-built object, so undo whatever was made before a failure here.
     try {
-      FASTGPT_CUDA_CHECK(cudaSetDevice(device_));
+      const cuda::DeviceGuard guard(device_);
       FASTGPT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
       FASTGPT_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
       FASTGPT_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
@@ -127,13 +128,13 @@ class NcclComm final : public Comm {
   }
 
  private:
-  // Every entry point: the calling thread may have another device current, and any failure marks the communicator
-  // as broken so that teardown aborts instead of waiting on peers.
+  // Every entry point: the calling thread may have another device current (restored on return), and any failure
+  // marks the communicator as broken so that teardown aborts instead of waiting on peers.
   template <class F>
   void guarded(F&& body) {
     if (aborted_) throw std::runtime_error("the NCCL communicator was aborted after an error; make a new one");
     try {
-      FASTGPT_CUDA_CHECK(cudaSetDevice(device_));
+      const cuda::DeviceGuard guard(device_);
       body();
     } catch (...) {
       failed_ = true;
@@ -171,6 +172,8 @@ class NcclComm final : public Comm {
 
   // Never throws: runs from the destructor and from the constructor's failure path; errors are ignored here.
   void teardown() {
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
     cudaSetDevice(device_);
     if (comm_ && !aborted_) {
       if (failed_) {
@@ -185,6 +188,7 @@ class NcclComm final : public Comm {
     if (done_) cudaEventDestroy(done_);
     if (ready_) cudaEventDestroy(ready_);
     if (side_) cudaStreamDestroy(side_);
+    if (prev >= 0) cudaSetDevice(prev);
   }
 
   int rank_, world_, device_;

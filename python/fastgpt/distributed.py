@@ -74,6 +74,15 @@ def _import_mpi():
     return MPI
 
 
+def _abort_job(comm):
+    """MPI_Abort, once what this rank wrote has had a moment to travel: the launcher forwards each rank's output through
+    a proxy and tears the proxies down at the abort, so a message written just before it can otherwise be lost."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(0.5)
+    comm.Abort(1)
+
+
 def _abort_on_uncaught(abort):
     """A rank that dies of an exception takes the job down instead of leaving the others blocked in a collective."""
     previous = sys.excepthook
@@ -97,8 +106,7 @@ def _exit_together(comm, rank):
             if time.monotonic() > deadline:
                 sys.stderr.write(f"fastgpt.distributed: rank {rank} is exiting, but not every rank reached the end "
                                  f"within {timeout:g} s (FASTGPT_DIST_TIMEOUT): aborting the job\n")
-                sys.stderr.flush()
-                comm.Abort(1)
+                _abort_job(comm)
             time.sleep(0.005)
 
     atexit.register(at_exit)  # after mpi4py's own handler was registered, so it runs before MPI is finalized
@@ -142,7 +150,7 @@ def init():
             local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
         group = _Group(rank, world, local, "mpi", mpi=comm)
         if world > 1:
-            _abort_on_uncaught(lambda: comm.Abort(1))
+            _abort_on_uncaught(lambda: _abort_job(comm))
             _exit_together(comm, rank)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _env_int("SLURM_PROCID", env), _env_int("SLURM_NTASKS", env)

@@ -322,8 +322,12 @@ def cross_entropy_forward(logits, targets):
     n = int(np.prod(_shape(logits)[:-1], dtype=np.int64))
     losses, lse = d.empty((n,)), d.empty((n,))
     _ops.cross_entropy_forward(d.arg(losses), d.arg(lse), d.arg(logits), d.arg(targets), d.stream)
-    host = to_numpy(losses, "losses").astype(np.float64)
-    return (float(host.mean()) if n else float("nan")), losses, lse
+    if not n:
+        return float("nan"), losses, lse
+    if isinstance(d, _Device):  # reduced in the caller's framework, on its stream (NumPy cannot take CuPy arrays)
+        mean = losses.double().mean() if d.module == "torch" else losses.astype("float64").mean()
+        return float(mean), losses, lse
+    return float(to_numpy(losses, "losses").astype(np.float64).mean()), losses, lse
 
 
 def cross_entropy_backward(logits, targets, lse, grad=1.0):

@@ -197,6 +197,16 @@ inline cudaError_t MallocAsync(void** p, size_t n, void*) {
   memset(*p, 0xff, n);
   return cudaSuccess;
 }
+// The stream-ordered pool (cuda/scratch.h) has nothing to configure on the host.
+inline cudaError_t GetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+inline cudaError_t DeviceGetDefaultMemPool(cudaMemPool_t* pool, int) {
+  *pool = nullptr;
+  return cudaSuccess;
+}
+inline cudaError_t MemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void*) { return cudaSuccess; }
 inline cudaError_t FreeAsync(void* p, void*) {
   free(p);
   return cudaSuccess;
@@ -263,5 +273,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define cudaMemsetAsync emu::MemsetAsync
 #define cudaMallocAsync emu::MallocAsync
 #define cudaFreeAsync emu::FreeAsync
+#define cudaGetDevice emu::GetDevice
+#define cudaDeviceGetDefaultMemPool emu::DeviceGetDefaultMemPool
+#define cudaMemPoolSetAttribute emu::MemPoolSetAttribute
 #define cudaGetLastError emu::GetLastError
 #define cudaGetErrorString emu::GetErrorString
