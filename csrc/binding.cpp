@@ -472,6 +472,40 @@ void bind_ops(py::module_& m) {
     TYPED(qkv, FASTGPT_DISPATCH(c, attention_backward<S>, dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(),
                                 lse.f(), B, T, C, n_head, causal));
   });
+  // Attention against a KV cache (generation): caches (B, NH, Tmax, hs), new positions [pos, pos + T) of qkv.
+  auto decode_dims = [](const View& kc, const View& vc, const View& qkv, int pos) {
+    need(kc.ndim() == 4, "k_cache must be 4-D (B, n_head, Tmax, hs), got shape " + shape_str(kc.shape));
+    same_shape(kc, vc, "k_cache", "v_cache");
+    const int B = kc.shape[0], NH = kc.shape[1], Tmax = kc.shape[2], hs = kc.shape[3];
+    need(qkv.ndim() == 3 && qkv.shape[0] == B && qkv.shape[2] == 3 * (int64_t)NH * hs,
+         "qkv must be (B, T, 3C) with B=" + std::to_string(B) + " and C = n_head * hs = " + std::to_string(NH * hs) +
+             " (from the caches), got shape " + shape_str(qkv.shape));
+    const int T = qkv.shape[1];
+    need(T >= 1 && pos >= 0 && pos + T <= Tmax, "positions [pos, pos + T) = [" + std::to_string(pos) + ", " +
+                                                    std::to_string(pos + T) + ") must lie in the cache's [0, " +
+                                                    std::to_string(Tmax) + ")");
+    return std::make_tuple(B, T, Tmax, NH * hs, NH);
+  };
+  m.def("attention_decode_append", [decode_dims](H kc_, H vc_, H qkv_, int pos, uintptr_t stream) {
+    View kc = view_of(kc_, "k_cache", 'a'), vc = view_of(vc_, "v_cache", 'a'), qkv = view_of(qkv_, "qkv", 'a');
+    same_dtype({{&qkv, "qkv"}, {&kc, "k_cache"}, {&vc, "v_cache"}});
+    auto [B, T, Tmax, C, NH] = decode_dims(kc, vc, qkv, pos);
+    Ctx c = context({&kc, &vc, &qkv}, stream);
+    py::gil_scoped_release nogil;
+    TYPED(qkv, FASTGPT_DISPATCH(c, attention_decode_append<S>, kc.as<S>(), vc.as<S>(), qkv.as<S>(), B, T, pos, Tmax,
+                                C, NH));
+  });
+  m.def("attention_decode_forward", [decode_dims](H out_, H qkv_, H kc_, H vc_, int pos, uintptr_t stream) {
+    View out = view_of(out_, "out", 'a'), qkv = view_of(qkv_, "qkv", 'a'), kc = view_of(kc_, "k_cache", 'a'),
+         vc = view_of(vc_, "v_cache", 'a');
+    same_dtype({{&qkv, "qkv"}, {&kc, "k_cache"}, {&vc, "v_cache"}, {&out, "out"}});
+    auto [B, T, Tmax, C, NH] = decode_dims(kc, vc, qkv, pos);
+    shape_is(out, {B, T, C}, "out");
+    Ctx c = context({&out, &qkv, &kc, &vc}, stream);
+    py::gil_scoped_release nogil;
+    TYPED(qkv, FASTGPT_DISPATCH(c, attention_decode_forward<S>, out.as<S>(), qkv.as<S>(), kc.as<S>(), vc.as<S>(), B, T,
+                                pos, Tmax, C, NH));
+  });
   // Flash attention on separate q, k, v: layout "bhtd" (B, H, T, d) or "bthd" (B, T, H, d), all four tensors the
   // same shape and dtype; lse (B, H, T) float32.
   struct Flash {
@@ -666,6 +700,7 @@ PYBIND11_MODULE(_C, m) {
              d["parameters"] = g.param_bytes();
              d["gradients"] = g.grad_bytes();
              d["activations"] = g.activation_bytes();
+             d["kv_cache"] = g.cache_bytes();
              d["total"] = g.backend().bytes_in_use();
              return d;
            })
@@ -724,6 +759,16 @@ PYBIND11_MODULE(_C, m) {
              return g.forward(idx.data(), tp, B, T, last_only);
            },
            py::arg("idx"), py::arg("targets") = py::none(), py::arg("last_only") = false)
+      .def("decode",
+           [](GPT& g, const IArray& idx, int pos) {
+             need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
+             const int B = idx.shape(0), T = idx.shape(1);
+             py::gil_scoped_release nogil;
+             g.decode(idx.data(), B, T, pos);
+           },
+           py::arg("idx"), py::arg("pos"))
+      .def_property_readonly("cache_length", &GPT::cache_length)
+      .def("free_cache", &GPT::free_cache)
       .def("logits",
            [](py::object self) {
              GPT& g = self.cast<GPT&>();

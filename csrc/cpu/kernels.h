@@ -113,6 +113,22 @@ template <>
 void attention_backward<float>(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
                                int B, int T, int C, int NH, bool causal);
 
+// ---- attention against a KV cache, for generation (attention_decode.cpp)
+// A layer's cache holds the keys and values of positions [0, Tmax) of each row and head: kcache, vcache
+// (B, NH, Tmax, hs), the layout of torch's SDPA. T new positions [t0, t0 + T) arrive as a fused projection qkv
+// (B, T, 3C); t0 + T <= Tmax.
+// append: their k and v thirds are written into the cache at [t0, t0 + T).
+template <typename S>
+void attention_decode_append(S* kcache, S* vcache,  // (B, NH, Tmax, hs) written at [t0, t0 + T)
+                             const S* qkv,           // (B, T, 3C)
+                             int B, int T, int t0, int Tmax, int C, int NH);
+// forward: new row t (position t0 + t) attends to the cached positions [0, t0 + t] (after append).
+template <typename S>
+void attention_decode_forward(S* out,                // (B, T, C)
+                              const S* qkv,          // (B, T, 3C): the q third is read
+                              const S* kcache, const S* vcache,  // (B, NH, Tmax, hs)
+                              int B, int T, int t0, int Tmax, int C, int NH);
+
 // ---- softmax cross-entropy; probabilities are never stored (cross_entropy.cpp)
 template <typename S>
 void cross_entropy_forward(float* losses,        // (N)

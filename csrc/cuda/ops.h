@@ -70,6 +70,16 @@ template <typename S>
 void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
                         int NH, bool causal, Stream stream);
 
+// Generation against a KV cache (attention_decode.cu, the twin of csrc/cpu/attention_decode.cpp): kcache, vcache
+// (B, NH, Tmax, hs); append writes the k/v thirds of qkv (B, T, 3C) at positions [t0, t0 + T); forward attends new
+// row t (position t0 + t) to the cached positions [0, t0 + t]. Head size at most 256 (std::invalid_argument).
+template <typename S>
+void attention_decode_append(S* kcache, S* vcache, const S* qkv, int B, int T, int t0, int Tmax, int C, int NH,
+                             Stream stream);
+template <typename S>
+void attention_decode_forward(S* out, const S* qkv, const S* kcache, const S* vcache, int B, int T, int t0, int Tmax,
+                              int C, int NH, Stream stream);
+
 template <typename S>
 void cross_entropy_forward(float* losses, float* lse, const S* logits, const int32_t* targets, int64_t N, int V,
                            Stream stream);

@@ -88,6 +88,16 @@ class Backend {
                           int NH, bool causal) {
     attention_backward_(dt<S>(), dqkv, dout, qkv, out, lse, B, T, C, NH, causal);
   }
+  // Generation (attention_decode.cpp): the k/v of T new positions into a layer's cache, then their attention.
+  template <typename S>
+  void attention_decode_append(S* kcache, S* vcache, const S* qkv, int B, int T, int t0, int Tmax, int C, int NH) {
+    attention_decode_append_(dt<S>(), kcache, vcache, qkv, B, T, t0, Tmax, C, NH);
+  }
+  template <typename S>
+  void attention_decode_forward(S* out, const S* qkv, const S* kcache, const S* vcache, int B, int T, int t0,
+                                int Tmax, int C, int NH) {
+    attention_decode_forward_(dt<S>(), out, qkv, kcache, vcache, B, T, t0, Tmax, C, NH);
+  }
   template <typename S>
   void cross_entropy_forward(float* losses, float* lse, const S* logits, const int32_t* targets, int64_t N, int V) {
     cross_entropy_forward_(dt<S>(), losses, lse, logits, targets, N, V);
@@ -138,6 +148,10 @@ class Backend {
                                   bool causal) = 0;
   virtual void attention_backward_(DType, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T,
                                    int C, int NH, bool causal) = 0;
+  virtual void attention_decode_append_(DType, void* kcache, void* vcache, cv* qkv, int B, int T, int t0, int Tmax,
+                                       int C, int NH) = 0;
+  virtual void attention_decode_forward_(DType, void* out, cv* qkv, cv* kcache, cv* vcache, int B, int T, int t0,
+                                        int Tmax, int C, int NH) = 0;
   virtual void cross_entropy_forward_(DType, float* losses, float* lse, cv* logits, const int32_t* targets,
                                       int64_t N, int V) = 0;
   virtual void cross_entropy_backward_(DType, void* dlogits, cv* logits, const float* lse, const int32_t* targets,

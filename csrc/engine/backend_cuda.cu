@@ -161,6 +161,16 @@ class CudaBackend final : public Backend {
     FASTGPT_TYPED(d, cuda::attention_backward(P<S>(dqkv), P<S>(dout), P<S>(qkv), P<S>(out), lse, B, T, C, NH, causal,
                                               stream_));
   }
+  void attention_decode_append_(DType d, void* kcache, void* vcache, cv* qkv, int B, int T, int t0, int Tmax, int C,
+                                int NH) override {
+    FASTGPT_TYPED(d, cuda::attention_decode_append(P<S>(kcache), P<S>(vcache), P<S>(qkv), B, T, t0, Tmax, C, NH,
+                                                    stream_));
+  }
+  void attention_decode_forward_(DType d, void* out, cv* qkv, cv* kcache, cv* vcache, int B, int T, int t0, int Tmax,
+                                 int C, int NH) override {
+    FASTGPT_TYPED(d, cuda::attention_decode_forward(P<S>(out), P<S>(qkv), P<S>(kcache), P<S>(vcache), B, T, t0, Tmax,
+                                                    C, NH, stream_));
+  }
   void cross_entropy_forward_(DType d, float* losses, float* lse, cv* logits, const int32_t* targets, int64_t N,
                               int V) override {
     FASTGPT_TYPED(d, cuda::cross_entropy_forward(losses, lse, P<S>(logits), targets, N, V, stream_));

@@ -259,22 +259,22 @@ void GPT::ensure_activations(int B, int T) {
   dqkv_ = act(BT * 3 * C);
 }
 
-float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only) {
+void GPT::check_ids(const int32_t* ids, int64_t n, const char* what) const {
   const int V = cfg_.vocab_size;
+  for (int64_t i = 0; i < n; i++)
+    if (ids[i] < 0 || ids[i] >= V)
+      throw std::invalid_argument(std::string(what) + " must hold token ids in [0, vocab_size=" + std::to_string(V) +
+                                  "), found " + std::to_string(ids[i]) + " at flat index " + std::to_string(i));
+}
+
+float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only) {
   if (B < 1) throw std::invalid_argument("batch size B must be >= 1, got " + std::to_string(B));
   if (T < 1 || T > cfg_.block_size)
     throw std::invalid_argument("sequence length T must be in [1, block_size=" + std::to_string(cfg_.block_size) +
                                 "], got " + std::to_string(T));
   const int64_t BT = (int64_t)B * T;
-  auto check_ids = [&](const int32_t* a, const char* what) {
-    for (int64_t i = 0; i < BT; i++)
-      if (a[i] < 0 || a[i] >= V)
-        throw std::invalid_argument(std::string(what) + " must hold token ids in [0, vocab_size=" +
-                                    std::to_string(V) + "), found " + std::to_string(a[i]) + " at flat index " +
-                                    std::to_string(i));
-  };
-  check_ids(idx, "idx");
-  if (targets) check_ids(targets, "targets");
+  check_ids(idx, BT, "idx");
+  if (targets) check_ids(targets, BT, "targets");
   if (targets && last_only) throw std::invalid_argument("last_only forward cannot take targets");
 
   ensure_activations(B, T);
@@ -293,12 +293,52 @@ float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, boo
   return (float)(sum / BT);
 }
 
+void GPT::decode(const int32_t* idx, int B, int T, int pos) {
+  const int maxT = cfg_.block_size;
+  if (B < 1) throw std::invalid_argument("batch size B must be >= 1, got " + std::to_string(B));
+  if (T < 1 || pos < 0 || pos + T > maxT)
+    throw std::invalid_argument("decode: positions [pos, pos + T) = [" + std::to_string(pos) + ", " +
+                                std::to_string(pos + T) + ") must be non-empty and within block_size=" +
+                                std::to_string(maxT));
+  if (pos != 0 && (pos != cache_len_ || B != cache_B_))
+    throw std::invalid_argument("decode: position " + std::to_string(pos) + " of " + std::to_string(B) +
+                                " rows does not continue the cache, which holds " + std::to_string(cache_len_) +
+                                " positions of " + std::to_string(cache_B_) + " rows (pos 0 starts over)");
+  check_ids(idx, (int64_t)B * T, "idx");
+  cache_len_ = 0;  // until this call completes
+  if (B != cache_B_) {
+    const int64_t n = (int64_t)cfg_.n_layer * B * maxT * cfg_.n_embd * dtype_size(storage_);
+    kcache_ = Buffer<uint8_t>();  // the old cache goes before the new one is taken
+    vcache_ = Buffer<uint8_t>();
+    cache_B_ = 0;
+    kcache_ = Buffer<uint8_t>(be_.get(), n);
+    vcache_ = Buffer<uint8_t>(be_.get(), n);
+    cache_B_ = B;
+  }
+  ensure_activations(B, T);
+  B_ = B;
+  T_ = T;
+  be_->upload(idx_.data(), idx, (int64_t)B * T * sizeof(int32_t));
+  with_dtype(storage_, [&](auto s) { forward_t<decltype(s)>(B, T, true, false, pos, true); });
+  last_only_ = true;
+  have_targets_ = false;
+  logits_valid_ = true;
+  cache_len_ = pos + T;
+}
+
+void GPT::free_cache() {
+  kcache_ = Buffer<uint8_t>();
+  vcache_ = Buffer<uint8_t>();
+  cache_B_ = cache_len_ = 0;
+}
+
 template <typename S>
-void GPT::forward_t(int B, int T, bool last_only, bool with_targets) {
-  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size;
+void GPT::forward_t(int B, int T, bool last_only, bool with_targets, int pos, bool cached) {
+  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size, maxT = cfg_.block_size;
   const int64_t BT = (int64_t)B * T;
   Backend& k = *be_;
-  k.encoder_forward(A<S>(encoded_), idx_.data(), P<S>(WTE), P<S>(WPE), B, T, C);
+  // Positions [pos, pos + T): the rows of wpe from pos on.
+  k.encoder_forward(A<S>(encoded_), idx_.data(), P<S>(WTE), P<S>(WPE) + (int64_t)pos * C, B, T, C);
   for (int l = 0; l < L; l++) {
     const S* residual = l == 0 ? A<S>(encoded_) : A<S>(residual3_, (l - 1) * BT * C);
     S* ln1 = A<S>(ln1_, l * BT * C);
@@ -312,7 +352,17 @@ void GPT::forward_t(int B, int T, bool last_only, bool with_targets) {
     k.layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P<S>(LN1W, l),
                         P<S>(LN1B, l), BT, C);
     k.matmul_forward(qkv, ln1, P<S>(QKVW, l), P<S>(QKVB, l), BT, C, 3 * C);
-    k.attention_forward(atty, att_lse_.data() + l * BT * NH, qkv, B, T, C, NH, true);
+    if (cached) {  // this layer's keys and values join the cache; the prefill (pos 0) attends as forward() does
+      S* kc = A<S>(kcache_, (int64_t)l * B * maxT * C);
+      S* vc = A<S>(vcache_, (int64_t)l * B * maxT * C);
+      k.attention_decode_append(kc, vc, (const S*)qkv, B, T, pos, maxT, C, NH);
+      if (pos == 0)
+        k.attention_forward(atty, att_lse_.data() + l * BT * NH, (const S*)qkv, B, T, C, NH, true);
+      else
+        k.attention_decode_forward(atty, (const S*)qkv, (const S*)kc, (const S*)vc, B, T, pos, maxT, C, NH);
+    } else {
+      k.attention_forward(atty, att_lse_.data() + l * BT * NH, (const S*)qkv, B, T, C, NH, true);
+    }
     // The projection lands in residual2 and the skip is added in place: no separate buffer for it.
     k.matmul_forward(res2, atty, P<S>(ATTPROJW, l), P<S>(ATTPROJB, l), BT, C, C);
     k.residual_forward(res2, res2, residual, BT * C);

@@ -98,6 +98,17 @@ class GPT {
   bool logits_valid() const { return logits_valid_; }
   int last_B() const { return B_; }
   int last_T() const { return last_only_ ? 1 : T_; }  // rows of logits per sequence
+  // Generation with a KV cache: runs T new tokens idx (B, T), host ids, at positions [pos, pos + T) against the keys
+  // and values cached for positions [0, pos), caches theirs, and leaves the logits of each row's last new position
+  // in logits() ((B, 1, V), as after a last_only forward). pos 0 starts over (the prefill of a prompt: the causal
+  // attention of forward(), so its logits are forward()'s); pos > 0 must equal cache_length() and B the cached
+  // batch. pos + T <= block_size. The cache holds what the weights computed at the time: changing the weights
+  // makes it stale (start over at pos 0). It invalidates a pending backward, as a forward without targets does.
+  void decode(const int32_t* idx, int B, int T, int pos);
+  int cache_length() const { return cache_len_; }
+  int cache_batch() const { return cache_B_; }
+  void free_cache();
+  int64_t cache_bytes() const { return kcache_.size() + vcache_.size(); }
   // Adds d(grad_scale * mean loss)/d(params) to the gradient buffer (times the loss scale in fp16, until unscaled).
   // Data parallel: sync=true (the last micro-step of an accumulation) reduces the gradients over ranks, overlapped
   // with the rest of the backward where the communicator can; sync=false only accumulates locally (DDP's no_sync).
@@ -147,8 +158,10 @@ class GPT {
   double grad_sumsq();
   void reduce_layer_async(int l);  // overlap: layer l's gradients are final
   void ensure_activations(int B, int T);
+  void check_ids(const int32_t* ids, int64_t n, const char* what) const;  // in [0, vocab_size)
+  // cached: decode()'s forward at position pos (keys and values appended to the cache); else positions [0, T).
   template <typename S>
-  void forward_t(int B, int T, bool last_only, bool with_targets);
+  void forward_t(int B, int T, bool last_only, bool with_targets, int pos = 0, bool cached = false);
   template <typename S>
   void backward_t(float dloss);
   template <typename S>
@@ -201,6 +214,10 @@ class GPT {
   Buffer<uint8_t> logits_;          // (B, T, V); backward writes dlogits over it
   Buffer<float> losses_, ce_lse_;   // (B, T)
   std::vector<float> host_losses_;  // (B, T)
+  // KV cache of decode(): keys and values of positions [0, cache_len_) of cache_B_ rows, per layer
+  // (L, B, NH, block_size, hs) each, in the storage type.
+  Buffer<uint8_t> kcache_, vcache_;
+  int cache_B_ = 0, cache_len_ = 0;
   // Backward scratch, reused across layers.
   Buffer<uint8_t> dresidual_, dbtc_, dbt4c_, dqkv_;
 };

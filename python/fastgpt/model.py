@@ -245,42 +245,100 @@ class GPT:
             self._engine.load_params(flat)
 
     # ---- sampling
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=None):
-        """Appends max_new_tokens sampled tokens to each row of idx (B, T) and returns (B, T + max_new_tokens) int64.
-        temperature 0 picks the most likely token; the same seed gives the same tokens."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=None, stop_token=None,
+                 use_cache=True):
+        """Appends up to max_new_tokens sampled tokens to each row of idx (B, T) (or one prompt (T,)) and returns
+        them with the prompt, int64 (B, T + n). temperature 0 picks the most likely token; otherwise logits / temperature,
+        then the top_k most likely tokens, then the smallest set of most likely tokens whose probability reaches top_p
+        (nucleus sampling), then a draw from what is left. The same seed gives the same tokens. stop_token: a row that
+        produced it is finished and is padded with it; generation ends early when every row is finished (n <
+        max_new_tokens). The keys and values of the tokens seen are cached (use_cache), so each new token costs one
+        position, not a forward over the whole sequence; the tokens are those of full recomputation. Past
+        block_size the context is the last block_size tokens (a sliding window, recomputed for each token there)."""
+        ids, squeeze = self._prompt(idx)
+        steps = [ids] + list(self.generate_iter(ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token,
+                                                use_cache))
+        out = np.concatenate([steps[0]] + [s[:, None] for s in steps[1:]], axis=1)
+        return out[0] if squeeze else out
+
+    def generate_iter(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=None, stop_token=None,
+                      use_cache=True):
+        """generate(), one step at a time: yields the next token of every row, int64 (B,) ((), for a 1-D prompt),
+        as soon as it is sampled (for streaming text out). Arguments as generate()."""
+        ids, squeeze = self._prompt(idx)
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", low=0)
+        pick = _Sampler(self.config.vocab_size, temperature, top_k, top_p, seed)
+        if stop_token is not None:
+            stop_token = check_int(stop_token, "stop_token", low=0, high=self.config.vocab_size - 1)
+        return self._generate_steps(ids, max_new_tokens, pick, stop_token, bool(use_cache), squeeze)
+
+    def _prompt(self, idx):
         ids = as_ids(idx, "idx")
         squeeze = ids.ndim == 1
         ids = ids[None] if squeeze else ids
         if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
-            raise ValueError(f"idx must be (B, T) with B, T >= 1, got shape {ids.shape}")
-        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", low=0)
-        temperature = check_float(temperature, "temperature", low=0.0)
-        V = self.config.vocab_size
-        if top_k is not None:
-            top_k = check_int(top_k, "top_k", low=1, high=V)
-        if seed is not None:
-            seed = check_int(seed, "seed", low=0)
-        rng = np.random.default_rng(seed)
-        out = ids.astype(np.int64)
-        for _ in range(max_new_tokens):
-            cond = np.ascontiguousarray(out[:, -self.config.block_size:], dtype=np.int32)
-            self._engine.forward(cond, None, True)
-            logits = self._engine.logits()[:, 0, :].astype(np.float64)
-            if temperature == 0.0:
-                nxt = logits.argmax(axis=1)
-            else:
-                logits /= temperature
-                if top_k is not None and top_k < V:
-                    kth = np.partition(logits, V - top_k, axis=1)[:, V - top_k][:, None]
-                    logits[logits < kth] = -np.inf
-                probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-                cdf = np.cumsum(probs, axis=1)
-                u = rng.random((len(cdf), 1)) * cdf[:, -1:]
-                nxt = np.minimum((cdf <= u).sum(axis=1), V - 1)
-            out = np.concatenate([out, nxt[:, None].astype(np.int64)], axis=1)
-        return out[0] if squeeze else out
+            raise ValueError(f"idx must be (B, T) or (T,) with B, T >= 1, got shape {ids.shape}")
+        return ids.astype(np.int64), squeeze
+
+    def _generate_steps(self, out, max_new_tokens, pick, stop_token, use_cache, squeeze):
+        engine, window = self._engine, self.config.block_size
+        done = np.zeros(len(out), bool)
+        try:
+            for step in range(max_new_tokens):
+                if step > 0 and use_cache and engine.cache_length < window:  # one new position per row
+                    engine.decode(np.ascontiguousarray(out[:, -1:], dtype=np.int32), engine.cache_length)
+                else:  # the prompt, or a window that slid (every position moved): the last block_size tokens
+                    cond = np.ascontiguousarray(out[:, -window:], dtype=np.int32)
+                    if use_cache:
+                        engine.decode(cond, 0)
+                    else:
+                        engine.forward(cond, None, True)
+                nxt = pick(engine.logits()[:, 0, :])
+                if stop_token is not None:
+                    nxt[done] = stop_token
+                    done |= nxt == stop_token
+                out = np.concatenate([out, nxt[:, None]], axis=1)
+                yield nxt[0] if squeeze else nxt
+                if done.all():
+                    break
+        finally:
+            engine.free_cache()
 
     def __repr__(self):
         dp = f", rank {self.rank} of {self.world_size}" if self.data_parallel else ""
         return (f"fastgpt.GPT({asdict(self.config)}, device={self.device!r}, precision={self.precision!r}, "
                 f"{self.num_parameters():,} parameters{dp})")
+
+
+class _Sampler:
+    """The next token from a batch of logits (B, V): temperature, then top-k, then top-p (nucleus), then a draw, in
+    float64 on the host with one NumPy generator (the same seed, the same tokens)."""
+
+    def __init__(self, vocab_size, temperature, top_k, top_p, seed):
+        self.V = vocab_size
+        self.temperature = check_float(temperature, "temperature", low=0.0)
+        self.top_k = None if top_k is None else check_int(top_k, "top_k", low=1, high=vocab_size)
+        self.top_p = None if top_p is None else check_float(top_p, "top_p", 0.0, 1.0, low_open=True)
+        self.rng = np.random.default_rng(None if seed is None else check_int(seed, "seed", low=0))
+
+    def __call__(self, logits):
+        logits = np.array(logits, dtype=np.float64)  # a copy: the engine's buffer is reused by the next step
+        if self.temperature == 0.0:
+            return logits.argmax(axis=1).astype(np.int64)
+        logits /= self.temperature
+        V = self.V
+        if self.top_k is not None and self.top_k < V:
+            kth = np.partition(logits, V - self.top_k, axis=1)[:, V - self.top_k][:, None]
+            logits[logits < kth] = -np.inf
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        if self.top_p is not None and self.top_p < 1.0:
+            probs /= probs.sum(axis=1, keepdims=True)
+            order = np.argsort(-probs, axis=1, kind="stable")
+            ranked = np.take_along_axis(probs, order, axis=1)
+            # Keep a token while the tokens more likely than it hold less than top_p: the smallest prefix reaching
+            # top_p, never empty (the most likely token has nothing ahead of it).
+            keep = (np.cumsum(ranked, axis=1) - ranked) < self.top_p
+            np.put_along_axis(probs, order, np.where(keep, ranked, 0.0), axis=1)
+        cdf = np.cumsum(probs, axis=1)
+        u = self.rng.random((len(cdf), 1)) * cdf[:, -1:]
+        return np.minimum((cdf <= u).sum(axis=1), V - 1).astype(np.int64)

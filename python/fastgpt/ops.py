@@ -268,6 +268,34 @@ def attention_backward(dout, qkv, out, lse, n_head, causal=True):
     return dqkv
 
 
+def attention_decode_append(k_cache, v_cache, qkv, pos):
+    """Generation's KV cache: writes the keys and values of the new positions [pos, pos + T) of qkv (B, T, 3C) into
+    k_cache and v_cache (B, n_head, Tmax, hs), in place (so both must already be contiguous arrays of qkv's dtype:
+    NumPy float32 / float16 / ml_dtypes bfloat16, or CUDA tensors)."""
+    d = _where(k_cache, v_cache, qkv)
+    qkv = d.storage(qkv, "qkv")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        in_place = d.storage(cache, name) is cache and str(cache.dtype) == str(qkv.dtype)
+        if isinstance(d, _Host):
+            in_place = in_place and isinstance(cache, np.ndarray) and cache.flags.writeable
+        if not in_place:  # a converted copy would take the write and be thrown away
+            raise TypeError(f"{name} is written in place: it must be a writeable contiguous array of qkv's dtype "
+                            f"({qkv.dtype}), got {type(cache).__name__} of dtype {getattr(cache, 'dtype', None)}")
+    _ops.attention_decode_append(d.arg(k_cache), d.arg(v_cache), d.arg(qkv), check_int(pos, "pos", 0), d.stream)
+
+
+def attention_decode_forward(qkv, k_cache, v_cache, pos):
+    """Attention of the new positions [pos, pos + T) of qkv (B, T, 3C) (its q third) against the caches (B, n_head,
+    Tmax, hs), which must already hold their keys and values (attention_decode_append): new row t attends to the
+    cached positions [0, pos + t]. -> out (B, T, C)."""
+    d = _where(qkv, k_cache, v_cache)
+    qkv, k_cache, v_cache = d.storage(qkv, "qkv"), d.storage(k_cache, "k_cache"), d.storage(v_cache, "v_cache")
+    out = d.empty(_shape(qkv)[:2] + (_shape(qkv)[2] // 3,) if len(_shape(qkv)) == 3 else (0, 0, 0), like=qkv)
+    _ops.attention_decode_forward(d.arg(out), d.arg(qkv), d.arg(k_cache), d.arg(v_cache), check_int(pos, "pos", 0),
+                                  d.stream)
+    return out
+
+
 _LAYOUTS = {"bhtd": "(B, H, T, d)", "bthd": "(B, T, H, d)"}
 
 
