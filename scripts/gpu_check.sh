@@ -3,7 +3,7 @@
 # all of them), and print a short table last (the device tool returns only the tail of the output).
 #   tests     every test file on its own (a fault in one cannot poison the others), GPU cases on; NCCL line
 #   sanitize  compute-sanitizer memcheck/racecheck/initcheck/synccheck on every flash variant and a 3-step training
-#   bench     GPT-2 124M training, precision table, flash attention, AdamW bandwidth (benchmarks, JSON)
+#   bench     GPT-2 124M training, precision table, flash attention, AdamW bandwidth, generation (JSON)
 #   accuracy  scripts/flash_accuracy.py: half-precision flash error beside every SDPA backend and an emulation
 # TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py), SANITIZERS="memcheck ..." the
 # sanitize part.
@@ -109,6 +109,9 @@ if [ $build = ok ] && has bench; then
   res[bench_flash]=$b
   b=FAIL; timeout 40 python3 bench/bench_adamw.py --json "$out/bench_adamw.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_adamw]=$b
+  b=FAIL; timeout 90 python3 bench/bench_generate.py --device cuda --precision bf16 --prompt-len 64 --new-tokens 128 \
+    --json "$out/bench_generate.json" >> "$out/bench.log" 2>&1 && b=ok
+  res[bench_generate]=$b
 fi
 # At most 8 files come back: the small ones go into one archive.
 (cd "$out" && ls *.json build.log pytest_nccl.log 2>/dev/null | xargs -r tar -czf evidence.tgz --remove-files)

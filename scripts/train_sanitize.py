@@ -1,6 +1,7 @@
 """Three training steps of a small GPT(device="cuda") in every precision, for compute-sanitizer (memcheck, racecheck,
 initcheck, synccheck): embedding, layernorm, cuBLASLt matmuls, attention, GELU, residual, cross-entropy, backward,
-grad-norm clipping and AdamW, all on the model's own stream. It checks nothing numerically (the tests do); it exits
+grad-norm clipping and AdamW, all on the model's own stream; then 20 tokens of generation through the KV cache
+(prefill, decode steps, the window sliding past block_size). It checks nothing numerically (the tests do); it exits
 non-zero only if a call raises or a loss is not finite.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/train_sanitize.py"""
 import math
@@ -25,7 +26,8 @@ def main():
             opt.step()
             if not math.isfinite(loss):
                 raise SystemExit(f"{precision}: loss {loss}")
-        print(f"train_sanitize {precision}: 3 steps, last loss {loss:.4f}")
+        out = model.generate(rng.integers(0, cfg.vocab_size, (3, 50)), 20, top_k=20, top_p=0.9, seed=0)
+        print(f"train_sanitize {precision}: 3 steps, last loss {loss:.4f}; generated {out.shape[1] - 50} tokens")
 
 
 if __name__ == "__main__":

@@ -204,6 +204,25 @@ class GPT:
                                      check_int(growth_interval, "growth_interval", 1),
                                      check_int(growth_tracker, "growth_tracker", 0))
 
+    # ---- Hugging Face GPT-2 files (fastgpt.hf; local files only)
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", precision="fp32", n_head=None, **kwargs):
+        """A model with the weights of a transformers GPT-2: a folder (config.json + model.safetensors, a sharded
+        index, or pytorch_model.bin with torch installed) or a bare .safetensors file (n_head= when no config.json
+        sits beside it). Conv1D weights are transposed, the attention mask buffers ignored, lm_head tied to wte.
+        kwargs go to GPT() (seed, data_parallel)."""
+        from . import hf
+        fields, tensors = hf.read_pretrained(path, n_head)
+        model = cls(GPTConfig(**fields), device=device, precision=precision, **kwargs)
+        model.load_state_dict(tensors)
+        return model
+
+    def save_pretrained(self, folder):
+        """Writes config.json + model.safetensors into folder (made if missing), in the layout that
+        transformers.GPT2LMHeadModel.from_pretrained(folder) loads as it is: the same function, fp32 weights."""
+        from . import hf
+        return hf.save_pretrained(self, folder)
+
     def load_state_dict(self, state_dict):
         """Copies weights in from NumPy arrays or torch tensors with build-nanogpt names (a torch.compile or DDP
         prefix is accepted). Every name and shape is checked before anything is written."""

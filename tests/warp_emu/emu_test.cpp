@@ -145,6 +145,80 @@ void run_fused(int B, int T, int C, int NH, bool causal, unsigned seed) {
   fflush(stdout);
 }
 
+// The KV-cache decode kernels (attention_decode.cu): append T new positions at t0 into caches (B, NH, Tmax, hs)
+// that hold random keys/values below t0 and NaN above, then attend; the cache must hold exactly the new k/v at
+// [t0, t0 + T) and NaN beyond, out must match float64 attention of row t over positions [0, t0 + t].
+template <typename E>
+void run_decode(int B, int T, int t0, int Tmax, int C, int NH, double tol, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> U(-1.f, 1.f);
+  const int d = C / NH;
+  const size_t nc = (size_t)B * NH * Tmax * d;
+  std::vector<E> qkv((size_t)B * T * 3 * C), kc(nc, from_float<E>(NAN)), vc(nc, from_float<E>(NAN)), out((size_t)B * T * C, from_float<E>(NAN));
+  for (auto& x : qkv) x = from_float<E>(g_amp * U(rng));
+  for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) for (int t = 0; t < t0; t++) for (int x = 0; x < d; x++) {
+    const size_t i = (((size_t)b * NH + h) * Tmax + t) * d + x;
+    kc[i] = from_float<E>(g_amp * U(rng));
+    vc[i] = from_float<E>(U(rng));
+  }
+  std::vector<double> k0(kc.size()), v0(vc.size());
+  for (size_t i = 0; i < nc; i++) k0[i] = to_float(kc[i]), v0[i] = to_float(vc[i]);
+  cuda::attention_decode_append(kc.data(), vc.data(), qkv.data(), B, T, t0, Tmax, C, NH, nullptr);
+  cuda::attention_decode_forward(out.data(), qkv.data(), kc.data(), vc.data(), B, T, t0, Tmax, C, NH, nullptr);
+  bool cache_ok = true;
+  std::vector<double> ref(out.size()), got(out.size());
+  const double scale = 1.0 / std::sqrt((double)d);
+  for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) {
+    const size_t base = ((size_t)b * NH + h) * Tmax * d;
+    for (int t = 0; t < Tmax; t++) for (int x = 0; x < d; x++) {  // the append: new rows, old rows, NaN beyond
+      const size_t i = base + (size_t)t * d + x;
+      const float k = to_float(kc[i]), v = to_float(vc[i]);
+      if (t >= t0 && t < t0 + T) {
+        const size_t q = ((size_t)b * T + t - t0) * 3 * C + h * d + x;
+        cache_ok &= k == to_float(qkv[q + C]) && v == to_float(qkv[q + 2 * C]);
+        k0[i] = k, v0[i] = v;
+      } else if (t < t0) {
+        cache_ok &= k == k0[i] && v == v0[i];
+      } else {
+        cache_ok &= k != k && v != v;
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      const int n = t0 + t + 1;
+      std::vector<double> p(n);
+      double mx = -1e300, sum = 0;
+      for (int j = 0; j < n; j++) {
+        double s = 0;
+        for (int x = 0; x < d; x++) s += (double)to_float(qkv[((size_t)b * T + t) * 3 * C + h * d + x]) * k0[base + (size_t)j * d + x];
+        p[j] = s * scale, mx = std::max(mx, p[j]);
+      }
+      for (int j = 0; j < n; j++) sum += (p[j] = std::exp(p[j] - mx));
+      for (int x = 0; x < d; x++) {
+        double o = 0;
+        for (int j = 0; j < n; j++) o += p[j] * v0[base + (size_t)j * d + x];
+        const size_t i = ((size_t)b * T + t) * C + h * d + x;
+        ref[i] = o / sum, got[i] = to_float(out[i]);
+      }
+    }
+  }
+  const double e = relerr(got, ref);
+  const bool ok = cache_ok && e < tol;
+  if (!ok) failures++;
+  printf("%s decode %zu-byte B=%d T=%d t0=%d Tmax=%d C=%d NH=%d: cache %s out %.2e\n", ok ? "ok  " : "FAIL", sizeof(E),
+         B, T, t0, Tmax, C, NH, cache_ok ? "exact" : "WRONG", e);
+  fflush(stdout);
+}
+
+void run_decode_cases(unsigned& seed) {
+  run_decode<float>(2, 1, 0, 4, 16, 2, 1e-5, seed++);        // one key: fewer keys than warps
+  run_decode<float>(1, 3, 2, 8, 24, 3, 1e-5, seed++);        // T > 1, n from 3 to 5 (some warps idle)
+  run_decode<float>(2, 1, 37, 40, 128, 2, 1e-5, seed++);     // head size 64: two dimensions per lane
+  run_decode<float>(1, 2, 9, 12, 200, 2, 1e-5, seed++);      // head size 100: lanes past it idle
+  run_decode<float>(1, 1, 5, 8, 256, 1, 1e-5, seed++);       // head size 256: the largest
+  run_decode<bf16>(2, 2, 30, 33, 128, 2, 1e-2, seed++);
+  run_decode<f16>(1, 1, 50, 64, 192, 3, 2e-3, seed++);
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "quick";
   emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
@@ -171,6 +245,9 @@ int main(int argc, char** argv) {
       run<__half>(1, 1, 130, 64, false, true, true, DType::f16, 5e-3, seed++);
       run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
       run_fused(1, 20, 64, 2, true, seed++);
+      run_decode_cases(seed);
+    } else if (mode == "decode") {
+      run_decode_cases(seed);
     } else if (mode == "big") {
       for (int causal : {0, 1}) for (int det : {0, 1}) {
         run<__nv_bfloat16>(2, 2, 257, 64, causal, det, det, DType::bf16, 3e-2, seed++);

@@ -1,0 +1,81 @@
+"""python -m fastgpt.sample: text from a train.py checkpoint (the file or its run folder) and from a Hugging Face
+folder, streamed token by token; greedy output equals model.generate's tokens decoded; bad arguments are clear
+errors (argparse's exit 2 with a message)."""
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fastgpt
+from fastgpt import sample
+from fastgpt.checkpoint import save_checkpoint
+from fastgpt.tokenizer import get_gpt2_encoding
+
+CONFIG = fastgpt.GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)
+
+
+class Recorder(io.StringIO):
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, s):
+        self.writes.append(s)
+        return super().write(s)
+
+
+@pytest.fixture
+def model(rng):
+    return fastgpt.GPT(CONFIG, seed=int(rng.integers(1 << 31)))
+
+
+def _expected(model, enc, prompt, n):
+    ids = model.generate(np.array(enc.encode(prompt)), n, temperature=0.0)
+    return enc.decode(ids.tolist())
+
+
+def test_greedy_sample_from_checkpoint_streams_generate(tmp_path, model, encoder_json):
+    run = tmp_path / "run"
+    save_checkpoint(model, run / "model.safetensors")
+    enc = get_gpt2_encoding(encoder_json)
+    want = _expected(model, enc, "To be or not", 40)
+    for where in (run / "model.safetensors", run):  # the file, or the run folder train.py made
+        out = Recorder()
+        got = sample.main([str(where), "--prompt", "To be or not", "-n", "40", "--temperature", "0", "--stop", "",
+                           "--encoder", str(encoder_json)], out=out)
+        assert out.getvalue() == want + "\n"
+        assert len(got) == 1 and len(got[0]) == 40
+        assert len(out.writes) > 20  # printed as the tokens came, not at the end
+
+
+def test_seeded_samples_from_a_hugging_face_folder(tmp_path, model, encoder_json):
+    model.save_pretrained(tmp_path / "hf")
+    args = [str(tmp_path / "hf"), "-n", "15", "--num-samples", "2", "--seed", "5", "--top-p", "0.9",
+            "--encoder", str(encoder_json)]
+    a, b = sample.main(args, out=io.StringIO()), sample.main(args, out=io.StringIO())
+    assert a == b and a[0] != a[1]  # seed + i per sample
+    expect = model.generate(np.array([50256]), 15, top_k=50, top_p=0.9, seed=5, stop_token=50256)[1:]
+    assert a[0] == expect.tolist()
+
+
+def test_command_line(tmp_path, model, encoder_json):
+    save_checkpoint(model, tmp_path / "m.safetensors")
+    r = subprocess.run([sys.executable, "-m", "fastgpt.sample", str(tmp_path / "m.safetensors"), "--prompt", "Hello",
+                        "-n", "8", "--temperature", "0", "--stop", "", "--encoder", str(encoder_json)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == _expected(model, get_gpt2_encoding(encoder_json), "Hello", 8) + "\n"
+    bad = subprocess.run([sys.executable, "-m", "fastgpt.sample", str(tmp_path / "missing")], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "checkpoint: no such folder or file" in bad.stderr
+
+
+def test_bad_arguments(tmp_path, model, encoder_json, capsys):
+    save_checkpoint(model, tmp_path / "m.safetensors")
+    for extra, message in ((["--top-p", "1.5"], "top_p must be <= 1"), (["--stop", "two words"], "--stop must be one"),
+                           (["-n", "-1"], "max_new_tokens must be >= 0")):
+        with pytest.raises(SystemExit) as e:
+            sample.main([str(tmp_path / "m.safetensors"), "--encoder", str(encoder_json), *extra], out=io.StringIO())
+        assert e.value.code == 2 and message in capsys.readouterr().err
