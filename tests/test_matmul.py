@@ -1,5 +1,6 @@
 """matmul (nn.Linear): fastgpt.ops forward and backward vs torch in float64, with and without bias, including
-shapes that are not multiples of any block size (the GEMM's edge tiles)."""
+shapes that are not multiples of any block size (the GEMM's edge tiles), and the few-row shapes of generation
+(up to 4 rows: the CPU forward's matrix-vector path; 5 rows: the GEMM again)."""
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,7 @@ TOL = 1e-5
 
 
 @pytest.mark.parametrize("lead,C,OC", [((4, 32), 64, 192), ((3, 17), 48, 50), ((1, 1), 7, 3), ((2, 65), 129, 257),
-                                       ((8, 16), 64, 50304)])
+                                       ((8, 16), 64, 50304), ((2, 2), 768, 2304), ((3,), 65, 50304), ((5,), 33, 70)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
 def test_matmul_forward_backward(rng, lead, C, OC, bias, device):

@@ -9,9 +9,31 @@
 
 namespace fastgpt::cpu {
 
+namespace {
+// Rows at or below which the forward is a matrix-vector product per row (generation's decode step: one position per
+// sequence): the weight streams through once, row by row, each output a contiguous dot product. sgemm's packing
+// of the weight costs more than the product itself at these sizes. Chosen by the shape alone: deterministic.
+constexpr int64_t kGemvRows = 4;
+
+void gemv_rows(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C, int OC) {
+#pragma omp parallel for schedule(static)
+  for (int o = 0; o < OC; o++) {
+    const float* w = weight + (int64_t)o * C;
+    for (int64_t n = 0; n < N; n++) {
+      const float* x = inp + n * C;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int c = 0; c < C; c++) s += x[c] * w[c];
+      out[n * OC + o] = bias ? s + bias[o] : s;
+    }
+  }
+}
+}  // namespace
+
 template <>
 void matmul_forward<float>(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
                            int OC) {
+  if (N <= kGemvRows) return gemv_rows(out, inp, weight, bias, N, C, OC);
   float beta = 0.f;
   if (bias) {
     // Seed every row with the bias and let the product add onto it: one pass fewer than adding afterwards.
