@@ -7,9 +7,35 @@
 
 The C++ core (fastgpt._C) holds the model, optimizer and kernels; this package is a thin layer over it.
 """
-from . import _C, data, distributed, ops, tokenizer
-from .model import GPT, GPTConfig
-from .optim import AdamW
+import ctypes
+import importlib.util
+import os
+
+
+def _preload_pip_nccl():
+    """torch's wheels bring NCCL as the pip package nvidia-nccl-cu1x and load it by path. If fastgpt._C, linked
+    against whichever libnccl.so.2 its build found (perhaps the CUDA toolkit's, older), were loaded first, its copy
+    would become the process's libnccl.so.2 and a later `import torch` would fail on a symbol it lacks. Loading the
+    pip package's library first makes it the one both use (one soname, one library; NCCL 2.x keeps its ABI)."""
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "lib", "libnccl.so.2")
+        if os.path.isfile(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass
+            return
+
+
+_preload_pip_nccl()
+
+from . import _C, data, distributed, ops, tokenizer  # noqa: E402
+from .model import GPT, GPTConfig  # noqa: E402
+from .optim import AdamW  # noqa: E402
 
 __version__ = "0.1.0"
 
