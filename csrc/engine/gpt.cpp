@@ -308,9 +308,7 @@ void GPT::decode(const int32_t* idx, int B, int T, int pos) {
   cache_len_ = 0;  // until this call completes
   if (B != cache_B_) {
     const int64_t n = (int64_t)cfg_.n_layer * B * maxT * cfg_.n_embd * dtype_size(storage_);
-    kcache_ = Buffer<uint8_t>();  // the old cache goes before the new one is taken
-    vcache_ = Buffer<uint8_t>();
-    cache_B_ = 0;
+    free_cache();  // the old cache goes before the new one is taken
     kcache_ = Buffer<uint8_t>(be_.get(), n);
     vcache_ = Buffer<uint8_t>(be_.get(), n);
     cache_B_ = B;
@@ -352,17 +350,15 @@ void GPT::forward_t(int B, int T, bool last_only, bool with_targets, int pos, bo
     k.layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P<S>(LN1W, l),
                         P<S>(LN1B, l), BT, C);
     k.matmul_forward(qkv, ln1, P<S>(QKVW, l), P<S>(QKVB, l), BT, C, 3 * C);
-    if (cached) {  // this layer's keys and values join the cache; the prefill (pos 0) attends as forward() does
-      S* kc = A<S>(kcache_, (int64_t)l * B * maxT * C);
-      S* vc = A<S>(vcache_, (int64_t)l * B * maxT * C);
-      k.attention_decode_append(kc, vc, (const S*)qkv, B, T, pos, maxT, C, NH);
-      if (pos == 0)
-        k.attention_forward(atty, att_lse_.data() + l * BT * NH, (const S*)qkv, B, T, C, NH, true);
-      else
-        k.attention_decode_forward(atty, (const S*)qkv, (const S*)kc, (const S*)vc, B, T, pos, maxT, C, NH);
-    } else {
-      k.attention_forward(atty, att_lse_.data() + l * BT * NH, (const S*)qkv, B, T, C, NH, true);
-    }
+    // decode(): this layer's keys and values join the cache; past the prefill (pos 0, which attends as forward()
+    // does) the new rows attend to the cache.
+    S* kc = cached ? A<S>(kcache_, (int64_t)l * B * maxT * C) : nullptr;
+    S* vc = cached ? A<S>(vcache_, (int64_t)l * B * maxT * C) : nullptr;
+    if (cached) k.attention_decode_append(kc, vc, (const S*)qkv, B, T, pos, maxT, C, NH);
+    if (cached && pos > 0)
+      k.attention_decode_forward(atty, (const S*)qkv, (const S*)kc, (const S*)vc, B, T, pos, maxT, C, NH);
+    else
+      k.attention_forward(atty, att_lse_.data() + l * BT * NH, qkv, B, T, C, NH, true);
     // The projection lands in residual2 and the skip is added in place: no separate buffer for it.
     k.matmul_forward(res2, atty, P<S>(ATTPROJW, l), P<S>(ATTPROJB, l), BT, C, C);
     k.residual_forward(res2, res2, residual, BT * C);

@@ -106,7 +106,6 @@ class GPT {
   // makes it stale (start over at pos 0). It invalidates a pending backward, as a forward without targets does.
   void decode(const int32_t* idx, int B, int T, int pos);
   int cache_length() const { return cache_len_; }
-  int cache_batch() const { return cache_B_; }
   void free_cache();
   int64_t cache_bytes() const { return kcache_.size() + vcache_.size(); }
   // Adds d(grad_scale * mean loss)/d(params) to the gradient buffer (times the loss scale in fp16, until unscaled).

@@ -276,9 +276,8 @@ class GPT:
         position, not a forward over the whole sequence; the tokens are those of full recomputation. Past
         block_size the context is the last block_size tokens (a sliding window, recomputed for each token there)."""
         ids, squeeze = self._prompt(idx)
-        steps = [ids] + list(self.generate_iter(ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token,
-                                                use_cache))
-        out = np.concatenate([steps[0]] + [s[:, None] for s in steps[1:]], axis=1)
+        steps = self.generate_iter(ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token, use_cache)
+        out = np.concatenate([ids] + [s[:, None] for s in steps], axis=1)
         return out[0] if squeeze else out
 
     def generate_iter(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=None, stop_token=None,
@@ -300,15 +299,18 @@ class GPT:
             raise ValueError(f"idx must be (B, T) or (T,) with B, T >= 1, got shape {ids.shape}")
         return ids.astype(np.int64), squeeze
 
-    def _generate_steps(self, out, max_new_tokens, pick, stop_token, use_cache, squeeze):
+    def _generate_steps(self, ids, max_new_tokens, pick, stop_token, use_cache, squeeze):
         engine, window = self._engine, self.config.block_size
-        done = np.zeros(len(out), bool)
+        tokens = np.empty((len(ids), ids.shape[1] + max_new_tokens), np.int32)  # the engine's id type, filled as we go
+        end = ids.shape[1]
+        tokens[:, :end] = ids
+        done = np.zeros(len(ids), bool)
         try:
             for step in range(max_new_tokens):
                 if step > 0 and use_cache and engine.cache_length < window:  # one new position per row
-                    engine.decode(np.ascontiguousarray(out[:, -1:], dtype=np.int32), engine.cache_length)
+                    engine.decode(np.ascontiguousarray(tokens[:, end - 1:end]), engine.cache_length)
                 else:  # the prompt, or a window that slid (every position moved): the last block_size tokens
-                    cond = np.ascontiguousarray(out[:, -window:], dtype=np.int32)
+                    cond = np.ascontiguousarray(tokens[:, max(0, end - window):end])
                     if use_cache:
                         engine.decode(cond, 0)
                     else:
@@ -317,7 +319,8 @@ class GPT:
                 if stop_token is not None:
                     nxt[done] = stop_token
                     done |= nxt == stop_token
-                out = np.concatenate([out, nxt[:, None]], axis=1)
+                tokens[:, end] = nxt
+                end += 1
                 yield nxt[0] if squeeze else nxt
                 if done.all():
                     break

@@ -11,18 +11,17 @@ import codecs
 import os
 import sys
 
-from .checkpoint import MARKER, load_checkpoint
+from .checkpoint import load_checkpoint, read_metadata
 from .model import GPT
 from .tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 
 
 def _is_fastgpt_checkpoint(path):
-    from safetensors import safe_open
     try:
-        with safe_open(path, framework="np") as f:
-            return MARKER in (f.metadata() or {})
-    except Exception:  # not a safetensors file: let the Hugging Face reader say what it is
+        read_metadata(path)
+    except ValueError:  # another safetensors file, or none at all: the Hugging Face reader says which
         return False
+    return True
 
 
 def load_model(path, device="cpu", precision="fp32", n_head=None):
