@@ -690,6 +690,15 @@ PYBIND11_MODULE(_C, m) {
              // fp32 on the CPU is a view of the masters: copy it, so the result cannot write to them.
              return g.storage() == DType::f32 && !g.backend().is_cuda() ? FArray(out.attr("copy")()) : out;
            })
+      .def("load_compute_params",
+           [](GPT& g, const FArray& flat) {
+             need(g.storage() != DType::f32, "compute weights are the fp32 masters in fp32/tf32: load the params");
+             need(flat.ndim() == 1 && flat.size() == g.num_parameters(),
+                  "compute params must be a flat float32 array of " + std::to_string(g.num_parameters()) + " values");
+             py::gil_scoped_release nogil;
+             g.load_compute_params(flat.data());
+           })
+      .def_property_readonly("seed", &GPT::seed)
       .def("refresh_compute_params", [](GPT& g) {
         py::gil_scoped_release nogil;
         g.refresh_compute_params();
@@ -805,6 +814,16 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release nogil;
              return o.step(lr);
            })
+      .def("load_state",
+           [](AdamW& o, const FArray& m, const FArray& v, int64_t step_count, int64_t skipped_steps) {
+             for (const FArray* a : {&m, &v})
+               need(a->ndim() == 1 && a->size() == o.size(),
+                    "moments must be flat float32 arrays of " + std::to_string(o.size()) + " values (this "
+                    "optimizer's part of the parameters), got " + std::to_string(a->size()));
+             py::gil_scoped_release nogil;
+             o.load_state(m.data(), v.data(), step_count, skipped_steps);
+           },
+           py::arg("m"), py::arg("v"), py::arg("step_count"), py::arg("skipped_steps"))
       .def_property_readonly("step_count", &AdamW::step_count)
       .def_property_readonly("skipped_steps", &AdamW::skipped_steps)
       .def_property_readonly("m", [](py::object self) {

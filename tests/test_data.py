@@ -322,3 +322,35 @@ def test_shard_too_small(tmp_path, rng):
     with pytest.raises(ValueError, match=r"tiny\.bin"):
         DataLoader(files, B, T, world_size=W)
     DataLoader(files[:1], B, T, world_size=W)  # the bigger one alone is fine
+
+
+@pytest.mark.parametrize("seed", [None, "random"])
+def test_state_dict_resumes_the_same_batches(tmp_path, rng, seed):
+    # A loader restored from state_dict() after k batches gives what the original gives next, across shard and
+    # epoch boundaries, sequential or shuffled.
+    B, T, W = 2, 4, 2
+    files = _position_shards(tmp_path, [int(rng.integers(3, 8)) * B * T * W + 1 for _ in range(3)])
+    seed = int(rng.integers(0, 2**31)) if seed else None
+    per_epoch = sum((len(read_shard(f)) - 1) // (B * T * W) for f in files)
+    for k in [0, 1, per_epoch - 1, per_epoch, per_epoch + int(rng.integers(1, per_epoch))]:
+        a = DataLoader(files, B, T, rank=1, world_size=W, seed=seed)
+        for _ in range(k):
+            a.next_batch()
+        state = a.state_dict()
+        b = DataLoader(files, B, T, rank=1, world_size=W, seed=seed)
+        b.next_batch()  # wherever it was, the state puts it back
+        b.load_state_dict(state)
+        for _ in range(per_epoch + 2):
+            np.testing.assert_array_equal(b.next_batch()[0], a.next_batch()[0], err_msg=f"after {k}")
+
+
+def test_state_dict_refuses_another_layout(tmp_path, rng):
+    files = _position_shards(tmp_path, [200, 300])
+    state = DataLoader(files, 2, 4).state_dict()
+    for other, named in [(DataLoader(files, 4, 4), "B=2"), (DataLoader(files, 2, 4, seed=1), "seed=None"),
+                         (DataLoader(files[:1], 2, 4), "files=")]:
+        with pytest.raises(ValueError, match=named):
+            other.load_state_dict(state)
+    write_shard(files[1], np.arange(301) % 65536)  # the data changed under the same name
+    with pytest.raises(ValueError, match="tokens="):
+        DataLoader(files, 2, 4).load_state_dict(state)

@@ -315,3 +315,32 @@ def test_train_py_under_mpiexec_matches_one_process(tmp_path, shakespeare_txt, e
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=key)
     assert dp[-1]["summary"]["grad_syncs"] == 5
     assert (tmp_path / "dp" / "model.safetensors").is_file()
+
+
+def test_train_py_zero1_resumes_bitwise_under_mpiexec(tmp_path, shakespeare_txt, encoder_json):
+    # ZeRO-1 checkpoints hold one moment shard per rank; a job resumed from an earlier checkpoint repeats the
+    # uninterrupted job's losses bit for bit. HellaSwag is scored with the examples split over the ranks.
+    mini = str(REPO / "tests" / "data" / "hellaswag_mini.jsonl")
+    run = tmp_path / "run"
+    common = [str(REPO / "train.py"), "--input", str(shakespeare_txt), "--encoder", str(encoder_json),
+              "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "-B", "2", "-T", "32", "--zero-stage", "1",
+              "--max-steps", "6", "--eval-interval", "3", "--eval-steps", "2", "--sample-tokens", "0",
+              "--no-progress", "--save-every", "3", "--hellaswag", mini, "--out-dir", str(run)]
+    _run([_mpiexec(), "-n", "2", sys.executable, *common], timeout=180)
+
+    def trace():
+        log = [json.loads(line) for line in open(run / "log.jsonl")]
+        return [(e["step"], e.get("loss"), e.get("norm"), e.get("val_loss"), e.get("hellaswag"))
+                for e in log if "step" in e]
+
+    full = trace()
+    assert {n for n in os.listdir(run / "step_000003") if n.startswith("optimizer")} == \
+        {"optimizer_rank0.safetensors", "optimizer_rank1.safetensors"}
+    swag = [e for e in (json.loads(line) for line in open(run / "log.jsonl")) if "hellaswag" in e]
+    assert [e["hellaswag_total"] for e in swag] == [6, 6, 6]
+    _run([_mpiexec(), "-n", "2", sys.executable, str(REPO / "train.py"), "--resume", str(run / "step_000003")],
+         timeout=180)
+    assert trace() == full
+    r = _run([_mpiexec(), "-n", "3", sys.executable, str(REPO / "train.py"), "--resume", str(run)], timeout=180,
+             check=False)
+    assert r.returncode != 0 and "written by 2 ranks" in r.stdout + r.stderr

@@ -237,3 +237,88 @@ def test_existing_run_is_not_overwritten(tmp_path, shakespeare_txt, encoder_json
         main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), "--max-steps", "1",
                     "--out-dir", str(out), "--no-progress"])
     assert (out / "log.jsonl").read_text() == "earlier run\n"
+
+
+# ---- non-finite losses, MFU ----
+
+def test_a_nonfinite_loss_stops_the_run(shakespeare_txt, encoder_json, tmp_path, monkeypatch, capsys):
+    # An absurd learning rate wrecks the weights at step 0, so step 1's loss is NaN: the run stops there, naming
+    # the step, before an update, and what was saved before stays as it was.
+    out = tmp_path / "nan"
+    flags = ["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "5",
+             "--max-lr", "1e30", "--warmup-steps", "0", "--eval-steps", "1", "--sample-tokens", "0",
+             "--save-every", "1", "--out-dir", str(out)]
+    from fastgpt import resume
+    from fastgpt.train import NonFiniteError
+    with pytest.raises(NonFiniteError, match=r"step 1: loss nan"):
+        main(flags)
+    log = _read_log(out)
+    assert log[-1] == {"step": 1, "nonfinite": log[-1]["nonfinite"], "stopped": True}
+    assert [s for s, _ in resume.list_checkpoints(out)] == [1]
+    resume.read_state(out / "step_000001")  # intact
+    assert not (out / "model.safetensors").exists()
+    # from the shell: a message, exit status 1, no traceback
+    monkeypatch.setattr("sys.argv", ["train.py", *flags[:-1], str(tmp_path / "nan2")])
+    assert fastgpt.train.cli() == 1
+    err = capsys.readouterr().err
+    assert "error: step 1: loss nan" in err and "--skip-nonfinite" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_nonfinite_gradient_is_stopped_or_skipped(skip, shakespeare_txt, encoder_json, tmp_path, monkeypatch):
+    # One NaN in one gradient at step 2 (the third backward): without --skip-nonfinite the run stops there; with
+    # it, that step's update is skipped and training goes on with finite weights.
+    calls = []
+
+    class Poisoned(fastgpt.GPT):
+        def backward(self, *a, **k):
+            super().backward(*a, **k)
+            calls.append(1)
+            if len(calls) == 3:
+                self.grads()["transformer.h.1.mlp.c_fc.weight"][3, 5] = np.nan
+
+    monkeypatch.setattr(fastgpt.train, "GPT", Poisoned)
+    flags = ["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "5",
+             "--eval-steps", "1", "--sample-tokens", "0", "--out-dir", str(tmp_path / "run")]
+    if not skip:
+        with pytest.raises(fastgpt.train.NonFiniteError, match="step 2: gradient norm nan"):
+            main(flags)
+        return
+    result = main(flags + ["--skip-nonfinite"])
+    log = _read_log(tmp_path / "run")
+    assert [e["step"] for e in log if "loss" in e] == [0, 1, 3, 4]
+    bad = [e for e in log if "nonfinite" in e]
+    assert len(bad) == 1 and bad[0]["step"] == 2 and bad[0]["skipped"] and "gradient norm nan" in bad[0]["nonfinite"]
+    assert result["nonfinite_skips"] == 1 and math.isfinite(result["final_train_loss"])
+    assert all(np.isfinite(v).all() for v in result["model"].state_dict().values())
+
+
+def test_mfu_in_the_log(shakespeare_txt, encoder_json, tmp_path):
+    out = tmp_path / "mfu"
+    common = ["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "3",
+              "--eval-steps", "1", "--sample-tokens", "0"]
+    result = main(common + ["--peak-tflops", "0.25", "--out-dir", str(out)])
+    log = _read_log(out)
+    header = log[0]["header"]
+    n = result["num_parameters"] - 32 * 64  # nanoGPT leaves the position embeddings out
+    assert header["flops_per_token"] == 6 * n + 12 * 2 * 2 * 32 * 32 and header["peak_tflops"] == 0.25
+    for e in (e for e in log if "loss" in e):
+        assert e["mfu"] == pytest.approx(header["flops_per_token"] * e["tok_per_s"] / 0.25e12, rel=1e-12)
+    assert result["mean_mfu"] > 0
+    plain = main(common + ["--out-dir", str(tmp_path / "plain")])  # the CPU has no entry in the table
+    assert plain["mean_mfu"] is None and not any("mfu" in e for e in _read_log(tmp_path / "plain"))
+
+
+def test_peak_table_and_gpt2_flops():
+    from fastgpt import mfu
+    assert mfu.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989
+    assert mfu.peak_tflops("NVIDIA H200", "tf32") == 494
+    assert mfu.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756
+    assert mfu.peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert mfu.peak_tflops("NVIDIA L40S", "bf16") == 362 and mfu.peak_tflops("NVIDIA L4", "bf16") == 121
+    assert mfu.peak_tflops("Tesla T4", "bf16") is None and mfu.peak_tflops("Tesla T4", "fp16") == 65
+    assert mfu.peak_tflops("NVIDIA A10G", "bf16") is None  # not the A10's numbers
+    assert mfu.peak_tflops("Some Future GPU", "bf16") is None
+    # GPT-2 124M with the padded vocab (124,475,904 parameters): about 0.855 GFLOP per token at T 1024
+    gpt2 = fastgpt.GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
+    assert mfu.flops_per_token(gpt2, 1024, 124_475_904) == pytest.approx(0.855e9, rel=1e-3)

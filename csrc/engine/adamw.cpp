@@ -30,6 +30,14 @@ AdamW::AdamW(GPT& model, const AdamWConfig& cfg, int zero_stage) : model_(model)
   v_ = Buffer<float>(&model.backend(), hi_ - lo_);
 }
 
+void AdamW::load_state(const float* m, const float* v, int64_t step_count, int64_t skipped_steps) {
+  if (step_count < 0 || skipped_steps < 0) throw std::invalid_argument("step_count and skipped_steps must be >= 0");
+  model_.backend().upload(m_.data(), m, size() * (int64_t)sizeof(float));
+  model_.backend().upload(v_.data(), v, size() * (int64_t)sizeof(float));
+  t_ = step_count;
+  skipped_ = skipped_steps;
+}
+
 bool AdamW::step(float lr) {
   if (!(std::isfinite(lr) && lr >= 0.f)) throw std::invalid_argument("lr must be a finite number >= 0");
   if (model_.scaler().enabled && model_.stepped())

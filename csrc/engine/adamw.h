@@ -35,6 +35,9 @@ class AdamW {
   float* m() { return m_.data(); }  // backend memory, parameter layout
   float* v() { return v_.data(); }
   const AdamWConfig& config() const { return cfg_; }
+  // Resuming: moments (host, size() floats each, this optimizer's part of the layout), the step counter (bf16's
+  // stochastic rounding is keyed by it too) and the count of skipped steps.
+  void load_state(const float* m, const float* v, int64_t step_count, int64_t skipped_steps);
 
  private:
   GPT& model_;

@@ -166,6 +166,13 @@ void GPT::refresh_compute_params() {
   if (storage_ != DType::f32) be_->narrow(cparams_.data(), storage_, params_.data(), params_.size(), RoundKey{});
 }
 
+void GPT::load_compute_params(const float* host) {
+  if (storage_ == DType::f32) return;
+  Buffer<float> staged(be_.get(), n_params_);
+  be_->upload(staged.data(), host, n_params_ * (int64_t)sizeof(float));
+  be_->narrow(cparams_.data(), storage_, staged.data(), n_params_, RoundKey{});  // nearest of an exact value: itself
+}
+
 int64_t GPT::activation_bytes() const {
   int64_t n = 0;
   for (const auto* b : {&encoded_, &ln1_, &qkv_, &atty_, &residual2_, &ln2_, &fch_, &fch_gelu_, &residual3_, &lnf_,

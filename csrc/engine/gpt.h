@@ -86,6 +86,10 @@ class GPT {
   void* compute_params() { return storage_ == DType::f32 ? (void*)params_.data() : (void*)cparams_.data(); }
   // Rewrites the compute weights from the masters, rounded to nearest: after the masters were set from outside.
   void refresh_compute_params();
+  // Sets the compute weights to values given widened to float32 (host, num_parameters()): exact, since each is a
+  // value of the storage type. Resuming a bf16 run needs the stochastically rounded weights themselves, which
+  // refresh_compute_params() (round to nearest) would not give back. fp32/tf32: nothing to set (the masters).
+  void load_compute_params(const float* host);
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   std::vector<NamedView> named_views() const;
 

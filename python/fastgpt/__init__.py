@@ -33,11 +33,19 @@ def _preload_pip_nccl():
 
 _preload_pip_nccl()
 
-from . import _C, data, distributed, ops, tokenizer  # noqa: E402
+from . import _C, data, distributed, mfu, ops, resume, tokenizer  # noqa: E402
 from .model import GPT, GPTConfig  # noqa: E402
 from .optim import AdamW  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Modules that also run as `python -m fastgpt.<name>` load on first use: imported here, runpy would warn that
+    # the module it is about to run as __main__ is already in sys.modules.
+    if name in ("hellaswag", "sample", "train"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'fastgpt' has no attribute {name!r}")
 
 
 def cuda_available():

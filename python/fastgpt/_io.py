@@ -16,6 +16,7 @@ def atomic_path(path):
     os.close(fd)
     try:
         yield tmp
+        public_mode(tmp)  # mkstemp's (and safetensors') 0600 suits a temp file; the result gets a plain file's mode
         with open(tmp, "rb+") as f:  # the bytes must be on disk before the rename makes them the real file
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -29,6 +30,17 @@ def atomic_path(path):
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def public_mode(path, folder=False):
+    """Gives what mkstemp/mkdtemp made (0600/0700) the mode a plain open/mkdir would have."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
 
 
 def atomic_write_bytes(path, chunks):

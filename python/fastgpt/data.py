@@ -152,6 +152,11 @@ def tokenize_file(text_path, out_dir, name=None, encoder_json=None, val_fraction
     return result
 
 
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _positive_int(value, what):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
@@ -236,6 +241,32 @@ class DataLoader:
         else:
             self._windows = np.random.default_rng([self.seed, self.epoch, index]).permutation(n)
         self._window_pos = 0
+
+    def state_dict(self):
+        """The position in the data (epoch, shard, window; the orders follow from the seed), with what it is a
+        position in: resuming from it gives the batches an uninterrupted loader would have given next."""
+        return {"epoch": self.epoch, "shard_pos": self._shard_pos, "window_pos": self._window_pos,
+                "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
+                "files": [os.path.basename(f) for f in self.files], "tokens": [len(read_shard(f)) for f in self.files]}
+
+    def load_state_dict(self, state):
+        """Moves to the position of state_dict(), after checking it was taken over the same shards (names and
+        token counts) and the same B, T, world_size and seed: another layout would make it a different position."""
+        mine = self.state_dict()
+        for key in ("B", "T", "world_size", "seed", "files", "tokens"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"loader state was saved with {key}={_short(state.get(key))}, this loader has "
+                                 f"{_short(mine[key])}: the data or the batch layout changed")
+        epoch, shard_pos, window_pos = (int(state[k]) for k in ("epoch", "shard_pos", "window_pos"))
+        if epoch < 0 or not 0 <= shard_pos < len(self.files):
+            raise ValueError(f"loader state out of range: epoch {epoch}, shard {shard_pos} of {len(self.files)}")
+        self.epoch = epoch
+        self._start_epoch()
+        self._shard_pos = shard_pos
+        self._open_shard()
+        if not 0 <= window_pos <= len(self._windows):
+            raise ValueError(f"loader state out of range: window {window_pos} of {len(self._windows)}")
+        self._window_pos = window_pos
 
     def next_batch(self):
         """The next (x, y), each int64 of shape (B, T)."""

@@ -5,8 +5,10 @@ parameters: build-nanogpt's two parameter groups. Moments live in buffers of the
 the update also rewrites the model's 16-bit compute weights from the fp32 masters (one pass); in fp16 it first
 unscales the gradients and skips the step if they hold an inf/NaN, as GradScaler.step does.
 """
+import numpy as np
+
 from . import _C
-from ._convert import check_float
+from ._convert import check_float, check_int
 
 
 class AdamW:
@@ -65,3 +67,29 @@ class AdamW:
     @property
     def moments_begin(self):
         return int(self._opt.moments_begin)
+
+    def state_dict(self):
+        """What resuming needs: copies of the moments (this rank's shard with zero_stage=1), the step counter
+        (AdamW's bias correction and bf16's stochastic rounding are keyed by it), skipped steps, hyper-parameters."""
+        m, v = self.moments()
+        return {"exp_avg": np.array(m), "exp_avg_sq": np.array(v), "step_count": self.step_count,
+                "skipped_steps": self.skipped_steps, "moments_begin": self.moments_begin,
+                "zero_stage": self.zero_stage, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+    def load_state_dict(self, state):
+        """Restores state_dict()'s moments and counters; the layout (size, shard, zero_stage) must be this
+        optimizer's. The hyper-parameters stay those given to the constructor."""
+        m, v = self.moments()
+        for key, want in (("zero_stage", self.zero_stage), ("moments_begin", self.moments_begin)):
+            if int(state.get(key, -1)) != want:
+                raise ValueError(f"optimizer state has {key}={state.get(key)!r}, this optimizer {want} (resume with "
+                                 f"the same zero stage and world size)")
+        arrays = []
+        for key in ("exp_avg", "exp_avg_sq"):
+            a = np.asarray(state[key], dtype=np.float32).reshape(-1)
+            if a.size != m.size:
+                raise ValueError(f"optimizer state {key!r} holds {a.size} values, this optimizer {m.size}")
+            arrays.append(np.ascontiguousarray(a))
+        self._opt.load_state(arrays[0], arrays[1], check_int(state["step_count"], "step_count", low=0),
+                             check_int(state["skipped_steps"], "skipped_steps", low=0))

@@ -2,8 +2,14 @@
 
 build-nanogpt's training loop over the compiled engine: GPT-2 BPE tokens from a text file (or llm.c shards), AdamW
 with a linear-warmup + cosine learning rate, gradient accumulation up to --total-batch-size tokens per step,
-gradient clipping, periodic val loss and samples. Every step goes to <out-dir>/log.jsonl (one JSON object a line)
-and the final weights to <out-dir>/model.safetensors.
+gradient clipping, periodic val loss (and HellaSwag accuracy with --hellaswag) and samples, MFU on GPUs. Every step
+goes to <out-dir>/log.jsonl (one JSON object a line) and the final weights to <out-dir>/model.safetensors.
+
+Stopping and going on: --save-every N writes a resumable checkpoint (fastgpt.resume) every N steps and at the end;
+Ctrl-C or SIGTERM finishes the current step, writes one and exits (status 128 + the signal's number); `--resume
+RUN_DIR` continues from the latest with the run's own flags, and its losses are bitwise those of a run that never
+stopped. A non-finite loss or gradient norm stops the run before it touches the weights, naming the step (or the
+step is skipped with --skip-nonfinite).
 
 Data parallel, unchanged: `torchrun --nproc_per_node=N train.py --device cuda ...` or `mpiexec -n N python train.py
 --device cpu ...`. The total batch is B*T*grad_accum*world_size tokens; each rank reads its own slice of every
@@ -14,13 +20,17 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
 from tqdm import tqdm
 
-from . import distributed
+from . import _C, distributed, hellaswag, resume
+from . import mfu as mfu_
+from ._io import atomic_write_bytes
 from .checkpoint import save_checkpoint
 from .data import DataLoader, tokenize_file
 from .model import GPT, GPTConfig
@@ -28,6 +38,14 @@ from .optim import AdamW
 from .tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 
 PRESETS = {"tiny": (4, 4, 128), "small": (6, 6, 384), "gpt2": (12, 12, 768)}  # (n_layer, n_head, n_embd)
+# Flags --resume takes from the command line over the checkpoint's: none of them changes what is trained.
+RESUME_OVERRIDES = {"resume", "input", "shards", "encoder", "device", "no_progress", "save_every", "keep",
+                    "skip_nonfinite", "peak_tflops", "hellaswag", "hellaswag_examples", "eval_interval",
+                    "eval_steps", "sample_interval", "sample_tokens"}
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is not finite stopped the run (train.py --skip-nonfinite skips such steps)."""
 
 
 def get_lr(step, max_lr, min_lr, warmup_steps, max_steps):
@@ -90,11 +108,85 @@ def build_parser():
     p.add_argument("--seed", type=nonneg, default=1337)
     p.add_argument("--out-dir", help="default: runs/<timestamp>")
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
+    g = p.add_argument_group("checkpoints and resuming")
+    g.add_argument("--save-every", type=nonneg, default=0,
+                   help="write a resumable checkpoint <out-dir>/step_NNNNNN every N steps and at the end (0: only "
+                        "when stopped by Ctrl-C/SIGTERM)")
+    g.add_argument("--keep", type=nonneg, default=3, help="checkpoints kept, the newest (0: all)")
+    g.add_argument("--resume", metavar="PATH",
+                   help="continue a run: its folder (the latest checkpoint) or one checkpoint, RUN_DIR/step_NNNNNN; "
+                        "the run's own flags are used (those that do not change training may be given again)")
+    g = p.add_argument_group("evaluation and health")
+    g.add_argument("--hellaswag", metavar="JSONL", help="HellaSwag accuracy at every eval, from this local file "
+                                                         "(the official hellaswag_val.jsonl format)")
+    g.add_argument("--hellaswag-examples", type=pos, help="score only the first N examples")
+    g.add_argument("--peak-tflops", type=posf, help="peak TFLOP/s of one device for the MFU (default: a table of "
+                                                      "GPUs by name and precision; no MFU on the CPU)")
+    g.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradient norm is inf/NaN instead of stopping the run")
     return p
 
 
+def _explicit(parser, argv):
+    """The flags given on the command line (not defaults): what --resume checks against the checkpoint's."""
+    defaults = [(a, a.default) for a in parser._actions]
+    for a, _ in defaults:
+        a.default = argparse.SUPPRESS
+    try:
+        return vars(parser.parse_args(argv))
+    finally:
+        for a, d in defaults:
+            a.default = d
+
+
+def _resume_args(parser, argv, args, state):
+    """The checkpoint's flags, with those given again on the command line where they may differ."""
+    given = _explicit(parser, argv)
+    saved = dict(state["args"])
+    if "out_dir" in given:
+        parser.error("--out-dir with --resume: the run goes on in its own folder")
+    changed = [k for k, v in given.items() if k not in RESUME_OVERRIDES and saved.get(k) != v]
+    if changed:
+        parser.error("--resume goes on with the run's own flags; these differ from the checkpoint's: " +
+                     ", ".join(f"--{k.replace('_', '-')} {given[k]} (was {saved.get(k)})" for k in changed))
+    if "input" in given:
+        saved["shards"] = None
+    if "shards" in given:
+        saved["input"] = None
+    saved.update({k: v for k, v in given.items() if k in RESUME_OVERRIDES})
+    return argparse.Namespace(**{**vars(args), **saved})
+
+
+class _StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM: noted, and the run stops after the current step with a checkpoint; a second one
+    stops at once. Only the main thread may own handlers; elsewhere the signals keep theirs."""
+
+    def __init__(self):
+        self.signum, self._previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.signum = signum
+        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                    f"(again to stop at once)\n".encode())
+
+
 def main(argv=None):
-    """Train; returns a dict of the run's numbers (final losses, tok/s, the model)."""
+    """Train; returns a dict of the run's numbers (final losses, tok/s, the model; "interrupted": the signal's
+    number when Ctrl-C or SIGTERM stopped it after a checkpoint)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -105,6 +197,41 @@ def main(argv=None):
     if world_size > 1 and args.device == "cpu" and distributed.launcher() != "mpi":
         parser.error(f"--device cpu with {world_size} ranks reduces gradients over MPI: launch with "
                      f"mpiexec -n {world_size} python train.py ... ({distributed.launcher()} started this job)")
+    say = tqdm.write if master else (lambda *a, **k: None)  # above a live progress bar; rank 0 only
+
+    def agreed(check):
+        # Work only rank 0 does (the file system, the tokenizer): its result on rank 0, and its verdict on every
+        # rank, so all of them stop together instead of some waiting forever in a collective.
+        result = error = None
+        if master:
+            try:
+                result = check()
+            except (OSError, ValueError, RuntimeError) as e:
+                error = str(e)
+        return result, distributed.broadcast_object(error)
+
+    # ---- resuming: the checkpoint's flags replace the defaults before anything is checked or built
+    ckpt_dir = state = None
+    if args.resume:
+        def read_checkpoint():
+            path = resume.find(args.resume)
+            try:
+                return path, resume.read_state(path)
+            except resume.CheckpointError as e:
+                earlier = [p for s, p in resume.list_checkpoints(os.path.dirname(path)) if p != path and
+                           s < int(resume.STEP_DIR.match(os.path.basename(path)).group(1))]
+                hint = f"; the one before it: --resume {earlier[-1]}" if earlier else ""
+                raise resume.CheckpointError(f"{e}{hint}") from None
+
+        found, error = agreed(read_checkpoint)
+        if error:
+            parser.error(f"--resume: {error}")
+        ckpt_dir, state = distributed.broadcast_object(found)
+        if state["world_size"] != world_size:
+            parser.error(f"--resume: {ckpt_dir} was written by {state['world_size']} ranks, this job has "
+                         f"{world_size}: launch as many (the batches each rank reads depend on it)")
+        args = _resume_args(parser, argv, args, state)
+        args.out_dir = os.path.dirname(ckpt_dir)
 
     # ---- flags that depend on each other: checked up front, so no mistake surfaces deep inside a run
     n_layer, n_head, n_embd = (o if o is not None else d for o, d in
@@ -123,26 +250,15 @@ def main(argv=None):
         parser.error("no data: pass --input TEXT_FILE (or set FASTGPT_DATA), or --shards GLOB")
     if args.input and not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: file not found")
-    say = tqdm.write if master else (lambda *a, **k: None)  # above a live progress bar; rank 0 only
-
-    def agreed(check):
-        # Work only rank 0 does (the file system, the tokenizer): its result on rank 0, and its verdict on every
-        # rank, so all of them stop together instead of some waiting forever in a collective.
-        result = error = None
-        if master:
-            try:
-                result = check()
-            except (OSError, ValueError, RuntimeError) as e:
-                error = str(e)
-        return result, distributed.broadcast_object(error)
 
     # Rank 0 picks the run folder (the others' clocks may read another second) and tokenizes first; the others
     # then reuse its cached tokens.
     out_dir = distributed.broadcast_object(args.out_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
 
     def make_out_dir():
-        if os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run's log and checkpoint
-            raise ValueError(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder")
+        if not state and os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run
+            raise ValueError(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder, or "
+                             f"continue it with --resume {out_dir}")
         os.makedirs(out_dir, exist_ok=True)
 
     _, error = agreed(make_out_dir)
@@ -171,10 +287,16 @@ def main(argv=None):
     try:
         enc = get_gpt2_encoding(args.encoder)
     except (OSError, ValueError, RuntimeError) as e:
-        if args.input or args.encoder:
+        if args.input or args.encoder or args.hellaswag:
             parser.error(f"--encoder: {e}")
         enc = None  # shards train without a tokenizer; samples then print as token ids
         say(f"warning: no GPT-2 tokenizer ({e}); samples will be token ids")
+    examples = None
+    if args.hellaswag:
+        try:
+            examples = hellaswag.load(args.hellaswag, args.hellaswag_examples)
+        except (OSError, ValueError) as e:
+            parser.error(f"--hellaswag: {e}")
     config = GPTConfig(block_size=block_size, vocab_size=args.vocab_size, n_layer=n_layer, n_head=n_head,
                        n_embd=n_embd)
     try:
@@ -185,20 +307,49 @@ def main(argv=None):
         parser.error("--zero-stage 1 shards the optimizer over data-parallel ranks: launch more than one")
     opt = AdamW(model, lr=args.max_lr, weight_decay=args.weight_decay, zero_stage=args.zero_stage)
     min_lr = args.max_lr * args.min_lr_ratio
+    start, history = 0, {"first_val_loss": None, "train_loss": None, "nonfinite_skips": 0}
+    if state:
+        try:
+            resume.restore(ckpt_dir, state, model, opt, train_loader)
+        except (OSError, ValueError, KeyError) as e:
+            parser.error(f"--resume: {e}")
+        start, history = state["step"], state["history"]
 
-    log = open(os.path.join(out_dir, "log.jsonl"), "w", encoding="utf-8") if master else None
+    # ---- MFU: nanoGPT's FLOPs per token over the device's peak
+    token_flops = mfu_.flops_per_token(config, T, model.num_parameters())
+    peak = args.peak_tflops
+    if peak is None and model.device.startswith("cuda"):
+        gpu = _C.cuda_device_name(int(model.device.partition(":")[2] or 0))
+        peak = mfu_.peak_tflops(gpu, args.precision)
+        if peak is None:
+            say(f"note: no peak TFLOP/s known for {gpu} in {args.precision}, so no MFU (give --peak-tflops)")
+
+    # ---- the log: a resumed run keeps what came before its checkpoint and goes on from there
+    log = None
+    if master:
+        path = os.path.join(out_dir, "log.jsonl")
+        if state:
+            kept = _log_before(path, start)
+            atomic_write_bytes(path, [line.encode("utf-8") for line in kept])
+            moved = resume.set_aside_later(out_dir, start)
+        log = open(path, "a" if state else "w", encoding="utf-8")
 
     def record(entry):
         if log:
             log.write(json.dumps(entry) + "\n")
             log.flush()  # a run killed midway still leaves every finished step on disk
 
-    header = {"config": vars(config), "num_parameters": model.num_parameters(), "grad_accum": grad_accum,
-              "total_batch_size": total, "world_size": world_size, "args": vars(args)}
-    record({"header": header})
+    if state:
+        record({"resumed": {"checkpoint": ckpt_dir, "step": start, "set_aside": moved if master else []}})
+    else:
+        header = {"config": vars(config), "num_parameters": model.num_parameters(), "grad_accum": grad_accum,
+                  "total_batch_size": total, "world_size": world_size, "flops_per_token": token_flops,
+                  "peak_tflops": peak, "args": vars(args)}
+        record({"header": header})
     ranks = f", {world_size} ranks" + (" (ZeRO-1)" if args.zero_stage else "") if world_size > 1 else ""
     say(f"fastgpt: {model.num_parameters():,} parameters (L{n_layer} H{n_head} C{n_embd}), "
-        f"B={B} T={T}, grad_accum={grad_accum} ({total} tokens/step{ranks}), {args.max_steps} steps -> {out_dir}")
+        f"B={B} T={T}, grad_accum={grad_accum} ({total} tokens/step{ranks}), {args.max_steps} steps -> {out_dir}" +
+        (f"\nresumed from {ckpt_dir} at step {start}" if state else ""))
 
     def evaluate():
         # Sharded over ranks: rank r takes batches r, r+world, ... of the first eval_steps (its loader's own
@@ -216,67 +367,132 @@ def main(argv=None):
             return " ".join(map(str, ids))
         return enc.decode([t for t in ids if t < N_VOCAB])  # padded ids (>= 50257) have no text
 
-    # ---- training: step == max_steps is the extra pass that evaluates and samples the final weights
-    val_losses, samples, times, losses = [], [], [], []
-    bar = tqdm(total=args.max_steps, disable=args.no_progress or not master, unit="step", dynamic_ncols=True)
-    for step in range(args.max_steps + 1):
-        last = step == args.max_steps
-        if step % args.eval_interval == 0 or last:
-            val_loss = evaluate()
-            val_losses.append(val_loss)
-            record({"step": step, "val_loss": val_loss})
-            say(f"step {step:5d} | val loss {val_loss:.4f}")
-        if master and ((step > 0 and step % args.sample_interval == 0) or (last and args.sample_tokens > 0)):
-            text = sample()
-            samples.append(text)
-            say(f"---- sample at step {step} ----\n{text}\n----")
-        if last:
-            break
+    def save_state(done):
+        info = {"args": {**vars(args), "resume": None}, "config": vars(config), "history": history}
+        return resume.save(out_dir, done, model, opt, train_loader, info, keep=args.keep)
 
-        t0 = time.perf_counter()
-        model.zero_grad()
-        loss = 0.0
-        for micro in range(grad_accum):
-            x, y = train_loader.next_batch()
-            loss += model.forward(x, y, return_logits=False)[1] / grad_accum
-            model.require_backward_grad_sync = micro == grad_accum - 1  # reduce over ranks once, at the end
-            model.backward(grad_scale=1.0 / grad_accum)  # the mean over micro steps, as one big batch would
-        loss = distributed.all_reduce(loss, "avg") if world_size > 1 else loss
-        norm = opt.clip_grad_norm(args.grad_clip)
-        lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
-        applied = opt.step(lr)
-        if not applied:  # fp16: the gradients overflowed at this loss scale; the weights were left as they were
-            say(f"step {step:5d} | skipped: inf/NaN gradients, loss scale now {model.loss_scale:g}")
-        dt = time.perf_counter() - t0
-        tok_per_s = total / dt
-        losses.append(loss)
-        times.append(dt)
-        entry = {"step": step, "loss": loss, "lr": lr, "norm": norm, "dt_ms": dt * 1e3, "tok_per_s": tok_per_s}
-        if args.precision == "fp16":
-            entry.update(loss_scale=model.loss_scale, skipped=not applied)
-        record(entry)
-        if args.no_progress and master:
-            print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | {dt * 1e3:.1f} ms | "
-                  f"{tok_per_s:.0f} tok/s", flush=True)
-        else:
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", norm=f"{norm:.3f}", ms=f"{dt * 1e3:.1f}",
-                            tok_s=f"{tok_per_s:.0f}", refresh=False)
-            bar.update(1)
-    bar.close()
+    # ---- training: step == max_steps is the extra pass that evaluates and samples the final weights
+    val_losses, samples, times, losses, mfus, swag = [], [], [], [], [], None
+    last_ckpt = ckpt_dir
+    interrupted = None
+    bar = tqdm(total=args.max_steps, initial=start, disable=args.no_progress or not master, unit="step",
+               dynamic_ncols=True)
+    try:
+        with _StopSignal() as stop_signal:
+            for step in range(start, args.max_steps + 1):
+                last = step == args.max_steps
+                if step % args.eval_interval == 0 or last:
+                    val_loss = evaluate()
+                    val_losses.append(val_loss)
+                    if history["first_val_loss"] is None:
+                        history["first_val_loss"] = val_loss
+                    record({"step": step, "val_loss": val_loss})
+                    say(f"step {step:5d} | val loss {val_loss:.4f}")
+                    if examples:
+                        swag = hellaswag.evaluate(model, examples, enc, rank, world_size)
+                        record({"step": step, "hellaswag": swag["accuracy"], "hellaswag_correct": swag["correct"],
+                                "hellaswag_total": swag["total"]})
+                        say(f"step {step:5d} | hellaswag {swag['correct']}/{swag['total']} = {swag['accuracy']:.4f}")
+                if master and ((step > 0 and step % args.sample_interval == 0) or (last and args.sample_tokens > 0)):
+                    text = sample()
+                    samples.append(text)
+                    say(f"---- sample at step {step} ----\n{text}\n----")
+                if last:
+                    break
+
+                t0 = time.perf_counter()
+                model.zero_grad()
+                loss = 0.0
+                for micro in range(grad_accum):
+                    x, y = train_loader.next_batch()
+                    loss += model.forward(x, y, return_logits=False)[1] / grad_accum
+                    model.require_backward_grad_sync = micro == grad_accum - 1  # reduce over ranks once, at the end
+                    model.backward(grad_scale=1.0 / grad_accum)  # the mean over micro steps, as one big batch would
+                loss = distributed.all_reduce(loss, "avg") if world_size > 1 else loss
+                norm = opt.clip_grad_norm(args.grad_clip)
+                lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+                # fp16 overflows are the loss scaler's to skip; anything else non-finite is a broken run
+                bad = [f"loss {loss}"] if not math.isfinite(loss) else []
+                bad += [f"gradient norm {norm}"] if not math.isfinite(norm) and args.precision != "fp16" else []
+                if bad and not args.skip_nonfinite:
+                    record({"step": step, "nonfinite": " and ".join(bad), "stopped": True})
+                    raise NonFiniteError(
+                        f"step {step}: {' and '.join(bad)}. The run stopped before this step's update; "
+                        f"{'the last checkpoint is ' + last_ckpt if last_ckpt else 'no checkpoint was written'}. "
+                        "--skip-nonfinite skips such steps instead")
+                if bad:
+                    history["nonfinite_skips"] += 1
+                    record({"step": step, "nonfinite": " and ".join(bad), "skipped": True, "lr": lr})
+                    say(f"step {step:5d} | skipped: {' and '.join(bad)}")
+                else:
+                    applied = opt.step(lr)
+                    if not applied:  # fp16: the gradients overflowed at this loss scale; the weights were left as they were
+                        say(f"step {step:5d} | skipped: inf/NaN gradients, loss scale now {model.loss_scale:g}")
+                    dt = time.perf_counter() - t0
+                    tok_per_s = total / dt
+                    losses.append(loss)
+                    history["train_loss"] = loss
+                    times.append(dt)
+                    entry = {"step": step, "loss": loss, "lr": lr, "norm": norm, "dt_ms": dt * 1e3,
+                             "tok_per_s": tok_per_s}
+                    if peak:
+                        entry["mfu"] = mfu_.mfu(token_flops, tok_per_s, peak, world_size)
+                        mfus.append(entry["mfu"])
+                    if args.precision == "fp16":
+                        entry.update(loss_scale=model.loss_scale, skipped=not applied)
+                    record(entry)
+                    shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "norm": f"{norm:.3f}", "ms": f"{dt * 1e3:.1f}",
+                             "tok/s": f"{tok_per_s:.0f}", **({"mfu": f"{100 * entry['mfu']:.1f}%"} if peak else {})}
+                    if args.no_progress and master:
+                        print(f"step {step:5d} | " + " | ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+                    else:
+                        bar.set_postfix(shown, refresh=False)
+                bar.update(1)
+
+                done = step + 1
+                stop = stop_signal.signum is not None
+                if world_size > 1:  # every rank stops at the same step, whichever the signal reached
+                    stop = distributed.all_reduce(float(stop)) > 0
+                if stop or (args.save_every and (done % args.save_every == 0 or done == args.max_steps)):
+                    last_ckpt = save_state(done)
+                    if args.no_progress or stop:
+                        say(f"step {step:5d} | checkpoint {last_ckpt}")
+                if stop:
+                    interrupted = stop_signal.signum or signal.SIGTERM
+                    name = signal.Signals(interrupted).name
+                    record({"interrupted": {"signal": name, "steps_done": done, "checkpoint": last_ckpt}})
+                    say(f"stopped by {name} after step {step}; go on with: python train.py --resume {out_dir}")
+                    break
+    except BaseException:
+        if log:
+            log.close()
+        raise
+    finally:
+        bar.close()
+
+    if interrupted is not None:
+        distributed.barrier()
+        if log:
+            log.close()
+        return {"interrupted": int(interrupted), "checkpoint": last_ckpt, "out_dir": out_dir, "steps": done,
+                "model": model, "rank": rank}
 
     # ---- the end: weights, summary
     ckpt = os.path.join(out_dir, "model.safetensors")
     if master:
         ckpt = save_checkpoint(model, ckpt, metadata={
-            "step": args.max_steps, "train_loss": losses[-1], "val_loss": val_losses[-1]})
+            "step": args.max_steps, "train_loss": history["train_loss"], "val_loss": val_losses[-1]})
         print(f"saved {ckpt}")
     steady = times[1:] or times  # the first step pays one-off costs (allocations, page faults)
-    mean_tok_per_s = total * len(steady) / sum(steady)
-    result = {"final_train_loss": losses[-1], "first_val_loss": val_losses[0], "last_val_loss": val_losses[-1],
-              "mean_tok_per_s": mean_tok_per_s, "mean_ms_per_step": 1e3 * sum(steady) / len(steady),
+    mean_tok_per_s = total * len(steady) / sum(steady) if steady else float("nan")
+    result = {"final_train_loss": history["train_loss"], "first_val_loss": history["first_val_loss"],
+              "last_val_loss": val_losses[-1], "mean_tok_per_s": mean_tok_per_s,
+              "mean_ms_per_step": 1e3 * sum(steady) / len(steady) if steady else float("nan"),
+              "mean_mfu": float(np.mean(mfus[1:] or mfus)) if mfus else None,
+              "hellaswag": swag["accuracy"] if swag else None, "nonfinite_skips": history["nonfinite_skips"],
               "grad_accum": grad_accum, "steps": args.max_steps, "num_parameters": model.num_parameters(),
               "precision": args.precision, "skipped_steps": opt.skipped_steps, "world_size": world_size,
-              "rank": rank, "grad_syncs": model.grad_sync_count,
+              "rank": rank, "grad_syncs": model.grad_sync_count, "resumed_from": ckpt_dir, "last_checkpoint": last_ckpt,
               "samples": samples, "checkpoint": ckpt, "out_dir": out_dir, "model": model}
     record({"summary": {k: v for k, v in result.items() if k != "model"}})
     # Everyone leaves together, after rank 0's checkpoint: a rank that exits alone waits at most
@@ -286,15 +502,41 @@ def main(argv=None):
     if not master:
         return result
     log.close()
-    print(f"done: train loss {losses[-1]:.4f} | val loss {val_losses[0]:.4f} -> {val_losses[-1]:.4f} | "
-          f"{mean_tok_per_s:.0f} tok/s | {result['mean_ms_per_step']:.1f} ms/step")
+    train_loss = f"{history['train_loss']:.4f}" if history["train_loss"] is not None else "-"
+    print(f"done: train loss {train_loss} | val loss {history['first_val_loss']:.4f} -> "
+          f"{val_losses[-1]:.4f} | {mean_tok_per_s:.0f} tok/s | {result['mean_ms_per_step']:.1f} ms/step" +
+          (f" | MFU {100 * result['mean_mfu']:.1f}%" if mfus else ""))
     return result
 
 
+def _log_before(path, step):
+    """The lines of a run's log that come before `step` (header, evals and steps < step; not the summary): what
+    a run resumed at `step` keeps. A line cut short by a kill is dropped."""
+    kept = []
+    if not os.path.isfile(path):
+        return kept
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if "summary" in entry or entry.get("step", -1) >= step:
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
 def cli():
-    """Entry point of `python train.py` and the console script: exit status 0 on success."""
-    main()
-    return 0
+    """Entry point of `python train.py` and the console script: exit status 0 on success, 1 when a non-finite
+    loss stopped the run, 128 + the signal's number when Ctrl-C/SIGTERM did (after a checkpoint)."""
+    try:
+        result = main()
+    except NonFiniteError as e:
+        if distributed.rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 128 + result["interrupted"] if result.get("interrupted") else 0
 
 
 if __name__ == "__main__":
