@@ -24,12 +24,18 @@ def atomic_path(path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # make the rename durable; not every platform lets a folder be opened
-        dfd = os.open(folder, os.O_RDONLY)
+    fsync_path(folder)  # make the rename durable
+
+
+def fsync_path(path):
+    """fsync a file or a folder by name (a folder's entries: what a rename changed); a platform that cannot open or
+    sync a folder is let be."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(dfd)
+            os.fsync(fd)
         finally:
-            os.close(dfd)
+            os.close(fd)
 
 
 def _umask():

@@ -189,8 +189,10 @@ class DataLoader:
 
         self.stride = self.B * self.T * self.world_size
         self._strides = []  # whole B*T*world_size strides per shard; +1 token for the last target
+        self._counts = []   # tokens per shard: what state_dict() records to recognise the data
         for path in self.files:
             n = len(read_shard(path))
+            self._counts.append(n)
             if n < self.stride + 1:
                 raise ValueError(
                     f"{path}: shard holds {n} tokens, needs at least B*T*world_size+1 = {self.stride + 1}"
@@ -247,7 +249,7 @@ class DataLoader:
         position in: resuming from it gives the batches an uninterrupted loader would have given next."""
         return {"epoch": self.epoch, "shard_pos": self._shard_pos, "window_pos": self._window_pos,
                 "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
-                "files": [os.path.basename(f) for f in self.files], "tokens": [len(read_shard(f)) for f in self.files]}
+                "files": [os.path.basename(f) for f in self.files], "tokens": list(self._counts)}
 
     def load_state_dict(self, state):
         """Moves to the position of state_dict(), after checking it was taken over the same shards (names and

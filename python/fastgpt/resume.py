@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from . import distributed
-from ._io import public_mode
+from ._io import fsync_path, public_mode
 from .checkpoint import save_checkpoint
 
 FORMAT, VERSION = "fastgpt-train-state", 1
@@ -70,16 +70,6 @@ def _digest(path):
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # a folder cannot be synced everywhere
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_state(ckpt):
@@ -142,8 +132,8 @@ def save(run_dir, step, model, opt, loader, info, keep=0):
     try:
         if opt.zero_stage == 1 or rank == 0:  # moments: each rank's shard, or rank 0's (identical on all)
             name = _optimizer_file(opt)
-            sd = opt.state_dict()
-            save_file({"exp_avg": sd["exp_avg"], "exp_avg_sq": sd["exp_avg_sq"]}, os.path.join(tmp, name))
+            m, v = opt.moments()  # views on the CPU, host copies from a GPU: written as they are
+            save_file({"exp_avg": m, "exp_avg_sq": v}, os.path.join(tmp, name))
             written[name] = _digest(os.path.join(tmp, name))
         if rank == 0:
             save_checkpoint(model, os.path.join(tmp, "model.safetensors"), metadata={"step": step})
@@ -153,7 +143,7 @@ def save(run_dir, step, model, opt, loader, info, keep=0):
                 written["compute_weights.safetensors"] = _digest(os.path.join(tmp, "compute_weights.safetensors"))
         for name in written:
             public_mode(os.path.join(tmp, name))  # safetensors makes its files 0600
-            _fsync(os.path.join(tmp, name))
+            fsync_path(os.path.join(tmp, name))
     except OSError as e:
         error = f"rank {rank}: {e}"
     files, errors = {}, []
@@ -166,7 +156,6 @@ def save(run_dir, step, model, opt, loader, info, keep=0):
         try:
             if errors:
                 raise OSError("; ".join(errors))
-            sd = opt.state_dict()
             scaler = None
             if model.precision == "fp16":
                 scaler = {"scale": model.loss_scale,
@@ -174,13 +163,13 @@ def save(run_dir, step, model, opt, loader, info, keep=0):
             state = {"format": FORMAT, "version": VERSION, "step": step, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                      "world_size": world, "zero_stage": opt.zero_stage, "precision": model.precision,
                      "seed": int(model._engine.seed),
-                     "optimizer": {"step_count": sd["step_count"], "skipped_steps": sd["skipped_steps"]},
+                     "optimizer": {"step_count": opt.step_count, "skipped_steps": opt.skipped_steps},
                      "loss_scaler": scaler, "loader": loader.state_dict(), **info, "files": files}
             with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync(tmp)
+            fsync_path(tmp)
             if os.path.exists(final):  # the same step again (resumed there, then stopped): the new one replaces it
                 old = tempfile.mkdtemp(prefix=f".step_{step:06d}.", suffix=".old", dir=run_dir)
                 os.replace(final, os.path.join(old, "ckpt"))
@@ -188,7 +177,7 @@ def save(run_dir, step, model, opt, loader, info, keep=0):
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, final)
-            _fsync(run_dir)
+            fsync_path(run_dir)
             if keep:
                 for _, path in list_checkpoints(run_dir)[:-keep]:
                     shutil.rmtree(path, ignore_errors=True)

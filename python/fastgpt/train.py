@@ -408,7 +408,10 @@ def main(argv=None):
                     loss += model.forward(x, y, return_logits=False)[1] / grad_accum
                     model.require_backward_grad_sync = micro == grad_accum - 1  # reduce over ranks once, at the end
                     model.backward(grad_scale=1.0 / grad_accum)  # the mean over micro steps, as one big batch would
-                loss = distributed.all_reduce(loss, "avg") if world_size > 1 else loss
+                stop = stop_signal.signum is not None
+                if world_size > 1:  # one collective: the mean loss, and whether a signal reached any rank
+                    loss_sum, stops = distributed.all_reduce([loss, float(stop)])
+                    loss, stop = loss_sum / world_size, stops > 0
                 norm = opt.clip_grad_norm(args.grad_clip)
                 lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
                 # fp16 overflows are the loss scaler's to skip; anything else non-finite is a broken run
@@ -450,9 +453,7 @@ def main(argv=None):
                 bar.update(1)
 
                 done = step + 1
-                stop = stop_signal.signum is not None
-                if world_size > 1:  # every rank stops at the same step, whichever the signal reached
-                    stop = distributed.all_reduce(float(stop)) > 0
+                stop = stop or (world_size == 1 and stop_signal.signum is not None)  # alone: a signal during the update too
                 if stop or (args.save_every and (done % args.save_every == 0 or done == args.max_steps)):
                     last_ckpt = save_state(done)
                     if args.no_progress or stop:
