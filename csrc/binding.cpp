@@ -656,6 +656,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda::device_count);
   m.def("cuda_device_name", &cuda::device_name);
   m.def("cuda_smoke_test", &cuda::smoke_test);
+#ifdef FASTGPT_CUDA_ARCHS
+  m.attr("cuda_architectures") = FASTGPT_CUDA_ARCHS;  // e.g. "75-real 80-real 90": what the build compiled for
+#else
+  m.attr("cuda_architectures") = "";
+#endif
+  m.def("cuda_precision_unsupported", &cuda::precision_unsupported, py::arg("major"), py::arg("minor"),
+        py::arg("precision"));
 
   py::class_<GPT>(m, "GPT")
       .def(py::init([](int block_size, int vocab_size, int n_layer, int n_head, int n_embd, uint64_t seed,

@@ -5,6 +5,8 @@
 #   sanitize  compute-sanitizer memcheck/racecheck/initcheck/synccheck on every flash variant and a 3-step training
 #   bench     GPT-2 124M training, precision table, flash attention, AdamW bandwidth, generation (JSON)
 #   accuracy  scripts/flash_accuracy.py: half-precision flash error beside every SDPA backend and an emulation
+#   ladder    bench/bench_ladder.py: notebooks/02_speedup_progression's rungs at GPT-2 124M, PyTorch and fastgpt side
+#             by side (table in ladder.log, rows in ladder.json, bar chart ladder.png when matplotlib is there)
 # TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py), SANITIZERS="memcheck ..." the
 # sanitize part.
 # A device call is limited to 600 s: `tests sanitize` and `bench` fit one call each; the whole set may not.
@@ -16,7 +18,7 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
-# Hopper only: halves the build time there (the default list, 80;90, is for wheels that must run anywhere).
+# Hopper only: a third of the build time there (the default list, 75-real;80-real;90, is for GPU-less builds).
 export PYTHONUNBUFFERED=1 FASTGPT_CUDA=ON CUDAARCHS=${CUDAARCHS:-90} FASTGPT_SHARED=${FASTGPT_SHARED:-$PWD/.device/shared}
 t0=$SECONDS
 # The device machine's copy of the tree may carry a stale .git: the caller writes the commit into .device/COMMIT.
@@ -112,6 +114,14 @@ if [ $build = ok ] && has bench; then
   b=FAIL; timeout 90 python3 bench/bench_generate.py --device cuda --precision bf16 --prompt-len 64 --new-tokens 128 \
     --json "$out/bench_generate.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_generate]=$b
+fi
+if [ $build = ok ] && has ladder; then
+  b=FAIL; timeout 400 python3 bench/bench_ladder.py --device cuda --preset gpt2 \
+    --data "$FASTGPT_SHARED/data/tinyshakespeare.txt" --encoder "$FASTGPT_SHARED/data/gpt2/encoder.json" \
+    --json "$out/ladder.json" $(python3 -c "import matplotlib" 2>/dev/null && echo --chart "$out/ladder.png") \
+    > "$out/ladder.log" 2>&1 && b=ok
+  res[ladder]=$b
+  tail -20 "$out/ladder.log"
 fi
 # At most 8 files come back: the small ones go into one archive.
 (cd "$out" && ls *.json build.log pytest_nccl.log 2>/dev/null | xargs -r tar -czf evidence.tgz --remove-files)

@@ -1,7 +1,9 @@
 """The PyTorch reference: GPT-2 written the build-nanogpt way (train_gpt2.py's GPT), and its AdamW set-up.
 fastgpt's weights load into it by name; every parity test compares against it. Attention goes through
-F.scaled_dot_product_attention(is_causal=True), exactly as in build-nanogpt.
+F.scaled_dot_product_attention(is_causal=True), exactly as in build-nanogpt; `flash=False` is build-nanogpt before its
+flash-attention step (the (T, T) scores written out), the speed-up ladder's earlier rungs.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ class RefConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+    flash: bool = True  # attention through SDPA (False: scores, mask and softmax as separate ops)
 
 
 class CausalSelfAttention(nn.Module):
@@ -24,7 +27,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.NANOGPT_SCALE_INIT = 1
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head, self.n_embd, self.flash = config.n_head, config.n_embd, config.flash
 
     def forward(self, x):
         B, T, C = x.size()
@@ -32,7 +35,12 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1) @ v
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -98,18 +106,18 @@ class RefGPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8):
+    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=None):
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
         decay = [p for p in params.values() if p.dim() >= 2]
         nodecay = [p for p in params.values() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": nodecay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
 
 
-def ref_from_fastgpt(model, dtype=torch.float32):
+def ref_from_fastgpt(model, dtype=torch.float32, flash=True):
     """A RefGPT with the same config and weights as a fastgpt.GPT."""
     c = model.config
-    ref = RefGPT(RefConfig(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd)).to(dtype)
+    ref = RefGPT(RefConfig(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, flash)).to(dtype)
     sd = {k: torch.from_numpy(v.copy()).to(dtype) for k, v in model.state_dict().items()}
     ref.load_state_dict(sd)
     return ref

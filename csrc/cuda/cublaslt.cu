@@ -14,11 +14,13 @@
 #include <array>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 
 #include "cuda/check.h"
 #include "cuda/cublaslt.h"
+#include "cuda/runtime.h"
 #include "cuda/scratch.h"
 #include "cuda/storage.cuh"
 
@@ -240,6 +242,16 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     DeviceState& dev = device_state(device);
     auto it = g_plans.find(key);
     if (it == g_plans.end()) {
+      // bf16 and TF32 GEMMs need sm_80's tensor cores: say so on a T4 (sm_75) rather than pass on cuBLASLt's
+      // "not supported".
+      if (types.a == CUDA_R_16BF || types.compute == CUBLAS_COMPUTE_32F_FAST_TF32) {
+        int major = 0;
+        FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+        if (major < 8)
+          throw std::invalid_argument(std::string(types.a == CUDA_R_16BF ? "bfloat16" : "TF32") +
+                                      " matmuls need a GPU of compute capability 8.0 or newer; " +
+                                      device_name(device) + " has float16 and float32 matmuls");
+      }
       Plan p;
       // cuBLASLt's A = our B: stored column-major (K, N) when trans_b (row-major (N, K)), else (N, K).
       p.a = make_layout(types.b, trans_b ? K : N, trans_b ? N : K, ldb, batch, stride_b);

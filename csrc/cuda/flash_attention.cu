@@ -1,7 +1,9 @@
-// Flash attention on the GPU: the entry points (dispatch by dtype and head dim, scratch for backward), delta, and the
-// fp32 path on CUDA cores that serves the engine's fp32 precision and any head dim up to 256. The bf16/fp16 tensor-core
-// kernels are in flash_attention_fwd.cu and flash_attention_bwd.cu.
-// fp32 path: a warp owns 4 rows (forward and dq) or 4 keys (dk/dv) and its lanes run along the other side of the
+// Flash attention on the GPU: the entry points (dispatch by dtype, head dim and GPU, scratch for backward), delta,
+// and the path on CUDA cores ("simt") that serves the engine's fp32 precision and any head dim up to 256. The
+// bf16/fp16 tensor-core kernels are in flash_attention_fwd.cu and flash_attention_bwd.cu; they need sm_80
+// (mma.sync m16n8k16, cp.async), so on older GPUs (T4: sm_75) bf16/fp16 take the simt path too, which reads and
+// writes 16-bit elements and computes in fp32.
+// simt path: a warp owns 4 rows (forward and dq) or 4 keys (dk/dv) and its lanes run along the other side of the
 // score tile (32 keys or 32 queries), so each score is one lane's dot product over d from shared memory (rows padded
 // by one float: lanes read different banks), the softmax statistics are warp reductions, and products with V, K, Q
 // or dO broadcast one lane's probability at a time (shuffles) while lanes own d / 32 output columns each. Every sum
@@ -28,11 +30,12 @@ constexpr int kThreads = 128, kRows = 4;  // 4 warps; rows (or keys) per warp: 1
 constexpr int kTile = 32;                 // the lanes' side of a score tile
 constexpr int kMaxChunks = 8;             // d <= 8 * 32: lane owns columns lane + 32 i
 
-// rows [row0, row0 + n) of a (b, h) slice with row stride st into dst (n, pitch), zeros past T.
-__device__ void load_rows(float* dst, int pitch, const float* src, int64_t st, int row0, int n, int T, int d) {
+// rows [row0, row0 + n) of a (b, h) slice with row stride st into dst (n, pitch) as fp32, zeros past T.
+template <typename E>
+__device__ void load_rows(float* dst, int pitch, const E* src, int64_t st, int row0, int n, int T, int d) {
   for (int i = threadIdx.x; i < n * d; i += blockDim.x) {
     const int r = i / d, x = i % d;
-    dst[r * pitch + x] = row0 + r < T ? src[(int64_t)(row0 + r) * st + x] : 0.f;
+    dst[r * pitch + x] = row0 + r < T ? float(src[(int64_t)(row0 + r) * st + x]) : 0.f;
   }
 }
 
@@ -66,14 +69,16 @@ __device__ __forceinline__ void accumulate_lanes(float (&acc)[kRows][kMaxChunks]
   }
 }
 
-// One row of d values owned as lane + 32 i, times `scale`, to dst.
-__device__ __forceinline__ void store_row(float* dst, const float (&v)[kMaxChunks], float scale, int d, int lane) {
+// One row of d values owned as lane + 32 i, times `scale`, to dst (rounded to E once, at the end).
+template <typename E>
+__device__ __forceinline__ void store_row(E* dst, const float (&v)[kMaxChunks], float scale, int d, int lane) {
 #pragma unroll
   for (int i = 0; i < kMaxChunks; i++)
-    if (lane + 32 * i < d) dst[lane + 32 * i] = v[i] * scale;
+    if (lane + 32 * i < d) dst[lane + 32 * i] = E(v[i] * scale);
 }
 
-__global__ void __launch_bounds__(kThreads) forward_f32_kernel(Params p) {
+template <typename E>
+__global__ void __launch_bounds__(kThreads) forward_simt_kernel(Params p) {
   extern __shared__ float sm[];
   const int d = p.d, T = p.T;
   float* sQ = sm;                    // (16, d)
@@ -82,8 +87,8 @@ __global__ void __launch_bounds__(kThreads) forward_f32_kernel(Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * 16, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int64_t in_off = b * p.is.sb + h * p.is.sh;
-  const float *Q = static_cast<const float*>(p.q) + in_off, *K = static_cast<const float*>(p.k) + in_off,
-              *V = static_cast<const float*>(p.v) + in_off;
+  const E *Q = static_cast<const E*>(p.q) + in_off, *K = static_cast<const E*>(p.k) + in_off,
+          *V = static_cast<const E*>(p.v) + in_off;
   load_rows(sQ, d, Q, p.is.st, q0, 16, T, d);
 
   float o[kRows][kMaxChunks] = {}, m[kRows], l[kRows];
@@ -110,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) forward_f32_kernel(Params p) {
     }
     accumulate_lanes(o, pe, sV, d, d, lane);
   }
-  float* O = static_cast<float*>(p.out) + b * p.os.sb + h * p.os.sh;
+  E* O = static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh;
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
     const int row = q0 + warp * kRows + r;
@@ -121,7 +126,8 @@ __global__ void __launch_bounds__(kThreads) forward_f32_kernel(Params p) {
 }
 
 // dK, dV for 16 keys per CTA, over the query tiles that can see them: lanes run along the queries.
-__global__ void __launch_bounds__(kThreads) dkdv_f32_kernel(Params p) {
+template <typename E>
+__global__ void __launch_bounds__(kThreads) dkdv_simt_kernel(Params p) {
   extern __shared__ float sm[];
   const int d = p.d, dp = d + 1, T = p.T;
   float* sK = sm;                // (16, d)
@@ -133,9 +139,9 @@ __global__ void __launch_bounds__(kThreads) dkdv_f32_kernel(Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k0 = blockIdx.y * 16, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
-  const float *Q = static_cast<const float*>(p.q) + in_off, *dO = static_cast<const float*>(p.dout) + out_off;
-  load_rows(sK, d, static_cast<const float*>(p.k) + in_off, p.is.st, k0, 16, T, d);
-  load_rows(sV, d, static_cast<const float*>(p.v) + in_off, p.is.st, k0, 16, T, d);
+  const E *Q = static_cast<const E*>(p.q) + in_off, *dO = static_cast<const E*>(p.dout) + out_off;
+  load_rows(sK, d, static_cast<const E*>(p.k) + in_off, p.is.st, k0, 16, T, d);
+  load_rows(sV, d, static_cast<const E*>(p.v) + in_off, p.is.st, k0, 16, T, d);
 
   float dk[kRows][kMaxChunks] = {}, dv[kRows][kMaxChunks] = {};
   for (int qt = p.causal ? k0 / kTile * kTile : 0; qt < T; qt += kTile) {
@@ -159,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_f32_kernel(Params p) {
     accumulate_lanes(dv, pr, sdO, dp, d, lane);
     accumulate_lanes(dk, ds, sQ, dp, d, lane);
   }
-  float *dK = static_cast<float*>(p.dk) + in_off, *dV = static_cast<float*>(p.dv) + in_off;
+  E *dK = static_cast<E*>(p.dk) + in_off, *dV = static_cast<E*>(p.dv) + in_off;
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
     const int key = k0 + warp * kRows + r;
@@ -170,7 +176,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_f32_kernel(Params p) {
 }
 
 // dQ for 16 queries per CTA, over the key tiles they see: lanes run along the keys.
-__global__ void __launch_bounds__(kThreads) dq_f32_kernel(Params p) {
+template <typename E>
+__global__ void __launch_bounds__(kThreads) dq_simt_kernel(Params p) {
   extern __shared__ float sm[];
   const int d = p.d, dp = d + 1, T = p.T;
   float* sQ = sm;               // (16, d)
@@ -180,9 +187,9 @@ __global__ void __launch_bounds__(kThreads) dq_f32_kernel(Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * 16, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
-  const float *K = static_cast<const float*>(p.k) + in_off, *V = static_cast<const float*>(p.v) + in_off;
-  load_rows(sQ, d, static_cast<const float*>(p.q) + in_off, p.is.st, q0, 16, T, d);
-  load_rows(sdO, d, static_cast<const float*>(p.dout) + out_off, p.os.st, q0, 16, T, d);
+  const E *K = static_cast<const E*>(p.k) + in_off, *V = static_cast<const E*>(p.v) + in_off;
+  load_rows(sQ, d, static_cast<const E*>(p.q) + in_off, p.is.st, q0, 16, T, d);
+  load_rows(sdO, d, static_cast<const E*>(p.dout) + out_off, p.os.st, q0, 16, T, d);
   float lse[kRows], dl[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
@@ -207,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) dq_f32_kernel(Params p) {
     }
     accumulate_lanes(dq, ds, sK, dp, d, lane);
   }
-  float* dQ = static_cast<float*>(p.dq) + in_off;
+  E* dQ = static_cast<E*>(p.dq) + in_off;
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
     const int q = q0 + warp * kRows + r;
@@ -237,21 +244,23 @@ void set_smem(const void* kernel, int bytes) {
 
 }  // namespace
 
-void forward_f32(const Params& p, Stream stream) {
+template <typename E>
+void forward_simt(const Params& p, Stream stream) {
   const int bytes = (16 * p.d + kTile * (p.d + 1) + kTile * p.d) * sizeof(float);
-  set_smem((const void*)forward_f32_kernel, bytes);
-  forward_f32_kernel<<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, bytes, stream>>>(p);
+  set_smem((const void*)forward_simt_kernel<E>, bytes);
+  forward_simt_kernel<E><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, bytes, stream>>>(p);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
-void backward_f32(const Params& p, Stream stream) {
+template <typename E>
+void backward_simt(const Params& p, Stream stream) {
   const int kv_bytes = (32 * p.d + 2 * kTile * (p.d + 1) + 2 * kTile) * sizeof(float);
-  set_smem((const void*)dkdv_f32_kernel, kv_bytes);
-  dkdv_f32_kernel<<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, kv_bytes, stream>>>(p);
+  set_smem((const void*)dkdv_simt_kernel<E>, kv_bytes);
+  dkdv_simt_kernel<E><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, kv_bytes, stream>>>(p);
   FASTGPT_CUDA_CHECK_LAUNCH();
   const int q_bytes = (32 * p.d + 2 * kTile * (p.d + 1)) * sizeof(float);
-  set_smem((const void*)dq_f32_kernel, q_bytes);
-  dq_f32_kernel<<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, q_bytes, stream>>>(p);
+  set_smem((const void*)dq_simt_kernel<E>, q_bytes);
+  dq_simt_kernel<E><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, q_bytes, stream>>>(p);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
@@ -278,26 +287,35 @@ flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const At
 }
 
 // Everything the kernels assume, checked before any launch (the binding relies on these for GPU arrays).
-void check_args(const AttentionShape& s, DType dtype, const HeadStrides& is, const HeadStrides& os,
+// The tensor-core kernels need sm_80 (mma.sync m16n8k16, cp.async); the current device decides, per call, because
+// ops run on whatever device their tensors live on.
+bool tensor_cores() {
+  int device = 0, major = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 8;
+}
+
+// tc: the bf16/fp16 tensor-core kernels run; otherwise the simt kernels (any dtype).
+void check_args(const AttentionShape& s, DType dtype, bool tc, const HeadStrides& is, const HeadStrides& os,
                 std::initializer_list<std::pair<const void*, const char*>> tensors) {
   const auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
   };
   const std::string d = std::to_string(s.d);
-  if (dtype == DType::f32) {
-    need(s.d <= 256, "float32 attention on a GPU needs head dim d <= 256, got " + d);
+  if (!tc) {
+    need(s.d <= 256, std::string(dtype == DType::f32 ? "float32" : "bfloat16/float16 (on a GPU older than sm_80)") +
+                         " attention on a GPU needs head dim d <= 256, got " + d);
   } else {
     need(s.d == 64 || s.d == 128, "bfloat16/float16 attention on a GPU needs head dim d 64 or 128, got " + d +
                                       " (float32 takes any d <= 256)");
-    // cp.async moves 16-byte rows: every row of every tensor must start 16-byte aligned.
     for (const HeadStrides& st : {is, os})
       need(st.sb % 8 == 0 && st.sh % 8 == 0 && st.st % 8 == 0, "bfloat16/float16 attention needs strides that are "
                                                                 "multiples of 8 elements");
     for (auto [ptr, name] : tensors)
       need(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, std::string(name) + " must be 16-byte aligned");
   }
-  // Row blocks go on grid y (at most 65535): 16 rows per block in fp32, 64 in bf16/fp16.
-  need((int64_t)s.T <= 65535LL * (dtype == DType::f32 ? 16 : 64),
+  need((int64_t)s.T <= 65535LL * (tc ? 64 : 16),
        "attention on a GPU takes T <= 1048560 (float32) or 4194240 (bfloat16/float16), got " + std::to_string(s.T));
 }
 
@@ -306,20 +324,27 @@ void check_args(const AttentionShape& s, DType dtype, const HeadStrides& is, con
 void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
                              const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,
                              Stream stream) {
-  check_args(shape, dtype, is, os, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+  const bool tc = dtype != DType::f32 && tensor_cores();
+  check_args(shape, dtype, tc, is, os, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
   flash::Params p = make_params(is, os, shape);
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
   if (shape.B * shape.H * shape.T == 0) return;
-  if (dtype == DType::bf16) return flash::forward_tc<__nv_bfloat16>(p, stream);
-  if (dtype == DType::f16) return flash::forward_tc<__half>(p, stream);
-  flash::forward_f32(p, stream);
+  switch (dtype) {
+    case DType::bf16:
+      return tc ? flash::forward_tc<__nv_bfloat16>(p, stream) : flash::forward_simt<__nv_bfloat16>(p, stream);
+    case DType::f16:
+      return tc ? flash::forward_tc<__half>(p, stream) : flash::forward_simt<__half>(p, stream);
+    case DType::f32:
+      return flash::forward_simt<float>(p, stream);
+  }
 }
 
 void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
                               const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
                               Stream stream) {
-  check_args(shape, dtype, is, os,
+  const bool tc = dtype != DType::f32 && tensor_cores();
+  check_args(shape, dtype, tc, is, os,
              {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
   const int64_t rows = (int64_t)shape.B * shape.H * shape.T;
   if (rows == 0) return;
@@ -327,19 +352,20 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
   p.out = const_cast<void*>(out), p.lse = const_cast<float*>(lse);  // only read in backward
   Scratch delta(rows, stream);
-  Scratch accum(dtype != DType::f32 && !deterministic ? rows * shape.d : 0, stream);
+  Scratch accum(tc && !deterministic ? rows * shape.d : 0, stream);  // the simt path is deterministic anyway
   p.delta = delta.ptr;
   p.dq_accum = accum.ptr;
   switch (dtype) {
     case DType::bf16:
       flash::compute_delta<__nv_bfloat16>(p, stream);
-      return flash::backward_tc<__nv_bfloat16>(p, deterministic, stream);
+      return tc ? flash::backward_tc<__nv_bfloat16>(p, deterministic, stream)
+                : flash::backward_simt<__nv_bfloat16>(p, stream);
     case DType::f16:
       flash::compute_delta<__half>(p, stream);
-      return flash::backward_tc<__half>(p, deterministic, stream);
+      return tc ? flash::backward_tc<__half>(p, deterministic, stream) : flash::backward_simt<__half>(p, stream);
     case DType::f32:
       flash::compute_delta<float>(p, stream);
-      return flash::backward_f32(p, stream);
+      return flash::backward_simt<float>(p, stream);
   }
 }
 

@@ -32,13 +32,17 @@ struct Params {
   float scale;  // 1 / sqrt(d)
 };
 
-// Launchers (one per file), templated on the element type and instantiated for __nv_bfloat16 and __half.
+// Tensor-core launchers (one per file), instantiated for __nv_bfloat16 and __half; sm_80 and newer only.
 template <typename E>
 void forward_tc(const Params& p, Stream stream);
 template <typename E>
 void backward_tc(const Params& p, bool deterministic, Stream stream);
-void forward_f32(const Params& p, Stream stream);
-void backward_f32(const Params& p, Stream stream);
+// The CUDA-core path (flash_attention.cu), for float, __nv_bfloat16 and __half: fp32 at any d <= 256, and 16-bit
+// elements on GPUs without the tensor-core kernels (older than sm_80).
+template <typename E>
+void forward_simt(const Params& p, Stream stream);
+template <typename E>
+void backward_simt(const Params& p, Stream stream);
 // delta = rowsum(dout * out) in fp32, for any element type (flash_attention.cu).
 template <typename E>
 void compute_delta(const Params& p, Stream stream);
@@ -77,11 +81,18 @@ __device__ __forceinline__ void a_from_acc(uint32_t* a, const float* lo, const f
 }
 
 // c (16 x 8, fp32) += a (16 x 16) * b (16 x 8).
+// (mma.sync m16n8k16 and cp.async are sm_80 instructions. A build for older GPUs (sm_75) compiles these kernels with
+// a trap in their place; the dispatch in flash_attention.cu never launches them there.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FASTGPT_SM80_ASM(...) __trap()
+#else
+#define FASTGPT_SM80_ASM(...) asm volatile(__VA_ARGS__)
+#endif
 template <typename E>
 __device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b);
 template <>
 __device__ __forceinline__ void mma<__nv_bfloat16>(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
+  FASTGPT_SM80_ASM(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -89,7 +100,7 @@ __device__ __forceinline__ void mma<__nv_bfloat16>(float* c, const uint32_t* a, 
 }
 template <>
 __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
+  FASTGPT_SM80_ASM(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -116,13 +127,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
 // 16 bytes global -> shared without passing through registers; `valid` false writes zeros and reads nothing (the
 // source must still be a valid address, so callers pass the tensor's base for rows past T).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+  FASTGPT_SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { FASTGPT_SM80_ASM("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");  // shared reads must not move above it
+  FASTGPT_SM80_ASM("cp.async.wait_group %0;\n" ::"n"(N) : "memory");  // shared reads must not move above it
 }
 
 // Rows [row0, row0 + ROWS) of one (b, h) slice of a view with row stride st (elements), D wide, into shared memory

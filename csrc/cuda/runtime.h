@@ -22,6 +22,19 @@ class DeviceGuard {
  private:
   int device_, prev_ = -1;
 };
+// Why `precision` cannot train on a GPU of compute capability major.minor, or "" if it can. bf16 and TF32 need the
+// tensor cores of sm_80 (Ampere) and newer; fp16 and fp32 run from sm_75 (T4), the oldest this build targets.
+// Plain logic, so the CPU tests can check the messages a T4 user would see.
+inline std::string precision_unsupported(int major, int minor, const std::string& precision) {
+  const std::string cc = "sm_" + std::to_string(major) + std::to_string(minor);
+  if (major < 7 || (major == 7 && minor < 5))
+    return "this GPU (" + cc + ") is older than fastgpt's oldest target, sm_75 (T4)";
+  if ((precision == "bf16" || precision == "tf32") && major < 8)
+    return "precision='" + precision + "' needs a GPU of compute capability 8.0 or newer (" +
+           (precision == "bf16" ? "bfloat16" : "TF32") + " tensor cores: A100, A10, L4, RTX 30xx/40xx, H100); this " +
+           cc + " GPU trains in " + (precision == "bf16" ? "'fp16' (with loss scaling) or 'fp32'" : "'fp32'");
+  return "";
+}
 // Runs a tiny kernel on the device and checks its result: proves that the build's architectures run there.
 bool smoke_test(int device);
 

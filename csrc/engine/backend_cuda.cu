@@ -45,15 +45,11 @@ class CudaBackend final : public Backend {
   bool is_cuda() const override { return true; }
   std::string name() const override { return "cuda:" + std::to_string(device_); }
   void check_precision(const std::string& precision) const override {
-    // bf16 storage and TF32 need Ampere (sm_80) or newer; fp16 tensor cores exist earlier, but this build's
-    // kernels (mma.sync m16n8k16 with bf16 siblings, cp.async) are compiled for sm_80+ only.
     int major = 0, minor = 0;
     FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
     FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_));
-    if (precision != "fp32" && major < 8)
-      throw std::invalid_argument("precision='" + precision + "' needs a GPU of compute capability 8.0 or newer (bf16, "
-                                  "fp16 and TF32 tensor cores); " + cuda::device_name(device_) +
-                                  " supports only 'fp32' here");
+    const std::string why = cuda::precision_unsupported(major, minor, precision);
+    if (!why.empty()) throw std::invalid_argument(cuda::device_name(device_) + ": " + why);
   }
   void set_tf32(bool on) override { tf32_ = on; }
   void* stream() const override { return stream_; }

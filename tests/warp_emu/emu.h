@@ -211,6 +211,13 @@ inline cudaError_t FreeAsync(void* p, void*) {
   free(p);
   return cudaSuccess;
 }
+// The compute capability the flash dispatch sees: 9 (the tensor-core kernels) unless a case sets 7 (a T4, sm_75:
+// bf16/fp16 then take the simt kernels).
+inline int g_cc_major = 9;
+inline cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? g_cc_major : 0;
+  return cudaSuccess;
+}
 inline cudaError_t GetLastError() {
   cudaError_t e = g_last;
   g_last = cudaSuccess;
@@ -276,5 +283,6 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define cudaGetDevice emu::GetDevice
 #define cudaDeviceGetDefaultMemPool emu::DeviceGetDefaultMemPool
 #define cudaMemPoolSetAttribute emu::MemPoolSetAttribute
+#define cudaDeviceGetAttribute emu::DeviceGetAttribute
 #define cudaGetLastError emu::GetLastError
 #define cudaGetErrorString emu::GetErrorString

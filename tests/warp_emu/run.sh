@@ -7,7 +7,7 @@
 # kernels' index, fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real
 # compiler's code. The kernel sources are used as they are: only the asm helpers, the shared-memory declarations
 # and the <<<>>> launches are swapped (by the sed/awk below, so those lines keep their current spelling).
-# Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]; MODE quick|mix|tc|f32|big|peaky|grid, LAZY 0|1.
+# Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]; MODE quick|mix|tc|f32|sm75|big|peaky|grid, LAZY 0|1.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../../csrc" && pwd)
