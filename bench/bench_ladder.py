@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import inspect
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -87,14 +86,15 @@ class Setup:
                                  n_embd=self.n_embd)
 
 
-def make_setup(data, encoder, device="cpu", preset="tiny", steps=None, compile_on_cpu=False, workdir=None):
-    """Tokenizes `data` (Tiny Shakespeare) into shards and cuts the batches every rung trains on."""
+def make_setup(data, encoder, device="cpu", preset="tiny", steps=None, compile_on_cpu=False):
+    """Tokenizes `data` (Tiny Shakespeare) and cuts the batches every rung trains on (held in memory: the token
+    shards are removed again)."""
     n_layer, n_head, n_embd, T, B, warmup, default_steps = PRESETS[preset]
     steps = steps or default_steps
-    shards = tempfile.mkdtemp(prefix="fastgpt-ladder-", dir=workdir)
-    info = fastgpt.data.tokenize_file(data, shards, encoder_json=encoder)
-    loader = fastgpt.data.DataLoader(info["train"], B, T, split="train")
-    batches = [tuple(a.copy() for a in loader.next_batch()) for _ in range(warmup + steps)]
+    with tempfile.TemporaryDirectory(prefix="fastgpt-ladder-") as shards:
+        info = fastgpt.data.tokenize_file(data, shards, encoder_json=encoder)
+        loader = fastgpt.data.DataLoader(info["train"], B, T, split="train")
+        batches = [tuple(a.copy() for a in loader.next_batch()) for _ in range(warmup + steps)]
     return Setup(device, n_layer, n_head, n_embd, T, B, warmup, steps, batches, compile_on_cpu)
 
 
@@ -102,7 +102,7 @@ def gpu_capability():
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
-def why_not(rung, side, setup, settings):
+def why_not(rung, side, setup):
     """The reason `side` cannot run `rung` on this machine, or None."""
     cc = gpu_capability() if setup.gpu else None
     switch = rung.torch if side == "torch" else rung.fastgpt
@@ -158,7 +158,6 @@ def torch_cpu_memory(model, opt, x, y, autocast):
         _, loss = model(x, y)
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     total = _tensors_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + state + saved + [loss])
-    del loss, saved
     return total
 
 
@@ -245,7 +244,7 @@ def ddp_worker(side, batches_path, out_path, settings):
     fields = settings.pop("setup")
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     every = np.load(batches_path)  # (steps, 2, B, T)
-    fields["batches"] = [(b[0], b[1]) for b in np.concatenate([every] * world)[rank::world][:len(every)]]
+    fields["batches"] = [tuple(every[(rank + world * k) % len(every)]) for k in range(len(every))]
     fields["device"] = f"cuda:{local}"
     torch.cuda.set_device(local)
     setup = Setup(**fields)
@@ -275,7 +274,7 @@ def run_rung(rung, setup, state):
     for side in ("torch", "fastgpt"):
         switch = rung.torch if side == "torch" else rung.fastgpt
         settings = state.setdefault(side, {})
-        reason = why_not(rung, side, setup, settings)
+        reason = why_not(rung, side, setup)
         row = {"rung": rung.name, "side": side, "status": "skipped" if reason else "ran", "note": reason or "",
                "settings": {}}
         if not reason:
@@ -389,9 +388,8 @@ def main(argv=None):
         print(table(state["rows"][-2:]).split("\n", 2)[2], flush=True)
     print(table(state["rows"]))
     if args.json:
-        rows = [{k: v for k, v in r.items()} for r in state["rows"]]
         payload = {"device": device_name(setup), "preset": preset, "B": setup.B, "T": setup.T,
-                   "steps": setup.steps, "warmup": setup.warmup, "rows": rows}
+                   "steps": setup.steps, "warmup": setup.warmup, "rows": state["rows"]}
         pathlib.Path(args.json).write_text(json.dumps(payload, indent=1))
     if args.chart:
         chart(state["rows"], args.chart)

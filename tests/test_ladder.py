@@ -1,6 +1,7 @@
 """bench/bench_ladder.py, the machinery of notebooks/02_speedup_progression.ipynb (whose run is checked in
 test_notebooks.py): the PyTorch model before its flash rung computes what SDPA computes, the parameter count behind
 MFU is the model's, every rung a CPU cannot run gets a reason, and the table shows skipped rows with it."""
+import inspect
 import pathlib
 import sys
 
@@ -43,16 +44,16 @@ def test_param_count_is_the_models(shape):
 
 def test_every_rung_a_cpu_cannot_run_has_a_reason():
     setup = ladder.Setup("cpu", 2, 4, 64, 64, 4, 1, 2, batches=[])
-    reasons = {(r.name, side): ladder.why_not(r, side, setup, {}) for r in ladder.RUNGS for side in ("torch", "fastgpt")}
+    reasons = {(r.name, side): ladder.why_not(r, side, setup) for r in ladder.RUNGS for side in ("torch", "fastgpt")}
     for name in ("tf32", "DDP"):
         assert reasons[(name, "torch")] and reasons[(name, "fastgpt")]
     assert "compile_on_cpu" in reasons[("compile", "torch")]
     for name in ("fp32", "bf16", "flash attention", "vocab 50304", "fused AdamW"):
         assert reasons[(name, "torch")] is None and reasons[(name, "fastgpt")] is None, name
     setup.compile_on_cpu = True
-    assert ladder.why_not(ladder.RUNGS[3], "torch", setup, {}) is None
-    fused = ladder.why_not(ladder.RUNGS[3], "fastgpt", setup, {})
-    assert (fused is None) == ("fused" in __import__("inspect").signature(fastgpt.GPT).parameters)
+    assert ladder.why_not(ladder.RUNGS[3], "torch", setup) is None
+    fused = ladder.why_not(ladder.RUNGS[3], "fastgpt", setup)
+    assert (fused is None) == ("fused" in inspect.signature(fastgpt.GPT).parameters)
 
 
 def test_table_shows_skipped_rows_with_their_reason():

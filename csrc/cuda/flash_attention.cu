@@ -315,8 +315,9 @@ void check_args(const AttentionShape& s, DType dtype, bool tc, const HeadStrides
     for (auto [ptr, name] : tensors)
       need(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, std::string(name) + " must be 16-byte aligned");
   }
-  need((int64_t)s.T <= 65535LL * (tc ? 64 : 16),
-       "attention on a GPU takes T <= 1048560 (float32) or 4194240 (bfloat16/float16), got " + std::to_string(s.T));
+  const int64_t max_t = 65535LL * (tc ? 64 : 16);  // the grid's y dimension, in tiles of 64 or 16 rows
+  need((int64_t)s.T <= max_t, "attention on a GPU takes T <= " + std::to_string(max_t) + " here (" +
+                                  (tc ? "tensor cores" : "CUDA cores") + "), got " + std::to_string(s.T));
 }
 
 }  // namespace
