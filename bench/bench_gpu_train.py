@@ -1,14 +1,17 @@
-"""GPU training throughput: fastgpt's CUDA engine (fp32) against PyTorch on the same GPU, in one process, GPT-2 124M
-by default. Variants, one after the other: fastgpt fp32; torch eager fp32 (TF32 off); torch eager TF32; torch
-compiled bf16 (build-nanogpt's set-up: TF32 matmuls, bf16 autocast, torch.compile, SDPA attention, fused AdamW).
+"""GPU training throughput: fastgpt's CUDA engine against PyTorch on the same GPU, in one process, GPT-2 124M by
+default. Variants, one after the other: fastgpt fp32; fastgpt bf16 fused (GPT(fused=True), the default: the chunked
+classifier) and unfused (GPT(fused=False): one kernel per op, the full logits kept); torch eager fp32 (TF32 off);
+torch eager TF32; torch compiled bf16 (build-nanogpt's set-up: TF32 matmuls, bf16 autocast, torch.compile, SDPA
+attention, fused AdamW). fastgpt's step is forward_backward, clip_grad_norm, step.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
 arithmetic as fastgpt's fp32 engine, so it is the like-for-like comparison; eager TF32 and compiled bf16 are what
-build-nanogpt actually trains with, i.e. the distance still to go. All variants start from the same weights and see
-the same batches, so their step-0 losses must agree (closely for fp32, less for TF32/bf16): a sanity line, not a test.
+build-nanogpt actually trains with, and fastgpt bf16 fused against compiled bf16 is issue 10's ratio. All variants
+start from the same weights and see the same batches, so their step-0 losses must agree (closely for fp32, less for
+TF32/bf16): a sanity line, not a test.
 
-    python3 bench/bench_gpu_train.py                      # GPT-2 124M, T 1024, B 8, all four variants
+    python3 bench/bench_gpu_train.py                      # GPT-2 124M, T 1024, B 8, all six variants
     python3 bench/bench_gpu_train.py --B 16 --json /tmp/gpu_train.json
     python3 bench/bench_gpu_train.py --B max              # each variant at the largest of B 64/32/16/8 that fits
     python3 bench/bench_gpu_train.py --no-compile         # skip torch.compile (about a minute of compiling)
@@ -29,7 +32,8 @@ from _common import environment, write_json
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
-VARIANTS = ("fastgpt fp32", "torch eager fp32", "torch eager tf32", "torch compiled bf16")
+VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 unfused", "torch eager fp32", "torch eager tf32",
+            "torch compiled bf16")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 
 
@@ -153,12 +157,14 @@ def main(argv=None):
                 after()
         return times, losses
 
-    def fastgpt_fp32(b):
-        # fastgpt allocates with cudaMalloc, outside torch's allocator: the only view of its memory is the driver's
-        # free-memory figure. Free before model creation minus the lowest free seen after creation and after every
-        # step: rough (another process on the GPU changes it; scratch freed within a call is missed).
+    def fastgpt_variant(name, b):
+        # fastgpt allocates outside torch's allocator: the only view of all its memory is the driver's free-memory
+        # figure. Free before model creation minus the lowest free seen after creation and after every step: rough
+        # (another process on the GPU changes it; scratch freed within a call is missed). The engine's own buffers
+        # (weights, gradients, moments, activations) are exact: model.memory()["total"].
+        precision = name.split()[1]
         free0 = torch.cuda.mem_get_info(dev)[0]
-        model = fastgpt.GPT(cfg, device="cuda", precision="fp32", seed=args.seed)
+        model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=args.seed, fused=not name.endswith("unfused"))
         model.load_state_dict(weights)
         opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         free_min = [torch.cuda.mem_get_info(dev)[0]]
@@ -166,15 +172,16 @@ def main(argv=None):
         def step(i):
             x, y = (a[:b] for a in np_batches[i])  # leading rows of a C-contiguous array: contiguous
             model.zero_grad()
-            _, loss = model.forward(x, y, return_logits=False)  # returns after reading the loss back: synced
-            model.backward()
+            loss = model.forward_backward(x, y)  # returns after reading the loss back: synced
             opt.clip_grad_norm(CLIP)
             opt.step(LR)
             return loss
 
         times, losses = run_steps(step, after=lambda: free_min.append(min(free_min[-1],
                                                                           torch.cuda.mem_get_info(dev)[0])))
-        return times, losses, {"peak_mem_bytes": free0 - free_min[-1],
+        return times, losses, {"peak_mem_bytes": free0 - free_min[-1], "engine_bytes": model.memory()["total"],
+                               "activation_bytes": model.memory()["activations"],
+                               "classifier_rows": model.classifier_rows if model.fused else None,
                                "peak_mem_how": "torch.cuda.mem_get_info: free before model creation minus lowest "
                                                "free after creation/steps (rough, driver-level)"}
 
@@ -237,7 +244,8 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats(dev)
             print(f"  {name} B{b}: running ...", end="", flush=True)
             try:
-                times, losses, extra = fastgpt_fp32(b) if name == "fastgpt fp32" else torch_variant(name, b)
+                times, losses, extra = (fastgpt_variant(name, b) if name.startswith("fastgpt") else
+                                        torch_variant(name, b))
             except Exception as e:  # out of memory, a CUDA error, no CUDA in this fastgpt build, a compile failure
                 msg = f"{type(e).__name__}: {e}".strip()
                 oom = "out of memory" in msg.lower()
@@ -292,7 +300,7 @@ def main(argv=None):
             continue
         ratio = r["tok_per_s"] / res[base]["tok_per_s"] if base is not None else None
         r["tok_per_s_vs_base"] = ratio
-        mem = f"{r['peak_mem_bytes'] / 2**30:.2f}G" + ("*" if k == "fastgpt fp32" else "")
+        mem = f"{r['peak_mem_bytes'] / 2**30:.2f}G" + ("*" if k.startswith("fastgpt") else "")
         print(f"{k:<20} {r['B']:>3} {r['step_ms_median']:>10.1f} {r['tok_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% "
               f"{mem:>9} "
               f"{r['first_loss']:>10.4f} {r['last_loss']:>10.4f} {f'{ratio:.2f}x' if ratio is not None else '-':>14}")

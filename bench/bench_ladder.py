@@ -12,7 +12,6 @@ the results as JSON (scripts/gpu_check.sh keeps them under bench/results/):
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import pathlib
@@ -40,19 +39,21 @@ class Rung:
     name: str
     torch: dict  # the PyTorch switch this rung adds: tf32, autocast, compile, flash, vocab, fused_adamw, ddp
     fastgpt: dict  # fastgpt's: precision, fused, vocab, ddp; {} where fastgpt has nothing to switch (always on)
-    always: str = ""  # why fastgpt has no switch at this rung
+    note: str = ""  # the fastgpt row's note: what its switch does so far, or why it has none
 
 
 RUNGS = [
     Rung("fp32", {}, {"precision": "fp32"}),
     Rung("tf32", {"tf32": True}, {"precision": "tf32"}),
     Rung("bf16", {"autocast": True}, {"precision": "bf16"}),
-    Rung("compile", {"compile": True}, {"fused": True}),
+    Rung("compile", {"compile": True}, {"fused": True},
+         note="GPT(fused=True): so far the chunked classifier (no (B, T, V) logits); epilogues, fused residual + "
+              "LayerNorm and CUDA graphs are to come"),
     Rung("flash attention", {"flash": True}, {},
-         always="fastgpt's attention is a flash kernel at every rung (only the log-sum-exp is kept for backward)"),
+         note="fastgpt's attention is a flash kernel at every rung (only the log-sum-exp is kept for backward)"),
     Rung("vocab 50304", {"vocab": 50304}, {"vocab": 50304}),
     Rung("fused AdamW", {"fused_adamw": True}, {},
-         always="fastgpt's AdamW is one pass over the one parameter buffer at every rung"),
+         note="fastgpt's AdamW is one pass over the one parameter buffer at every rung"),
     Rung("DDP", {"ddp": True}, {"ddp": True}),
 ]
 
@@ -121,9 +122,6 @@ def why_not(rung, side, setup):
     if switch.get("compile") and not setup.gpu and not setup.compile_on_cpu:
         return ("torch.compile on a CPU spends about 45 s compiling even this tiny model on 2 cores; it is a GPU rung "
                 "(pass compile_on_cpu=True to run it here)")
-    if switch.get("fused") and "fused" not in inspect.signature(fastgpt.GPT).parameters:
-        return ("fastgpt's switch, GPT(fused=True) (the hand-fused step: cuBLASLt epilogues, fused residual + "
-                "LayerNorm, CUDA graphs), is not implemented yet")
     if switch.get("fused_adamw") and side == "torch":
         try:
             torch.optim.AdamW([torch.zeros(1, device=setup.device, requires_grad=True)], fused=True)
@@ -204,16 +202,15 @@ def run_torch(setup, s, wrap=None):
 
 
 def run_fastgpt(setup, s):
-    """fastgpt's training step (three calls into the engine and one into AdamW) with the switches in `s`."""
-    kwargs = {"fused": True} if s.get("fused") else {}
+    """fastgpt's training step (forward_backward, clip, AdamW: three calls into the engine) with the switches in
+    `s`; unfused (one kernel per op, the full logits kept) until the compile rung switches fused on."""
     model = fastgpt.GPT(setup.config(s.get("vocab", 50257)), device=setup.device,
-                        precision=s.get("precision", "fp32"), seed=setup.seed, **kwargs)
+                        precision=s.get("precision", "fp32"), seed=setup.seed, fused=bool(s.get("fused")))
     opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses, times = [], []
     for x, y in setup.batches:
         t0 = time.perf_counter()
-        _, loss = model(x, y, return_logits=False)  # a float: the step has finished
-        model.backward()
+        loss = model.forward_backward(x, y)  # a float: the step has finished
         opt.clip_grad_norm(CLIP)
         opt.step(lr=LR)
         model.zero_grad()
@@ -281,8 +278,8 @@ def run_rung(rung, setup, state):
             settings = {**settings, **switch}
             state[side] = settings  # later rungs build on what ran
             row["settings"] = dict(settings)
-            if side == "fastgpt" and not switch:
-                row["note"] = rung.always
+            if side == "fastgpt":
+                row["note"] = rung.note
             ddp = settings.get("ddp")
             runner = run_torch if side == "torch" else run_fastgpt
             result = run_ddp(setup, settings, side) if ddp else runner(setup, settings)

@@ -84,8 +84,7 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
 
         def fg(i):
-            model.forward(*batches[i], return_logits=False)
-            model.backward()
+            model.forward_backward(*batches[i])
             opt.clip_grad_norm(1.0)
             opt.step()
             model.zero_grad()

@@ -107,8 +107,7 @@ def main(argv=None):
 
     def fg_step(i):
         x, y = fg_batches[i]
-        _, loss = model.forward(x, y, return_logits=False)
-        model.backward()
+        loss = model.forward_backward(x, y)
         opt_f.clip_grad_norm(clip)
         opt_f.step()
         opt_f.zero_grad()

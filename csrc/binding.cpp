@@ -606,6 +606,22 @@ void bind_ops(py::module_& m) {
     TYPED(logits, FASTGPT_DISPATCH(c, cross_entropy_backward<S>, dlogits.as<S>(), logits.as<S>(), lse.f(), targets.i(),
                                    dloss, N, V));
   });
+  m.def("cross_entropy_forward_backward", [](H losses_, H dlogits_, H logits_, H targets_, float dloss,
+                                             uintptr_t stream) {
+    View losses = view_of(losses_, "losses", 'f'), dlogits = view_of(dlogits_, "dlogits", 'a'),
+         logits = view_of(logits_, "logits", 'a'), targets = view_of(targets_, "targets", 'i');
+    same_dtype({{&logits, "logits"}, {&dlogits, "dlogits"}});
+    need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
+    const int V = logits.shape.back();
+    const int64_t N = rows_of(logits, V, "logits");
+    need(targets.size() == N && losses.size() == N, "targets and losses must hold one value per row of logits");
+    same_shape(dlogits, logits, "dlogits", "logits");
+    check_ids(targets, V, "targets");
+    Ctx c = context({&losses, &dlogits, &logits, &targets}, stream);
+    py::gil_scoped_release nogil;
+    TYPED(logits, FASTGPT_DISPATCH(c, cross_entropy_forward_backward<S>, losses.f(), dlogits.as<S>(), logits.as<S>(),
+                                   targets.i(), dloss, N, V));
+  });
   // Conversions: float32 -> bf16/fp16 (to nearest, or stochastically keyed by seed/step/index as the optimizer
   // writes bf16 weights), and back.
   m.def("narrow", [](H out_, H in_, bool stochastic, uint64_t seed, uint64_t step, uintptr_t stream) {
@@ -666,17 +682,23 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<GPT>(m, "GPT")
       .def(py::init([](int block_size, int vocab_size, int n_layer, int n_head, int n_embd, uint64_t seed,
-                       const std::string& device, const std::string& precision, std::shared_ptr<Comm> comm) {
+                       const std::string& device, const std::string& precision, std::shared_ptr<Comm> comm,
+                       bool fused) {
              GPTConfig c{block_size, vocab_size, n_layer, n_head, n_embd};
              const Precision p = parse_precision(precision);
              auto be = backend_for(device);
              if (comm && comm->name() == "mpi") need(!be->is_cuda(), "the MPI communicator serves CPU models only");
              if (comm && comm->name() == "nccl") need(be->is_cuda(), "the NCCL communicator serves CUDA models only");
              py::gil_scoped_release nogil;  // the broadcast of the initial weights is a collective: other threads may run
-             return new GPT(c, seed, std::move(be), p, std::move(comm));
+             auto* g = new GPT(c, seed, std::move(be), p, std::move(comm));
+             g->set_fused(fused);
+             return g;
            }),
            py::arg("block_size"), py::arg("vocab_size"), py::arg("n_layer"), py::arg("n_head"), py::arg("n_embd"),
-           py::arg("seed"), py::arg("device") = "cpu", py::arg("precision") = "fp32", py::arg("comm") = nullptr)
+           py::arg("seed"), py::arg("device") = "cpu", py::arg("precision") = "fp32", py::arg("comm") = nullptr,
+           py::arg("fused") = true)
+      .def_property_readonly("fused", &GPT::fused)
+      .def_property("classifier_rows", &GPT::classifier_rows, &GPT::set_classifier_rows)
       .def_property_readonly("rank", &GPT::rank)
       .def_property_readonly("world_size", &GPT::world_size)
       .def_property_readonly("grad_sync_count", &GPT::grad_sync_count)
@@ -766,15 +788,26 @@ PYBIND11_MODULE(_C, m) {
              g.refresh_compute_params();
            })
       .def("forward",
-           [](GPT& g, const IArray& idx, std::optional<IArray> targets, bool last_only) {
+           [](GPT& g, const IArray& idx, std::optional<IArray> targets, bool last_only, bool keep_logits) {
              need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
              if (targets) same_shape(view_of(idx, "idx", 'i'), view_of(*targets, "targets", 'i'), "idx", "targets");
              const int B = idx.shape(0), T = idx.shape(1);
              const int32_t* tp = targets ? targets->data() : nullptr;
              py::gil_scoped_release nogil;
-             return g.forward(idx.data(), tp, B, T, last_only);
+             return g.forward(idx.data(), tp, B, T, last_only, keep_logits);
            },
-           py::arg("idx"), py::arg("targets") = py::none(), py::arg("last_only") = false)
+           py::arg("idx"), py::arg("targets") = py::none(), py::arg("last_only") = false,
+           py::arg("keep_logits") = true)
+      .def("forward_backward",
+           [](GPT& g, const IArray& idx, const IArray& targets, float grad_scale, bool sync) {
+             need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
+             same_shape(view_of(idx, "idx", 'i'), view_of(targets, "targets", 'i'), "idx", "targets");
+             need(std::isfinite(grad_scale), "grad_scale must be finite");
+             const int B = idx.shape(0), T = idx.shape(1);
+             py::gil_scoped_release nogil;
+             return g.forward_backward(idx.data(), targets.data(), B, T, grad_scale, sync);
+           },
+           py::arg("idx"), py::arg("targets"), py::arg("grad_scale") = 1.0f, py::arg("sync") = true)
       .def("decode",
            [](GPT& g, const IArray& idx, int pos) {
              need(idx.ndim() == 2, "idx must be 2-D (B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));

@@ -1,7 +1,6 @@
 """bench/bench_ladder.py, the machinery of notebooks/02_speedup_progression.ipynb (whose run is checked in
 test_notebooks.py): the PyTorch model before its flash rung computes what SDPA computes, the parameter count behind
 MFU is the model's, every rung a CPU cannot run gets a reason, and the table shows skipped rows with it."""
-import inspect
 import pathlib
 import sys
 
@@ -52,8 +51,7 @@ def test_every_rung_a_cpu_cannot_run_has_a_reason():
         assert reasons[(name, "torch")] is None and reasons[(name, "fastgpt")] is None, name
     setup.compile_on_cpu = True
     assert ladder.why_not(ladder.RUNGS[3], "torch", setup) is None
-    fused = ladder.why_not(ladder.RUNGS[3], "fastgpt", setup)
-    assert (fused is None) == ("fused" in inspect.signature(fastgpt.GPT).parameters)
+    assert ladder.why_not(ladder.RUNGS[3], "fastgpt", setup) is None  # GPT(fused=True) runs anywhere
 
 
 def test_table_shows_skipped_rows_with_their_reason():

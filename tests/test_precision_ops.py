@@ -150,6 +150,22 @@ def test_cross_entropy(rng, prec, device):
         2 * abs(res[tdt][0].float().mean().item() - res[torch.float64][0].mean().item())
 
 
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_cross_entropy_forward_backward(rng, prec, device):
+    tdt = DTYPES[prec]
+    N, V = 64, 1000
+    logits = half(rng, (N, V), tdt, 3.0, device=device)
+    targets = torch.tensor(rng.integers(0, V, (N,)), device=device)
+    tg = targets if device == "cuda" else targets.numpy()
+    loss, losses, dlogits = ops.cross_entropy_forward_backward(to_ours(logits), tg)
+    res = torch_both(lambda a: F.cross_entropy(a, targets, reduction="none"), (logits,),
+                     torch.full((N,), 1.0 / N, device=device), prec)
+    assert str(losses.dtype).endswith("float32")  # statistics stay fp32, the gradient is the logits' type
+    assert str(dlogits.dtype).endswith({"bf16": "bfloat16", "fp16": "float16"}[prec])
+    check_all(("losses", "dlogits"), (losses, dlogits), res, prec)
+
+
 def test_mixed_dtypes_are_refused(rng):
     x = half(rng, (4, 8), torch.bfloat16)
     w = torch.ones(8)

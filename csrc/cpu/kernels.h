@@ -139,6 +139,13 @@ void cross_entropy_forward(float* losses,        // (N)
 template <typename S>
 void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets,
                             float dloss, int64_t N, int V);
+// Both in one pass over each row (the training step's classifier, where the loss and its gradient are wanted
+// together): losses as forward, dlogits as backward with the row's own lse; dlogits may alias logits.
+template <typename S>
+void cross_entropy_forward_backward(float* losses,    // (N)
+                                    S* dlogits,       // (N, V)
+                                    const S* logits,  // (N, V)
+                                    const int32_t* targets, float dloss, int64_t N, int V);
 
 // ---- AdamW as torch.optim.AdamW (adamw.cpp)
 // One contiguous range; bias corrections precomputed by the caller (they depend only on the step).

@@ -5,7 +5,9 @@
 // thread, and the target element's one-hot is applied by that same thread (no second pass over it).
 // Templates over the storage type S (float, bf16, f16) of the logits: widened as loaded, all arithmetic in float,
 // losses and lse float. The gradient is (p - onehot) * dloss rounded once to S, as the CPU writes it: in 16 bits
-// p - 1 at the target is formed before rounding (not p rounded, then - 1).
+// p - 1 at the target is formed before rounding (not p rounded, then - 1). forward_backward (the training step's
+// chunked classifier) does both in one kernel: one read of the row keeps a running (max, sum of exp) per thread,
+// merged across the block, and a second read writes the gradient: two reads of the logits instead of three.
 #include <cmath>
 
 #include "cuda/check.h"
@@ -70,6 +72,61 @@ __global__ void cross_entropy_backward_kernel(S* dlogits, const S* logits, const
     dx[j] = from_float<S>(__fmul_rn(j == t ? __fsub_rn(p, 1.f) : p, dloss));
   }
 }
+// (max, sum of exp(x - max)) over a part of a row; an empty part is (-inf, 0).
+struct MaxSum {
+  float m, s;
+};
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};  // both empty: exp(-inf - -inf) would be NaN
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};  // a + b == b + a: every lane ends with the same bits
+}
+
+// Every thread of the block gets the row's (max, sum). Must be reached by all threads of the block.
+__device__ MaxSum block_reduce(MaxSum v) {
+  __shared__ float pm[32];
+  __shared__ float ps[32];
+  for (int off = 16; off > 0; off >>= 1)
+    v = merge(v, {__shfl_xor_sync(0xffffffffu, v.m, off), __shfl_xor_sync(0xffffffffu, v.s, off)});
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  if (lane == 0) {
+    pm[warp] = v.m;
+    ps[warp] = v.s;
+  }
+  __syncthreads();
+  v = lane < nwarps ? MaxSum{pm[lane], ps[lane]} : MaxSum{-INFINITY, 0.f};
+  for (int off = 16; off > 0; off >>= 1)
+    v = merge(v, {__shfl_xor_sync(0xffffffffu, v.m, off), __shfl_xor_sync(0xffffffffu, v.s, off)});
+  return v;
+}
+
+template <typename S>
+__global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
+                                                      const int32_t* __restrict__ targets, float dloss, int V) {
+  const int64_t n = blockIdx.x;
+  const S* x = logits + n * V;
+  S* dx = dlogits + n * V;
+  MaxSum a{-INFINITY, 0.f};
+  for (int j = threadIdx.x; j < V; j += blockDim.x) {  // online: rescale the sum when the max grows
+    const float v = to_float(x[j]);
+    if (v > a.m) {
+      a.s = a.s * expf(a.m - v) + 1.f;
+      a.m = v;
+    } else {
+      a.s += expf(v - a.m);
+    }
+  }
+  a = block_reduce(a);
+  const float l = a.m + logf(a.s);
+  const int t = targets[n];
+  for (int j = threadIdx.x; j < V; j += blockDim.x) {
+    const float v = to_float(x[j]);
+    const float p = expf(v - l);
+    // The loss by the thread that owns the target, from its own read: in place, no other thread writes x[t].
+    if (j == t) losses[n] = l - v;
+    dx[j] = from_float<S>(__fmul_rn(j == t ? __fsub_rn(p, 1.f) : p, dloss));
+  }
+}
 }  // namespace
 
 template <typename S>
@@ -88,9 +145,19 @@ void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
+template <typename S>
+void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
+                                    int64_t N, int V, Stream stream) {
+  if (N <= 0 || V <= 0) return;
+  auto* kernel = cross_entropy_forward_backward_kernel<S>;  // (a launch on one line: tests/warp_emu rewrites it)
+  kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, V);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
 #define FASTGPT_INSTANTIATE(S)                                                                                 \
   template void cross_entropy_forward<S>(float*, float*, const S*, const int32_t*, int64_t, int, Stream);      \
-  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, int64_t, int, Stream);
+  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, int64_t, int, Stream); \
+  template void cross_entropy_forward_backward<S>(float*, S*, const S*, const int32_t*, float, int64_t, int, Stream);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

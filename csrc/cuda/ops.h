@@ -86,6 +86,9 @@ void cross_entropy_forward(float* losses, float* lse, const S* logits, const int
 template <typename S>
 void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
                             int64_t N, int V, Stream stream);
+template <typename S>
+void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
+                                    int64_t N, int V, Stream stream);
 
 using AdamWHyper = cpu::AdamWHyper;
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,

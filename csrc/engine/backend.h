@@ -107,6 +107,11 @@ class Backend {
                               int64_t N, int V) {
     cross_entropy_backward_(dt<S>(), dlogits, logits, lse, targets, dloss, N, V);
   }
+  template <typename S>
+  void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
+                                      int64_t N, int V) {
+    cross_entropy_forward_backward_(dt<S>(), losses, dlogits, logits, targets, dloss, N, V);
+  }
   // AdamW on fp32 masters; with lowp (a 16-bit copy, bf16 or f16), also writes the compute weights.
   virtual void adamw_update(float* param, void* lowp, DType lowp_dtype, const float* grad, float* m, float* v,
                             int64_t n, const cpu::AdamWHyper& h, const RoundKey& key) = 0;
@@ -156,6 +161,8 @@ class Backend {
                                       int64_t N, int V) = 0;
   virtual void cross_entropy_backward_(DType, void* dlogits, cv* logits, const float* lse, const int32_t* targets,
                                        float dloss, int64_t N, int V) = 0;
+  virtual void cross_entropy_forward_backward_(DType, float* losses, void* dlogits, cv* logits,
+                                               const int32_t* targets, float dloss, int64_t N, int V) = 0;
 
  private:
   template <typename T>

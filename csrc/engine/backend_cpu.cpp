@@ -120,6 +120,10 @@ class CpuBackend final : public Backend {
                                float dloss, int64_t N, int V) override {
     FASTGPT_TYPED(d, cpu::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, N, V));
   }
+  void cross_entropy_forward_backward_(DType d, float* losses, void* dlogits, cv* logits, const int32_t* targets,
+                                       float dloss, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cpu::cross_entropy_forward_backward(losses, P<S>(dlogits), P<S>(logits), targets, dloss, N, V));
+  }
 };
 
 #undef FASTGPT_TYPED

@@ -175,6 +175,11 @@ class CudaBackend final : public Backend {
                                float dloss, int64_t N, int V) override {
     FASTGPT_TYPED(d, cuda::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, N, V, stream_));
   }
+  void cross_entropy_forward_backward_(DType d, float* losses, void* dlogits, cv* logits, const int32_t* targets,
+                                       float dloss, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cuda::cross_entropy_forward_backward(losses, P<S>(dlogits), P<S>(logits), targets, dloss, N, V,
+                                                          stream_));
+  }
 
  private:
   int device_;

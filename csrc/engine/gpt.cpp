@@ -1,13 +1,15 @@
 // GPT-2 forward and backward, composed from the kernels of a Backend (csrc/cpu/ or csrc/cuda/).
 // Layout and op order follow build-nanogpt's model exactly (pre-LN blocks, fused QKV, tanh GELU, tied lm_head),
 // so a PyTorch model loaded with these weights computes the same function. forward_t/backward_t are the one copy
-// of the order of operations, templates over the storage type S of activations and compute weights.
+// of the order of operations, templates over the storage type S of activations and compute weights; between them
+// the classifier, either over the kept (B, T, V) logits (head_t/head_backward_t) or over chunks of rows
+// (classifier_t: the fused model's, where the full logits never exist).
 #include "engine/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
-
 
 namespace fastgpt {
 
@@ -94,6 +96,9 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
   cfg_.validate();
   be_->check_precision(precision_name(precision));
   be_->set_tf32(precision == Precision::tf32);
+  // Chunks of the classifier: on a GPU large enough that lm_head's GEMMs stay efficient and wte's gradient (read
+  // and written once per chunk) costs little; on the CPU small, for the memory (the GEMM is as fast).
+  classifier_rows_ = be_->is_cuda() ? 4096 : 256;
   if (precision == Precision::fp16) {  // GradScaler's defaults
     scaler_.enabled = true;
     scaler_.scale = 65536.0;
@@ -176,7 +181,7 @@ void GPT::load_compute_params(const float* host) {
 int64_t GPT::activation_bytes() const {
   int64_t n = 0;
   for (const auto* b : {&encoded_, &ln1_, &qkv_, &atty_, &residual2_, &ln2_, &fch_, &fch_gelu_, &residual3_, &lnf_,
-                        &last_rows_, &logits_, &dresidual_, &dbtc_, &dbt4c_, &dqkv_})
+                        &last_rows_, &logits_, &chunk_, &dresidual_, &dbtc_, &dbt4c_, &dqkv_})
     n += b->size();
   for (const auto* b : {&ln1_mean_, &ln1_rstd_, &att_lse_, &ln2_mean_, &ln2_rstd_, &lnf_mean_, &lnf_rstd_, &losses_,
                         &ce_lse_})
@@ -238,7 +243,7 @@ float* GPT::G(int i, int l) {
 void GPT::ensure_activations(int B, int T) {
   const int64_t BT = (int64_t)B * T;
   if (BT <= act_bt_) return;
-  const int64_t C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size;
+  const int64_t C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head;
   Backend* be = be_.get();
   const int64_t es = dtype_size(storage_);  // bytes per stored activation
   auto act = [&](int64_t n) { return Buffer<uint8_t>(be, n * es); };
@@ -256,7 +261,6 @@ void GPT::ensure_activations(int B, int T) {
   lnf_mean_ = Buffer<float>(be, BT);
   lnf_rstd_ = Buffer<float>(be, BT);
   last_rows_ = act(BT * C);
-  logits_ = act(BT * V);
   losses_ = Buffer<float>(be, BT);
   ce_lse_ = Buffer<float>(be, BT);
   host_losses_.resize(BT);
@@ -264,6 +268,13 @@ void GPT::ensure_activations(int B, int T) {
   dbtc_ = act(BT * C);
   dbt4c_ = act(BT * 4 * C);
   dqkv_ = act(BT * 3 * C);
+}
+
+void GPT::ensure_logits(int64_t rows) {
+  const int64_t need = rows * cfg_.vocab_size * dtype_size(storage_);
+  if (logits_.size() >= need) return;
+  logits_ = Buffer<uint8_t>();  // the old one goes before the new one is taken
+  logits_ = Buffer<uint8_t>(be_.get(), need);
 }
 
 void GPT::check_ids(const int32_t* ids, int64_t n, const char* what) const {
@@ -274,30 +285,75 @@ void GPT::check_ids(const int32_t* ids, int64_t n, const char* what) const {
                                   "), found " + std::to_string(ids[i]) + " at flat index " + std::to_string(i));
 }
 
-float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only) {
+void GPT::check_batch(const int32_t* idx, const int32_t* targets, int B, int T) const {
   if (B < 1) throw std::invalid_argument("batch size B must be >= 1, got " + std::to_string(B));
   if (T < 1 || T > cfg_.block_size)
     throw std::invalid_argument("sequence length T must be in [1, block_size=" + std::to_string(cfg_.block_size) +
                                 "], got " + std::to_string(T));
-  const int64_t BT = (int64_t)B * T;
-  check_ids(idx, BT, "idx");
-  if (targets) check_ids(targets, BT, "targets");
-  if (targets && last_only) throw std::invalid_argument("last_only forward cannot take targets");
+  check_ids(idx, (int64_t)B * T, "idx");
+  if (targets) check_ids(targets, (int64_t)B * T, "targets");
+}
 
+void GPT::load_batch(const int32_t* idx, const int32_t* targets, int B, int T) {
+  const int64_t BT = (int64_t)B * T;
   ensure_activations(B, T);
   B_ = B;
   T_ = T;
   be_->upload(idx_.data(), idx, BT * sizeof(int32_t));
   if (targets) be_->upload(targets_.data(), targets, BT * sizeof(int32_t));
-  with_dtype(storage_, [&](auto s) { forward_t<decltype(s)>(B, T, last_only, targets != nullptr); });
-  last_only_ = last_only;
-  have_targets_ = targets != nullptr;
-  logits_valid_ = true;
-  if (!targets) return std::numeric_limits<float>::quiet_NaN();
+}
+
+float GPT::mean_loss() {
+  const int64_t BT = (int64_t)B_ * T_;
   be_->download(host_losses_.data(), losses_.data(), BT * sizeof(float));
   double sum = 0.0;
   for (int64_t i = 0; i < BT; i++) sum += host_losses_[i];
   return (float)(sum / BT);
+}
+
+float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only, bool keep_logits) {
+  check_batch(idx, targets, B, T);
+  if (targets && last_only) throw std::invalid_argument("last_only forward cannot take targets");
+  // The fused model keeps no logits it was not asked for: the loss is taken chunk by chunk, and a backward
+  // recomputes each chunk's logits (forward_backward, the training step's call, needs no recomputation).
+  const bool chunked = fused_ && targets && !keep_logits;
+  if (!chunked) ensure_logits(last_only ? B : (int64_t)B * T);
+  load_batch(idx, targets, B, T);
+  with_dtype(storage_, [&](auto s) {
+    using S = decltype(s);
+    forward_t<S>(B, T);
+    if (chunked)
+      classifier_t<S>(Pass::loss, 0.f);
+    else
+      head_t<S>(B, T, last_only, targets != nullptr);
+  });
+  last_only_ = last_only;
+  have_targets_ = targets != nullptr;
+  logits_valid_ = !chunked;
+  chunked_ = chunked;
+  return targets ? mean_loss() : std::numeric_limits<float>::quiet_NaN();
+}
+
+float GPT::forward_backward(const int32_t* idx, const int32_t* targets, int B, int T, float grad_scale, bool sync) {
+  if (!targets) throw std::invalid_argument("forward_backward needs targets");
+  check_batch(idx, targets, B, T);
+  check_backward_allowed();  // before anything changes
+  if (!fused_) {  // the unfused model: the two calls, the full logits kept in between
+    const float loss = forward(idx, targets, B, T);
+    backward(grad_scale, sync);
+    return loss;
+  }
+  load_batch(idx, targets, B, T);
+  const float dloss = begin_backward(grad_scale, sync);
+  with_dtype(storage_, [&](auto s) {
+    using S = decltype(s);
+    forward_t<S>(B, T);
+    classifier_t<S>(Pass::loss_and_grad, dloss);
+    backward_t<S>();
+  });
+  last_only_ = chunked_ = false;
+  end_backward(sync);
+  return mean_loss();
 }
 
 void GPT::decode(const int32_t* idx, int B, int T, int pos) {
@@ -320,14 +376,14 @@ void GPT::decode(const int32_t* idx, int B, int T, int pos) {
     vcache_ = Buffer<uint8_t>(be_.get(), n);
     cache_B_ = B;
   }
-  ensure_activations(B, T);
-  B_ = B;
-  T_ = T;
-  be_->upload(idx_.data(), idx, (int64_t)B * T * sizeof(int32_t));
-  with_dtype(storage_, [&](auto s) { forward_t<decltype(s)>(B, T, true, false, pos, true); });
-  last_only_ = true;
-  have_targets_ = false;
-  logits_valid_ = true;
+  ensure_logits(B);
+  load_batch(idx, nullptr, B, T);
+  with_dtype(storage_, [&](auto s) {
+    forward_t<decltype(s)>(B, T, pos, true);
+    head_t<decltype(s)>(B, T, true, false);
+  });
+  last_only_ = logits_valid_ = true;
+  have_targets_ = chunked_ = false;
   cache_len_ = pos + T;
 }
 
@@ -338,8 +394,8 @@ void GPT::free_cache() {
 }
 
 template <typename S>
-void GPT::forward_t(int B, int T, bool last_only, bool with_targets, int pos, bool cached) {
-  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size, maxT = cfg_.block_size;
+void GPT::forward_t(int B, int T, int pos, bool cached) {
+  const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, maxT = cfg_.block_size;
   const int64_t BT = (int64_t)B * T;
   Backend& k = *be_;
   // Positions [pos, pos + T): the rows of wpe from pos on.
@@ -378,6 +434,13 @@ void GPT::forward_t(int B, int T, bool last_only, bool with_targets, int pos, bo
   }
   const S* final_res = A<S>(residual3_, (L - 1) * BT * C);
   k.layernorm_forward(A<S>(lnf_), lnf_mean_.data(), lnf_rstd_.data(), final_res, P<S>(LNFW), P<S>(LNFB), BT, C);
+}
+
+template <typename S>
+void GPT::head_t(int B, int T, bool last_only, bool with_targets) {
+  const int C = cfg_.n_embd, V = cfg_.vocab_size;
+  const int64_t BT = (int64_t)B * T;
+  Backend& k = *be_;
   if (last_only) {
     for (int b = 0; b < B; b++)
       k.copy(A<S>(last_rows_, (int64_t)b * C), A<S>(lnf_, ((int64_t)b * T + T - 1) * C), C * sizeof(S));
@@ -388,22 +451,77 @@ void GPT::forward_t(int B, int T, bool last_only, bool with_targets, int pos, bo
   if (with_targets) k.cross_entropy_forward(losses_.data(), ce_lse_.data(), A<S>(logits_), targets_.data(), BT, V);
 }
 
-void GPT::backward(float grad_scale, bool sync) {
-  if (!have_targets_ || !logits_valid_)
-    throw std::logic_error("backward() needs a forward() with targets first (and one backward per forward)");
+template <typename S>
+void GPT::classifier_t(Pass pass, float dloss) {
+  // lm_head, softmax and cross-entropy over chunks of rows, so that only (rows, V) logits exist at a time. With a
+  // gradient, each chunk's logits are overwritten by their gradient and go straight into lm_head's backward: dlnf
+  // for its rows, and wte's gradient (accumulated over chunks, as over micro-batches).
+  const int C = cfg_.n_embd, V = cfg_.vocab_size;
+  const int64_t BT = (int64_t)B_ * T_, rows = std::min<int64_t>(classifier_rows_, BT);
+  const int64_t need = rows * V * dtype_size(storage_);
+  if (chunk_.size() < need) {
+    chunk_ = Buffer<uint8_t>();  // the old one goes before the new one is taken
+    chunk_ = Buffer<uint8_t>(be_.get(), need);
+  }
+  Backend& k = *be_;
+  S* z = A<S>(chunk_);  // (rows, V)
+  for (int64_t r0 = 0; r0 < BT; r0 += rows) {
+    const int64_t n = std::min(rows, BT - r0);
+    const S* x = A<S>(lnf_, r0 * C);
+    float* losses = losses_.data() + r0;
+    float* lse = ce_lse_.data() + r0;
+    const int32_t* tgt = targets_.data() + r0;
+    k.matmul_forward(z, x, P<S>(WTE), (const S*)nullptr, n, C, V);
+    if (pass == Pass::loss) {
+      k.cross_entropy_forward(losses, lse, (const S*)z, tgt, n, V);
+      continue;
+    }
+    if (pass == Pass::grad)  // backward() after a chunked forward: the lse it kept
+      k.cross_entropy_backward(z, (const S*)z, lse, tgt, dloss, n, V);
+    else
+      k.cross_entropy_forward_backward(losses, z, (const S*)z, tgt, dloss, n, V);
+    k.matmul_backward(A<S>(dbtc_, r0 * C), G(WTE), nullptr, (const S*)z, x, P<S>(WTE), n, C, V);
+  }
+}
+
+void GPT::check_backward_allowed() const {
   if (grads_unscaled_)
     throw std::logic_error("backward() after the gradients were unscaled (clip_grad_norm or a skipped step) adds "
                            "scaled gradients to unscaled ones: call zero_grad() first");
   if (comm_ && zero_stage_ == 1 && grads_synced_)
     throw std::logic_error("backward() onto gradients already reduced for ZeRO-1 (each rank holds only its shard "
                            "reduced): call zero_grad() first, and sync only the last micro-step of an accumulation");
+}
+
+float GPT::begin_backward(float grad_scale, bool sync) {
   logits_valid_ = false;  // the logit gradients overwrite the logits
+  have_targets_ = false;  // one backward per forward
   stepped_ = false;
   overlap_ = comm_ && sync && zero_stage_ == 0 && comm_->overlaps();
-  const float dloss = (float)(grad_scale * scaler_.scale / ((double)B_ * T_));
-  with_dtype(storage_, [&](auto s) { backward_t<decltype(s)>(dloss); });
+  return (float)(grad_scale * scaler_.scale / ((double)B_ * T_));
+}
+
+void GPT::end_backward(bool sync) {
   grads_dirty_ = true;
   if (sync) sync_grads();
+}
+
+void GPT::backward(float grad_scale, bool sync) {
+  if (!have_targets_)
+    throw std::logic_error("backward() needs a forward() with targets first (and one backward per forward)");
+  check_backward_allowed();
+  const bool chunked = chunked_;
+  const float dloss = begin_backward(grad_scale, sync);
+  with_dtype(storage_, [&](auto s) {
+    using S = decltype(s);
+    if (chunked)
+      classifier_t<S>(Pass::grad, dloss);
+    else
+      head_backward_t<S>(dloss);
+    backward_t<S>();
+  });
+  chunked_ = false;
+  end_backward(sync);
 }
 
 void GPT::reduce_layer_async(int l) {
@@ -442,15 +560,21 @@ double GPT::grad_sumsq() {
 }
 
 template <typename S>
-void GPT::backward_t(float dloss) {
+void GPT::head_backward_t(float dloss) {
+  const int C = cfg_.n_embd, V = cfg_.vocab_size;
+  const int64_t BT = (int64_t)B_ * T_;
+  Backend& k = *be_;
+  S* dlogits = A<S>(logits_);
+  k.cross_entropy_backward(dlogits, A<S>(logits_), ce_lse_.data(), targets_.data(), dloss, BT, V);
+  k.matmul_backward(A<S>(dbtc_), G(WTE), nullptr, dlogits, A<S>(lnf_), P<S>(WTE), BT, C, V);
+}
+
+template <typename S>
+void GPT::backward_t() {
   const int C = cfg_.n_embd, L = cfg_.n_layer, NH = cfg_.n_head, V = cfg_.vocab_size, B = B_, T = T_;
   const int64_t BT = (int64_t)B * T;
   Backend& k = *be_;
-
-  S* dlogits = A<S>(logits_);
-  k.cross_entropy_backward(dlogits, A<S>(logits_), ce_lse_.data(), targets_.data(), dloss, BT, V);
-  S* dlnf = A<S>(dbtc_);
-  k.matmul_backward(dlnf, G(WTE), nullptr, dlogits, A<S>(lnf_), P<S>(WTE), BT, C, V);
+  const S* dlnf = A<S>(dbtc_);  // from the classifier
   S* dres = A<S>(dresidual_);  // d(residual stream), accumulated through the blocks
   k.zero(dres, BT * C * sizeof(S));
   k.layernorm_backward(dres, G(LNFW), G(LNFB), dlnf, A<S>(residual3_, (L - 1) * BT * C), P<S>(LNFW),

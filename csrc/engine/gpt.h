@@ -10,6 +10,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -95,7 +96,25 @@ class GPT {
 
   // Runs the model on idx (B, T), host token ids. With targets, returns the mean cross-entropy loss and keeps what
   // backward needs; without, returns NaN. last_only computes logits for the last position of each row only.
-  float forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only = false);
+  // keep_logits=false (with targets, in a fused model): no logits are kept; the loss is taken over chunks of rows
+  // and backward() recomputes each chunk's logits.
+  float forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only = false,
+                bool keep_logits = true);
+  // The training step's call: forward with targets and backward (as backward(grad_scale, sync)) in one, returning
+  // the mean loss. Fused: lm_head, the loss and its gradient run over chunks of classifier_rows() rows, each
+  // chunk's gradient going straight into lm_head's backward, so the (B, T, V) logits never exist and nothing is
+  // recomputed. Unfused: forward() then backward(). Leaves no logits.
+  float forward_backward(const int32_t* idx, const int32_t* targets, int B, int T, float grad_scale, bool sync = true);
+  // fused (the default): the classifier as forward_backward says (later also the fused kernels of the step);
+  // unfused: one kernel per op and the full logits, the "before torch.compile" model.
+  void set_fused(bool on) { fused_ = on; }
+  bool fused() const { return fused_; }
+  // Rows of logits per classifier chunk (fused model): 4096 on a GPU, 256 on the CPU by default.
+  void set_classifier_rows(int64_t rows) {
+    if (rows < 1) throw std::invalid_argument("classifier_rows must be >= 1, got " + std::to_string(rows));
+    classifier_rows_ = rows;
+  }
+  int64_t classifier_rows() const { return classifier_rows_; }
   // Logits of the last forward, in backend memory and the storage type: (B, T, V), or (B, 1, V) after last_only.
   // Backward overwrites them.
   const void* logits() const { return logits_.data(); }
@@ -162,11 +181,28 @@ class GPT {
   void reduce_layer_async(int l);  // overlap: layer l's gradients are final
   void ensure_activations(int B, int T);
   void check_ids(const int32_t* ids, int64_t n, const char* what) const;  // in [0, vocab_size)
-  // cached: decode()'s forward at position pos (keys and values appended to the cache); else positions [0, T).
+  void check_batch(const int32_t* idx, const int32_t* targets, int B, int T) const;
+  void load_batch(const int32_t* idx, const int32_t* targets, int B, int T);  // sizes, uploads
+  void ensure_logits(int64_t rows);
+  float mean_loss();  // of the last forward's losses (waits for the device)
+  void check_backward_allowed() const;
+  float begin_backward(float grad_scale, bool sync);  // returns the loss gradient of each row
+  void end_backward(bool sync);
+  enum class Pass { loss, grad, loss_and_grad };
+  // The blocks up to ln_f. cached: decode()'s forward at position pos (keys and values appended to the cache);
+  // else positions [0, T).
   template <typename S>
-  void forward_t(int B, int T, bool last_only, bool with_targets, int pos = 0, bool cached = false);
+  void forward_t(int B, int T, int pos = 0, bool cached = false);
+  // lm_head into logits_ (all rows, or the last of each sequence), then the loss with targets.
   template <typename S>
-  void backward_t(float dloss);
+  void head_t(int B, int T, bool last_only, bool with_targets);
+  // lm_head and the loss over chunks of rows (classifier_rows_); grad / loss_and_grad leave dlnf in dbtc_.
+  template <typename S>
+  void classifier_t(Pass pass, float dloss);
+  template <typename S>
+  void head_backward_t(float dloss);  // from the kept logits: dlnf in dbtc_
+  template <typename S>
+  void backward_t();  // from dlnf in dbtc_ down to the embeddings
   template <typename S>
   const S* P(int i, int l = 0) const;  // compute weights of parameter tensor i (its layer l slice)
   float* G(int i, int l = 0);          // gradient tensor i
@@ -199,6 +235,9 @@ class GPT {
   int64_t act_bt_ = 0;
   int B_ = 0, T_ = 0;
   bool have_targets_ = false, last_only_ = false, logits_valid_ = false;
+  bool chunked_ = false;  // the last forward kept no logits: backward recomputes them chunk by chunk
+  bool fused_ = true;
+  int64_t classifier_rows_ = 256;
   // Buffer<uint8_t> holds the storage type (A<S>), Buffer<float> is float in every precision.
   Buffer<int32_t> idx_, targets_;   // (B, T)
   Buffer<uint8_t> encoded_;         // (B, T, C)
@@ -214,7 +253,8 @@ class GPT {
   Buffer<uint8_t> residual3_;       // (L, B, T, C)
   Buffer<uint8_t> lnf_, last_rows_; // (B, T, C)
   Buffer<float> lnf_mean_, lnf_rstd_;
-  Buffer<uint8_t> logits_;          // (B, T, V); backward writes dlogits over it
+  Buffer<uint8_t> logits_;          // (B, T, V) when kept; backward writes dlogits over it
+  Buffer<uint8_t> chunk_;           // (classifier_rows, V): the classifier's logits, then their gradient
   Buffer<float> losses_, ce_lse_;   // (B, T)
   std::vector<float> host_losses_;  // (B, T)
   // KV cache of decode(): keys and values of positions [0, cache_len_) of cache_B_ rows, per layer

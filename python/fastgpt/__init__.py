@@ -3,7 +3,8 @@
     import fastgpt
     model = fastgpt.GPT(fastgpt.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=50304))
     opt = fastgpt.AdamW(model, lr=6e-4)
-    logits, loss = model.forward(x, y); model.backward(); opt.clip_grad_norm(1.0); opt.step(); model.zero_grad()
+    loss = model.forward_backward(x, y); opt.clip_grad_norm(1.0); opt.step(); model.zero_grad()
+    # or PyTorch's shape: logits, loss = model(x, y); model.backward(); ...
 
 The C++ core (fastgpt._C) holds the model, optimizer and kernels; this package is a thin layer over it.
 """

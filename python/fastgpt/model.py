@@ -63,9 +63,14 @@ class GPT:
     fastgpt.distributed.init() found one with more than one rank; True forces it (a world of one without a
     launcher), False never. A replica starts from rank 0's weights and averages gradients over ranks once per
     optimizer step: on the backward with `require_backward_grad_sync` True (DDP's attribute; build-nanogpt sets it
-    on the last micro-step), or at the latest in clip_grad_norm/step. device='cuda' means cuda:LOCAL_RANK then."""
+    on the last micro-step), or at the latest in clip_grad_norm/step. device='cuda' means cuda:LOCAL_RANK then.
 
-    def __init__(self, config=None, device="cpu", precision="fp32", seed=0, data_parallel=None):
+    fused (the default): the hand-fused model. Today that is the classifier: in forward_backward (the training
+    step's call) lm_head, softmax, cross-entropy and their gradients run over chunks of rows, so the (B, T, V)
+    logits never exist; forward(..., return_logits=False) keeps none either. fused=False is the model before
+    torch.compile: one kernel per op, the full logits kept (the progression notebook's early rungs)."""
+
+    def __init__(self, config=None, device="cpu", precision="fp32", seed=0, data_parallel=None, fused=True):
         self.config = (GPTConfig() if config is None else config).validate()
         _check_device(device, precision)
         if data_parallel not in (None, True, False):
@@ -80,8 +85,11 @@ class GPT:
         self.device, self.precision = device, precision
         seed = check_int(seed, "seed", low=0, high=2**64 - 1)
         c = self.config
+        if fused not in (True, False):
+            raise ValueError(f"fused must be True or False, got {fused!r}")
         self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed, device, precision,
-                              comm)
+                              comm, fused=fused)
+        self.fused = fused
         self.data_parallel = bool(data_parallel)
         self.require_backward_grad_sync = True
         self._layout = [(name, tuple(shape), offset) for name, shape, offset in self._engine.named_views()]
@@ -102,15 +110,21 @@ class GPT:
             raise ValueError(f"{name} must have B >= 1 and T >= 1, got shape {ids.shape}")
         return ids
 
-    def forward(self, idx, targets=None, *, return_logits=True):
-        """idx, targets: int arrays (B, T). Returns (logits (B, T, vocab_size) float32 copy, mean loss or None)."""
+    def _batch(self, idx, targets):
         ids = self._ids(idx, "idx")
-        tgt = None
-        if targets is not None:
-            tgt = self._ids(targets, "targets")
-            if tgt.shape != ids.shape:
-                raise ValueError(f"targets shape {tgt.shape} must equal idx shape {ids.shape}")
-        loss = self._engine.forward(ids, tgt, False)
+        if targets is None:
+            return ids, None
+        tgt = self._ids(targets, "targets")
+        if tgt.shape != ids.shape:
+            raise ValueError(f"targets shape {tgt.shape} must equal idx shape {ids.shape}")
+        return ids, tgt
+
+    def forward(self, idx, targets=None, *, return_logits=True):
+        """idx, targets: int arrays (B, T). Returns (logits (B, T, vocab_size) float32 copy, mean loss or None).
+        return_logits=False returns (None, loss) and, in a fused model, keeps no logits (backward() then recomputes
+        them chunk by chunk: forward_backward is the training step's faster call)."""
+        ids, tgt = self._batch(idx, targets)
+        loss = self._engine.forward(ids, tgt, False, keep_logits=bool(return_logits) or tgt is None)
         logits = None
         if return_logits:  # an fp32 CPU view is copied (backward overwrites it); others arrive as copies already
             logits = self._engine.logits()
@@ -125,6 +139,27 @@ class GPT:
         with it where the communicator can; otherwise they only accumulate, as under DDP's no_sync()."""
         sync = self.require_backward_grad_sync if sync is None else sync
         self._engine.backward(check_float(grad_scale, "grad_scale"), bool(sync))
+
+    def forward_backward(self, idx, targets, grad_scale=1.0, sync=None):
+        """The training step's forward and backward in one call: returns the mean loss (a float) and adds the
+        gradients of grad_scale * loss to the gradient buffer, as forward(idx, targets) then backward(grad_scale,
+        sync) would (sync as there). In a fused model the (B, T, V) logits never exist: lm_head, the loss and its
+        gradient run over chunks of rows. Leaves no logits and no pending backward."""
+        ids, tgt = self._batch(idx, targets)
+        if tgt is None:
+            raise ValueError("forward_backward needs targets (B, T)")
+        sync = self.require_backward_grad_sync if sync is None else sync
+        return float(self._engine.forward_backward(ids, tgt, check_float(grad_scale, "grad_scale"), bool(sync)))
+
+    @property
+    def classifier_rows(self):
+        """Rows of logits per chunk of the fused classifier (default 4096 on a GPU, 256 on the CPU): fewer hold
+        less memory ((rows, vocab_size) logits at a time) but read and write wte's gradient once per chunk."""
+        return int(self._engine.classifier_rows)
+
+    @classifier_rows.setter
+    def classifier_rows(self, rows):
+        self._engine.classifier_rows = check_int(rows, "classifier_rows", low=1)
 
     def zero_grad(self):
         self._engine.zero_grad()
@@ -330,6 +365,7 @@ class GPT:
     def __repr__(self):
         dp = f", rank {self.rank} of {self.world_size}" if self.data_parallel else ""
         return (f"fastgpt.GPT({asdict(self.config)}, device={self.device!r}, precision={self.precision!r}, "
+                f"fused={self.fused}, "
                 f"{self.num_parameters():,} parameters{dp})")
 
 

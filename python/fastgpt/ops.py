@@ -350,12 +350,15 @@ def cross_entropy_forward(logits, targets):
     n = int(np.prod(_shape(logits)[:-1], dtype=np.int64))
     losses, lse = d.empty((n,)), d.empty((n,))
     _ops.cross_entropy_forward(d.arg(losses), d.arg(lse), d.arg(logits), d.arg(targets), d.stream)
-    if not n:
-        return float("nan"), losses, lse
+    return _mean_loss(d, losses), losses, lse
+
+
+def _mean_loss(d, losses):
+    if not _shape(losses)[0]:
+        return float("nan")
     if isinstance(d, _Device):  # reduced in the caller's framework, on its stream (NumPy cannot take CuPy arrays)
-        mean = losses.double().mean() if d.module == "torch" else losses.astype("float64").mean()
-        return float(mean), losses, lse
-    return float(to_numpy(losses, "losses").astype(np.float64).mean()), losses, lse
+        return float(losses.double().mean() if d.module == "torch" else losses.astype("float64").mean())
+    return float(to_numpy(losses, "losses").astype(np.float64).mean())
 
 
 def cross_entropy_backward(logits, targets, lse, grad=1.0):
@@ -369,6 +372,22 @@ def cross_entropy_backward(logits, targets, lse, grad=1.0):
     _ops.cross_entropy_backward(d.arg(dlogits), d.arg(logits), d.arg(targets), d.arg(lse),
                                 check_float(grad, "grad") / n, d.stream)
     return dlogits
+
+
+def cross_entropy_forward_backward(logits, targets, grad=1.0):
+    """The loss and its gradient in one pass over the logits (the training step's classifier, where the engine
+    writes the gradient over the logits): -> (mean loss, losses (N,), dlogits), dlogits the gradient of
+    grad * mean loss."""
+    d = _where(logits, targets)
+    logits, targets = d.storage(logits, "logits"), d.ids(targets, "targets")
+    if isinstance(d, _Device):
+        d.check_vocab(_shape(logits)[-1], "targets")
+    n = int(np.prod(_shape(logits)[:-1], dtype=np.int64))
+    losses = d.empty((n,))
+    dlogits = d.empty(_shape(logits), like=logits)
+    _ops.cross_entropy_forward_backward(d.arg(losses), d.arg(dlogits), d.arg(logits), d.arg(targets),
+                                        check_float(grad, "grad") / max(n, 1), d.stream)
+    return _mean_loss(d, losses), losses, dlogits
 
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):

@@ -405,9 +405,9 @@ def main(argv=None):
                 loss = 0.0
                 for micro in range(grad_accum):
                     x, y = train_loader.next_batch()
-                    loss += model.forward(x, y, return_logits=False)[1] / grad_accum
                     model.require_backward_grad_sync = micro == grad_accum - 1  # reduce over ranks once, at the end
-                    model.backward(grad_scale=1.0 / grad_accum)  # the mean over micro steps, as one big batch would
+                    # the mean over micro steps, as one big batch would
+                    loss += model.forward_backward(x, y, grad_scale=1.0 / grad_accum) / grad_accum
                 stop = stop_signal.signum is not None
                 if world_size > 1:  # one collective: the mean loss, and whether a signal reached any rank
                     loss_sum, stops = distributed.all_reduce([loss, float(stop)])

@@ -35,12 +35,23 @@ struct Block {
   Warp warps[32];
   unsigned char* smem;
   size_t smem_bytes;
+  std::mutex statics_mu;
+  std::map<int, std::vector<unsigned char>> statics;  // static __shared__ arrays, by source line
   explicit Block(int n) : bar(n) {}
 };
 inline thread_local dim3 tl_tid, tl_bid;
 inline dim3 g_grid, g_block;
 inline thread_local Block* tl_block;
 inline unsigned char* smem() { return tl_block->smem; }
+// A static `__shared__ T name[n];` (run.sh rewrites the declaration): one array per block, the first thread to
+// reach it makes it, garbage-filled (NaN) as real shared memory is unset.
+template <typename T>
+T* static_smem(int line, size_t n) {
+  std::lock_guard<std::mutex> lock(tl_block->statics_mu);
+  auto& a = tl_block->statics[line];
+  if (a.empty()) a.assign(n * sizeof(T), 0xff);
+  return reinterpret_cast<T*>(a.data());
+}
 inline Warp& warp() { return tl_block->warps[tl_tid.x / 32]; }
 inline int lane() { return tl_tid.x % 32; }
 [[noreturn]] inline void die(const char* m) { fprintf(stderr, "EMU FATAL: %s\n", m); fflush(stderr); abort(); }
@@ -273,6 +284,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define gridDim emu::g_grid
 #define blockDim emu::g_block
 #define __syncthreads() emu::syncthreads()
+#define __fmul_rn(a, b) ((float)(a) * (float)(b))  // host float arithmetic rounds to nearest (SSE, no fast-math)
+#define __fsub_rn(a, b) ((float)(a) - (float)(b))
 #define __shfl_xor_sync emu::shfl_xor
 #define __shfl_sync emu::shfl
 #define atomicAdd emu::atomic_add

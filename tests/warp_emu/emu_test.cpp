@@ -1,8 +1,9 @@
 // Checks the flash attention kernels, run in the warp emulator (emu.h; see run.sh), against a float64 reference:
 // out, lse, dq, dk, dv by relative error, per dtype (bf16 3e-2, fp16 5e-3, fp32 1e-4: half inputs are rounded
 // before the reference sees them, so these bound the kernels' own error), over both layouts, causal or not, T that
-// is and is not a multiple of the tiles, atomic and deterministic dq, and the engine's fused qkv path. Outputs and
-// shared memory start as NaN, so an element a kernel forgets to write fails. Modes (argv[1]) pick the case lists.
+// is and is not a multiple of the tiles, atomic and deterministic dq, and the engine's fused qkv path; also the
+// KV-cache decode and the cross-entropy kernels. Outputs and shared memory start as NaN, so an element a kernel
+// forgets to write fails. Modes (argv[1]) pick the case lists.
 #include "emu.h"
 #include "cuda/ops.h"
 #include <random>
@@ -230,6 +231,62 @@ void run_sm75_cases(unsigned& seed) {
   emu::g_cc_major = 9;
 }
 
+// Cross-entropy (cross_entropy.cu) on rows of logits stored as S: forward + backward, and forward_backward both
+// into a separate gradient and in place (the engine's classifier writes it over the logits), against float64 from
+// the same stored values. The in-place and separate results must be the same bits.
+template <typename S>
+void run_cross_entropy(int N, int V, float amp, double tol, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<S> x(N * (size_t)V);
+  std::vector<double> xd(x.size());
+  std::vector<int32_t> tgt(N);
+  for (size_t i = 0; i < x.size(); i++) {
+    x[i] = from_float<S>(amp * nd(rng));
+    xd[i] = to_float(x[i]);
+  }
+  for (int n = 0; n < N; n++) tgt[n] = (int32_t)(rng() % V);
+  const float dloss = 0.37f;
+  std::vector<double> rloss(N), rgrad(x.size());
+  for (int n = 0; n < N; n++) {
+    const double* r = &xd[(size_t)n * V];
+    double mx = -INFINITY, sum = 0;
+    for (int j = 0; j < V; j++) mx = std::max(mx, r[j]);
+    for (int j = 0; j < V; j++) sum += std::exp(r[j] - mx);
+    const double l = mx + std::log(sum);
+    rloss[n] = l - r[tgt[n]];
+    for (int j = 0; j < V; j++) rgrad[(size_t)n * V + j] = (std::exp(r[j] - l) - (j == tgt[n])) * dloss;
+  }
+  auto wide = [](const std::vector<S>& a) {
+    std::vector<double> o(a.size());
+    for (size_t i = 0; i < a.size(); i++) o[i] = to_float(a[i]);
+    return o;
+  };
+  std::vector<float> l1(N, NAN), lse(N, NAN), l2(N, NAN), l3(N, NAN);
+  std::vector<S> g1(x.size(), from_float<S>(NAN)), g2(x.size(), from_float<S>(NAN)), g3 = x;
+  cuda::cross_entropy_forward(l1.data(), lse.data(), x.data(), tgt.data(), N, V, nullptr);
+  cuda::cross_entropy_backward(g1.data(), x.data(), lse.data(), tgt.data(), dloss, N, V, nullptr);
+  cuda::cross_entropy_forward_backward(l2.data(), g2.data(), x.data(), tgt.data(), dloss, N, V, nullptr);
+  cuda::cross_entropy_forward_backward(l3.data(), g3.data(), g3.data(), tgt.data(), dloss, N, V, nullptr);
+  auto dbl = [](const std::vector<float>& a) { return std::vector<double>(a.begin(), a.end()); };
+  const double e1 = relerr(dbl(l1), rloss), e2 = relerr(dbl(l2), rloss), d1 = relerr(wide(g1), rgrad),
+               d2 = relerr(wide(g2), rgrad);
+  const bool same = l2 == l3 && memcmp(g2.data(), g3.data(), g2.size() * sizeof(S)) == 0;
+  const bool ok = e1 < 1e-5 && e2 < 1e-5 && d1 < tol && d2 < tol && same;
+  if (!ok) failures++;
+  printf("%s cross_entropy %zu-byte N=%d V=%d amp=%g: loss %.2e / %.2e, dlogits %.2e / %.2e, in place %s\n",
+         ok ? "ok  " : "FAIL", sizeof(S), N, V, amp, e1, e2, d1, d2, same ? "same bits" : "DIFFERS");
+  fflush(stdout);
+}
+
+void run_cross_entropy_cases(unsigned& seed) {
+  run_cross_entropy<float>(3, 1000, 1.f, 1e-5, seed++);
+  run_cross_entropy<float>(2, 2, 1.f, 1e-5, seed++);          // fewer columns than threads
+  run_cross_entropy<float>(2, 1537, 30.f, 1e-5, seed++);      // peaky rows: the running max moves a lot
+  run_cross_entropy<bf16>(2, 777, 3.f, 8e-3, seed++);         // gradients rounded to 8 bits
+  run_cross_entropy<f16>(2, 600, 3.f, 1e-3, seed++);
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "quick";
   emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
@@ -238,6 +295,9 @@ int main(int argc, char** argv) {
     if (mode == "quick") {
       run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
       run_sm75_cases(seed);
+      run_cross_entropy_cases(seed);
+    } else if (mode == "ce") {
+      run_cross_entropy_cases(seed);
     } else if (mode == "tc") {
       for (int d : {64, 128})
         for (int T : {1, 17, 64, 100, 130})
