@@ -87,6 +87,11 @@ def test_fused_and_unfused_models_agree_and_the_fused_one_keeps_no_logits(rng, p
     es = 4 if precision == "fp32" else 2
     saved = unfused.memory()["activations"] - fused.memory()["activations"]
     assert saved == (B * T - rows) * SMALL.vocab_size * es  # (B*T, V) logits there, (rows, V) here
+    # Logits asked for take the full buffer, and later chunks reuse it: one logits buffer, never two.
+    logits, _ = fused(x, y)
+    assert logits.shape == (B, T, SMALL.vocab_size)
+    fused.forward_backward(x, y)
+    assert fused.memory()["activations"] == unfused.memory()["activations"]
 
 
 def test_accumulation_and_fp16_loss_scale(rng):

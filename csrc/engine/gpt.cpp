@@ -181,7 +181,7 @@ void GPT::load_compute_params(const float* host) {
 int64_t GPT::activation_bytes() const {
   int64_t n = 0;
   for (const auto* b : {&encoded_, &ln1_, &qkv_, &atty_, &residual2_, &ln2_, &fch_, &fch_gelu_, &residual3_, &lnf_,
-                        &last_rows_, &logits_, &chunk_, &dresidual_, &dbtc_, &dbt4c_, &dqkv_})
+                        &last_rows_, &logits_, &dresidual_, &dbtc_, &dbt4c_, &dqkv_})
     n += b->size();
   for (const auto* b : {&ln1_mean_, &ln1_rstd_, &att_lse_, &ln2_mean_, &ln2_rstd_, &lnf_mean_, &lnf_rstd_, &losses_,
                         &ce_lse_})
@@ -336,13 +336,13 @@ float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, boo
 
 float GPT::forward_backward(const int32_t* idx, const int32_t* targets, int B, int T, float grad_scale, bool sync) {
   if (!targets) throw std::invalid_argument("forward_backward needs targets");
-  check_batch(idx, targets, B, T);
   check_backward_allowed();  // before anything changes
   if (!fused_) {  // the unfused model: the two calls, the full logits kept in between
     const float loss = forward(idx, targets, B, T);
     backward(grad_scale, sync);
     return loss;
   }
+  check_batch(idx, targets, B, T);
   load_batch(idx, targets, B, T);
   const float dloss = begin_backward(grad_scale, sync);
   with_dtype(storage_, [&](auto s) {
@@ -458,13 +458,9 @@ void GPT::classifier_t(Pass pass, float dloss) {
   // for its rows, and wte's gradient (accumulated over chunks, as over micro-batches).
   const int C = cfg_.n_embd, V = cfg_.vocab_size;
   const int64_t BT = (int64_t)B_ * T_, rows = std::min<int64_t>(classifier_rows_, BT);
-  const int64_t need = rows * V * dtype_size(storage_);
-  if (chunk_.size() < need) {
-    chunk_ = Buffer<uint8_t>();  // the old one goes before the new one is taken
-    chunk_ = Buffer<uint8_t>(be_.get(), need);
-  }
+  ensure_logits(rows);  // the logits buffer holds one chunk at a time (whatever an earlier forward kept is gone)
   Backend& k = *be_;
-  S* z = A<S>(chunk_);  // (rows, V)
+  S* z = A<S>(logits_);  // (rows, V)
   for (int64_t r0 = 0; r0 < BT; r0 += rows) {
     const int64_t n = std::min(rows, BT - r0);
     const S* x = A<S>(lnf_, r0 * C);

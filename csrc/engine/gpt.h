@@ -253,8 +253,9 @@ class GPT {
   Buffer<uint8_t> residual3_;       // (L, B, T, C)
   Buffer<uint8_t> lnf_, last_rows_; // (B, T, C)
   Buffer<float> lnf_mean_, lnf_rstd_;
-  Buffer<uint8_t> logits_;          // (B, T, V) when kept; backward writes dlogits over it
-  Buffer<uint8_t> chunk_;           // (classifier_rows, V): the classifier's logits, then their gradient
+  // (B, T, V) when kept, else (classifier_rows, V): one chunk of the fused classifier at a time. Backward (and the
+  // fused classifier) write the logit gradients over the logits.
+  Buffer<uint8_t> logits_;
   Buffer<float> losses_, ce_lse_;   // (B, T)
   std::vector<float> host_losses_;  // (B, T)
   // KV cache of decode(): keys and values of positions [0, cache_len_) of cache_B_ rows, per layer

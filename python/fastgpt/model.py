@@ -124,7 +124,7 @@ class GPT:
         return_logits=False returns (None, loss) and, in a fused model, keeps no logits (backward() then recomputes
         them chunk by chunk: forward_backward is the training step's faster call)."""
         ids, tgt = self._batch(idx, targets)
-        loss = self._engine.forward(ids, tgt, False, keep_logits=bool(return_logits) or tgt is None)
+        loss = self._engine.forward(ids, tgt, False, keep_logits=bool(return_logits))
         logits = None
         if return_logits:  # an fp32 CPU view is copied (backward overwrites it); others arrive as copies already
             logits = self._engine.logits()
