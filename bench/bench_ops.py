@@ -17,7 +17,8 @@ import time
 
 from _common import OtherLoad, default_threads, environment, report_other_load, write_json
 
-CASES = ("embedding", "layernorm", "matmul", "attention", "gelu", "cross_entropy", "adamw")
+CASES = ("embedding", "layernorm", "residual_layernorm", "matmul", "matmul_gelu", "attention", "gelu", "cross_entropy",
+         "adamw")
 LINEARS = ("attn", "attn_proj", "fc", "fc_proj", "lm_head")  # every distinct nn.Linear shape of GPT-2
 
 
@@ -142,6 +143,20 @@ def run_cases(args):
               th_fwd,
               lambda: torch.autograd.grad(th_out, (x_t, w_t, b_t), dout_t, retain_graph=True))
 
+    if "residual_layernorm" in selected:  # the fused model's skip connection: the add and the LayerNorm after it
+        a, b, w, bias, dout = randn(B, T, C), randn(B, T, C), randn(C), randn(C), randn(B, T, C)
+        res, _, mean, rstd = ops.residual_layernorm_forward(a, b, w, bias)
+        a_t, b_t, w_t, bias_t, dout_t = tt(a), tt(b), tt(w), tt(bias), torch.from_numpy(dout)
+
+        def th_fwd():
+            return F.layer_norm(a_t + b_t, (C,), w_t, bias_t, 1e-5)
+        th_out = th_fwd()
+        bench("residual_layernorm", f"a,b({B},{T},{C})",
+              lambda: ops.residual_layernorm_forward(a, b, w, bias)[1],
+              lambda: ops.layernorm_backward(dout, res, w, mean, rstd),  # the fused op's backward
+              th_fwd,
+              lambda: torch.autograd.grad(th_out, (a_t, w_t, bias_t), dout_t, retain_graph=True))  # grad of b = of a
+
     if "matmul" in selected:
         shapes = {"attn": (C, 3 * C, True), "attn_proj": (C, C, True), "fc": (C, 4 * C, True),
                   "fc_proj": (4 * C, C, True), "lm_head": (C, V, False)}
@@ -182,6 +197,22 @@ def run_cases(args):
               lambda: ops.attention_backward(dout, qkv, out, lse, NH),
               th_fwd,
               lambda: torch.autograd.grad(th_out, qkv_t, dout_t, retain_graph=True)[0])
+
+    if "matmul_gelu" in selected:  # the fused model's MLP: fc + GELU forward, fc_proj's backward through the GELU
+        x, w1, b1 = randn(B, T, C), randn(4 * C, C, scale=0.02), randn(4 * C)
+        w2, b2, dy = randn(C, 4 * C, scale=0.02), randn(C), randn(B, T, C)
+        h, pre = ops.matmul_forward_gelu(x, w1, b1)
+        x_t, w1_t, b1_t, w2_t, b2_t = tt(x), tt(w1), tt(b1), tt(w2), tt(b2)
+        pre_t, dy_t = tt(pre), torch.from_numpy(dy)
+
+        def th_fwd():
+            return F.gelu(F.linear(x_t, w1_t, b1_t), approximate="tanh")
+        th_y = F.linear(F.gelu(pre_t, approximate="tanh"), w2_t, b2_t)
+        bench("matmul_gelu", f"fc x({B},{T},{C}) | fc_proj dy",
+              lambda: ops.matmul_forward_gelu(x, w1, b1)[0],
+              lambda: ops.matmul_backward_dgelu(dy, h, w2, pre),
+              th_fwd,
+              lambda: torch.autograd.grad(th_y, (pre_t, w2_t, b2_t), dy_t, retain_graph=True))
 
     if "gelu" in selected:
         x, dout = randn(B, T, 4 * C), randn(B, T, 4 * C)
@@ -235,7 +266,7 @@ def run_cases(args):
     return rows
 
 
-HEADER = (f"{'op':<14} {'pass':<5} {'shape':<42} {'fastgpt ms':>11} {'torch ms':>10} {'torch/fastgpt':>14} "
+HEADER = (f"{'op':<18} {'pass':<5} {'shape':<42} {'fastgpt ms':>11} {'torch ms':>10} {'torch/fastgpt':>14} "
           f"{'max|diff|':>10}")
 
 
@@ -245,7 +276,7 @@ def print_header():
 
 
 def print_row(r, flush=False):
-    print(f"{r['op']:<14} {r['pass']:<5} {r['shape']:<42} {r['fastgpt_ms']:>11.3f} {r['torch_ms']:>10.3f} "
+    print(f"{r['op']:<18} {r['pass']:<5} {r['shape']:<42} {r['fastgpt_ms']:>11.3f} {r['torch_ms']:>10.3f} "
           f"{r['ratio']:>13.2f}x {r['max_abs_diff']:>10.2e}", flush=flush)
 
 

@@ -372,6 +372,26 @@ void bind_ops(py::module_& m) {
     TYPED(x, FASTGPT_DISPATCH(c, layernorm_forward<S>, out.as<S>(), mean.f(), rstd.f(), x.as<S>(), w.as<S>(),
                               b.as<S>(), N, C));
   });
+  m.def("residual_layernorm_forward", [](H res_, H out_, H mean_, H rstd_, H a_, H b_, H w_, H bias_,
+                                         uintptr_t stream) {
+    View res = view_of(res_, "res", 'a'), out = view_of(out_, "out", 'a'), mean = view_of(mean_, "mean", 'f'),
+         rstd = view_of(rstd_, "rstd", 'f'), a = view_of(a_, "a", 'a'), b = view_of(b_, "b", 'a'),
+         w = view_of(w_, "weight", 'a'), bias = view_of(bias_, "bias", 'a');
+    same_dtype({{&a, "a"}, {&b, "b"}, {&w, "weight"}, {&bias, "bias"}, {&res, "res"}, {&out, "out"}});
+    need(w.ndim() == 1 && bias.shape == w.shape,
+         "weight and bias must be 1-D of the same length, got " + shape_str(w.shape) + " and " +
+             shape_str(bias.shape));
+    const int C = w.shape[0];
+    const int64_t N = rows_of(a, C, "a");
+    same_shape(b, a, "b", "a");
+    same_shape(res, a, "res", "a");
+    same_shape(out, a, "out", "a");
+    need(mean.size() == N && rstd.size() == N, "mean and rstd must hold one value per row (" + std::to_string(N) + ")");
+    Ctx c = context({&res, &out, &mean, &rstd, &a, &b, &w, &bias}, stream);
+    py::gil_scoped_release nogil;
+    TYPED(a, FASTGPT_DISPATCH(c, residual_layernorm_forward<S>, res.as<S>(), out.as<S>(), mean.f(), rstd.f(),
+                              a.as<S>(), b.as<S>(), w.as<S>(), bias.as<S>(), N, C));
+  });
   m.def("layernorm_backward", [](H dx_, H dw_, H db_, H dout_, H x_, H w_, H mean_, H rstd_, uintptr_t stream) {
     View dx = view_of(dx_, "dx", 'a'), dw = view_of(dw_, "dweight", 'f'), db = view_of(db_, "dbias", 'f'),
          dout = view_of(dout_, "dout", 'a'), x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a'),
@@ -422,6 +442,43 @@ void bind_ops(py::module_& m) {
     py::gil_scoped_release nogil;
     TYPED(x, FASTGPT_DISPATCH(c, matmul_backward<S>, dx.as<S>(), dw.f(), dbp, dout.as<S>(), x.as<S>(), w.as<S>(), N,
                               C, OC));
+  });
+  m.def("matmul_forward_gelu", [](H out_, H pre_, H x_, H w_, std::optional<H> bias_, uintptr_t stream) {
+    View out = view_of(out_, "out", 'a'), pre = view_of(pre_, "pre", 'a'), x = view_of(x_, "x", 'a'),
+         w = view_of(w_, "weight", 'a');
+    View bias = bias_ ? view_of(*bias_, "bias", 'a') : x;
+    same_dtype({{&x, "x"}, {&w, "weight"}, {&bias, "bias"}, {&out, "out"}, {&pre, "pre"}});
+    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
+    const int OC = w.shape[0], C = w.shape[1];
+    const int64_t N = rows_of(x, C, "x");
+    if (bias_) shape_is(bias, {OC}, "bias");
+    need(rows_of(out, OC, "out") == N, "out must have as many rows as x");
+    same_shape(pre, out, "pre", "out");
+    Ctx c = context({&out, &pre, &x, &w, &bias}, stream);
+    const bool has_bias = bool(bias_);
+    py::gil_scoped_release nogil;
+    TYPED(x, FASTGPT_DISPATCH(c, matmul_forward_gelu<S>, out.as<S>(), pre.as<S>(), x.as<S>(), w.as<S>(),
+                              has_bias ? bias.as<S>() : nullptr, N, C, OC));
+  });
+  m.def("matmul_backward_dgelu", [](H dpre_, H dw_, std::optional<H> db_, H dout_, H x_, H w_, H pre_,
+                                    uintptr_t stream) {
+    View dpre = view_of(dpre_, "dpre", 'a'), dw = view_of(dw_, "dweight", 'f'), dout = view_of(dout_, "dout", 'a'),
+         x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a'), pre = view_of(pre_, "pre", 'a');
+    same_dtype({{&x, "x"}, {&w, "weight"}, {&dout, "dout"}, {&pre, "pre"}, {&dpre, "dpre"}});
+    View db = db_ ? view_of(*db_, "dbias", 'f') : x;
+    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
+    const int OC = w.shape[0], C = w.shape[1];
+    const int64_t N = rows_of(x, C, "x");
+    need(rows_of(dout, OC, "dout") == N, "dout must have as many rows as x");
+    same_shape(pre, x, "pre", "x");
+    same_shape(dpre, x, "dpre", "x");
+    same_shape(dw, w, "dweight", "weight");
+    if (db_) shape_is(db, {OC}, "dbias");
+    Ctx c = context({&dpre, &dw, &db, &dout, &x, &w, &pre}, stream);
+    float* dbp = db_ ? db.f() : nullptr;
+    py::gil_scoped_release nogil;
+    TYPED(x, FASTGPT_DISPATCH(c, matmul_backward_dgelu<S>, dpre.as<S>(), dw.f(), dbp, dout.as<S>(), x.as<S>(),
+                              w.as<S>(), pre.as<S>(), N, C, OC));
   });
   m.def("gelu_forward", [](H out_, H x_, uintptr_t stream) {
     View out = view_of(out_, "out", 'a'), x = view_of(x_, "x", 'a');

@@ -2,7 +2,9 @@
 initcheck, synccheck): embedding, layernorm, cuBLASLt matmuls, attention, GELU, residual, cross-entropy, backward,
 grad-norm clipping and AdamW, all on the model's own stream, one step through each classifier path (the full logits,
 forward_backward's chunks of 37 rows, backward's recomputed chunks); then 20 tokens of generation through the KV
-cache (prefill, decode steps, the window sliding past block_size). It checks nothing numerically (the tests do); it
+cache (prefill, decode steps, the window sliding past block_size). The fused model (the residual add with the
+LayerNorm after it, the GELU in cuBLASLt epilogues in 16 bits) in every precision, then the unfused one in bf16 for
+the kernels it alone runs (residual add, GELU). It checks nothing numerically (the tests do); it
 exits non-zero only if a call raises or a loss is not finite.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/train_sanitize.py"""
 import math
@@ -15,8 +17,9 @@ import fastgpt
 def main():
     cfg = fastgpt.GPTConfig(block_size=64, vocab_size=211, n_layer=2, n_head=2, n_embd=64)
     rng = np.random.default_rng(0)
-    for precision in ("fp32", "tf32", "bf16", "fp16"):
-        model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1)
+    for precision, fused in (("fp32", True), ("tf32", True), ("bf16", True), ("fp16", True), ("bf16", False)):
+        model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused)
+        name = precision if fused else f"{precision} unfused"
         opt = fastgpt.AdamW(model, lr=1e-3)
         model.classifier_rows = 37  # chunks that do not divide B*T = 96
         for step in range(3):
@@ -31,9 +34,9 @@ def main():
             opt.clip_grad_norm(1.0)
             opt.step()
             if not math.isfinite(loss):
-                raise SystemExit(f"{precision}: loss {loss}")
+                raise SystemExit(f"{name}: loss {loss}")
         out = model.generate(rng.integers(0, cfg.vocab_size, (3, 50)), 20, top_k=20, top_p=0.9, seed=0)
-        print(f"train_sanitize {precision}: 3 steps, last loss {loss:.4f}; generated {out.shape[1] - 50} tokens")
+        print(f"train_sanitize {name}: 3 steps, last loss {loss:.4f}; generated {out.shape[1] - 50} tokens")
 
 
 if __name__ == "__main__":

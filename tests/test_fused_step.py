@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastgpt
-from devices import needs_cuda
+from devices import DEVICES, needs_cuda
 from reference_gpt import ref_from_fastgpt, rel_err
 
 TOL = 1e-5
@@ -92,6 +92,38 @@ def test_fused_and_unfused_models_agree_and_the_fused_one_keeps_no_logits(rng, p
     assert logits.shape == (B, T, SMALL.vocab_size)
     fused.forward_backward(x, y)
     assert fused.memory()["activations"] == unfused.memory()["activations"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_fused_residual_layernorm_keeps_the_unfused_forward_bits(rng, precision, device):
+    # The fused model takes every residual add with the LayerNorm that reads it (ln_2; the next block's ln_1, or
+    # ln_f after the last block): one kernel, sharing the LayerNorm's body, so the logits must be the unfused
+    # model's bits on either device. Three layers: the fusion across block boundaries and into ln_f both run.
+    if device == "cuda" and precision == "fp32":
+        pytest.skip("fp32 on the GPU: the same kernels, covered by bf16/fp16 and the CPU")
+    seed = int(rng.integers(1 << 31))
+    fused = fastgpt.GPT(ODD, seed=seed, precision=precision, device=device)
+    unfused = fastgpt.GPT(ODD, seed=seed, precision=precision, device=device, fused=False)
+    # LayerNorms start as weight 1, bias 0 in every layer: random ones, so a fused add that reached the wrong
+    # layer's LayerNorm would show.
+    state = {k: np.array(v) for k, v in fused.state_dict().items()}
+    for name, v in state.items():
+        if ".ln_" in name:
+            state[name] = (v + rng.standard_normal(v.shape) * 0.5).astype(np.float32)
+    fused.load_state_dict(state)
+    unfused.load_state_dict(state)
+    x, y = batch(rng, 3, 16, ODD.vocab_size)
+    (lf, loss_f), (lu, loss_u) = fused(x, y), unfused(x, y)
+    assert loss_f == loss_u
+    lf, lu = (np.asarray(t.float().cpu() if isinstance(t, torch.Tensor) else t, dtype=np.float32) for t in (lf, lu))
+    assert np.array_equal(lf, lu)
+    # and the backward that follows reads what the fused forward kept (res, mean, rstd) as the unfused one does
+    fused.backward()
+    unfused.backward()
+    g_unfused = unfused.grads()
+    for name, g in fused.grads().items():
+        assert np.array_equal(g, g_unfused[name]), name
 
 
 def test_accumulation_and_fp16_loss_scale(rng):
@@ -192,10 +224,18 @@ def test_cuda_fused_and_unfused_models_agree(rng, precision):
     unfused = fastgpt.GPT(SMALL, device="cuda", seed=seed, precision=precision, fused=False)
     fused.classifier_rows = 40
     x, y = batch(rng, 4, 32, SMALL.vocab_size)
+    ref_loss, ref_grads = torch_grads(fused, x, y, 1.0)  # float64 from the same fp32 masters
     lf, lu = fused.forward_backward(x, y), unfused.forward_backward(x, y)
-    # The fused kernel's (max, sum) is merged in another order than the two-kernel path's: float rounding apart.
-    assert abs(lf - lu) <= 1e-6 * lu
-    g_unfused = unfused.grads()
-    for name, g in fused.grads().items():
-        assert rel_err(g, g_unfused[name]) < 1e-3, name
+    # The fused model rounds in other places than the unfused one: the GELU epilogues round gelu of the fp32
+    # accumulator (not of the rounded pre-activation), the classifier merges its (max, sum) in another order. So each
+    # is judged by its error against float64, the fused one's at most twice the unfused one's plus a little.
+    slack = {"bf16": 2e-3, "fp16": 5e-4}[precision]
+    assert abs(lf - ref_loss) <= 2 * abs(lu - ref_loss) + slack * ref_loss
+    g_fused, g_unfused = fused.grads(), unfused.grads()
+    if precision == "fp16":  # the gradients still carry the loss scale
+        g_fused = {k: v / fused.loss_scale for k, v in g_fused.items()}
+        g_unfused = {k: v / unfused.loss_scale for k, v in g_unfused.items()}
+    for name, g in ref_grads.items():
+        e_fused, e_unfused = rel_err(g_fused[name], g), rel_err(g_unfused[name], g)
+        assert e_fused <= 2 * e_unfused + 10 * slack, f"{name}: fused {e_fused:.2e}, unfused {e_unfused:.2e}"
     assert unfused.memory()["activations"] - fused.memory()["activations"] == (4 * 32 - 40) * SMALL.vocab_size * 2

@@ -78,6 +78,21 @@ def test_layernorm(rng, prec, device):
 
 @pytest.mark.parametrize("device", device_cases())
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_residual_layernorm(rng, prec, device):
+    tdt = DTYPES[prec]
+    a, b = half(rng, (4, 33, 96), tdt, 2.0, device=device), half(rng, (4, 33, 96), tdt, device=device)
+    w, bias = half(rng, (96,), tdt, device=device), half(rng, (96,), tdt, 0.1, device=device)
+    dy = half(rng, (4, 33, 96), tdt, device=device)
+    res, out, mean, rstd = ops.residual_layernorm_forward(to_ours(a), to_ours(b), to_ours(w), to_ours(bias))
+    # The backward of the fused op is layernorm_backward on the res it kept; its dx reaches a and b alike.
+    dx, dw, db = ops.layernorm_backward(to_ours(dy), res, to_ours(w), mean, rstd)
+    check("res", res, a + b, f64(a) + f64(b), prec)
+    both = torch_both(lambda a, b, w, bias: F.layer_norm(a + b, (96,), w, bias, 1e-5), (a, b, w, bias), dy, prec)
+    check_all(("out", "da", "db", "dweight", "dbias"), (out, dx, dx, dw, db), both, prec)
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_matmul(rng, prec, bias, device):
     tdt = DTYPES[prec]
@@ -88,6 +103,33 @@ def test_matmul(rng, prec, bias, device):
     dx, dw, db = ops.matmul_backward(to_ours(dy), to_ours(x), to_ours(w), bias=bias)
     res = torch_both(lambda x, w, *b: F.linear(x, w, *b), (x, w) + ((bvec,) if bias else ()), dy, prec)
     check_all(("out", "dx", "dweight", "dbias")[:3 + bias], (out, dx, dw, db), res, prec)
+
+
+@pytest.mark.parametrize("device", device_cases())
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matmul_gelu(rng, prec, bias, device):
+    # The fused model's MLP: fc + GELU forward, fc_proj's backward through the GELU. On a GPU these are cuBLASLt
+    # epilogues, which apply the GELU (and its derivative) to the fp32 accumulator before the one rounding.
+    tdt = DTYPES[prec]
+    x, w1 = half(rng, (3, 40, 64), tdt, device=device), half(rng, (128, 64), tdt, 0.2, device=device)
+    w2 = half(rng, (64, 128), tdt, 0.1, device=device)
+    b1, b2 = (half(rng, (128,), tdt, 0.1, device=device), half(rng, (64,), tdt, 0.1, device=device)) if bias else \
+        (None, None)
+    dh, dy = half(rng, (3, 40, 128), tdt, device=device), half(rng, (3, 40, 64), tdt, device=device)
+    h, pre = ops.matmul_forward_gelu(to_ours(x), to_ours(w1), to_ours(b1) if bias else None)
+    fwd = torch_both(lambda x, w, *b: F.gelu(F.linear(x, w, *b), approximate="tanh"),
+                     (x, w1) + ((b1,) if bias else ()), dh, prec)
+    check("out", h, fwd[tdt][0], f64(fwd[torch.float64][0]), prec)
+    pre_half = F.linear(x, w1, b1)
+    check("pre", pre, pre_half, F.linear(f64(x), f64(w1), f64(b1) if bias else None), prec)
+    # backward from the pre-activation fastgpt kept, against torch's from the same values
+    pre_t = torch.from_numpy(np.asarray(pre, dtype=np.float32)).to(tdt) if device == "cpu" else pre
+    dpre, dw2, db2 = ops.matmul_backward_dgelu(to_ours(dy), h, to_ours(w2), pre, bias=bias)
+    bwd = torch_both(lambda p, w, *b: F.linear(F.gelu(p, approximate="tanh"), w, *b),
+                     (pre_t, w2) + ((b2,) if bias else ()), dy, prec)
+    check_all(("y", "dpre", "dweight", "dbias")[1:3 + bias], (dpre, dw2, db2),
+              {k: v[1:] for k, v in bwd.items()}, prec)
 
 
 @pytest.mark.parametrize("device", device_cases())

@@ -63,6 +63,21 @@ template <>
 void matmul_backward<float>(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const float* weight, int64_t N, int C, int OC);
 
+// ---- matmul with the MLP's GELU around it (matmul.cpp; epilogues of the GPU's products, the two ops here)
+template <typename S>
+void matmul_forward_gelu(S* out,                 // (N, OC) = gelu(pre)
+                         S* pre,                 // (N, OC) = inp @ weight^T + bias, kept for backward
+                         const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC);
+// The backward of a linear whose input was gelu(pre): the gradient of pre itself.
+template <typename S>
+void matmul_backward_dgelu(S* dpre,              // (N, C) = (dout @ weight) * gelu'(pre), overwritten
+                           float* dweight, float* dbias,  // += (OC, C), (OC) or nullptr
+                           const S* dout,        // (N, OC)
+                           const S* inp,         // (N, C) = gelu(pre)
+                           const S* weight,      // (OC, C)
+                           const S* pre,         // (N, C)
+                           int64_t N, int C, int OC);
+
 // ---- GELU, tanh approximation (gelu.cpp)
 template <typename S>
 void gelu_forward(S* out, const S* inp, int64_t n);
@@ -73,6 +88,15 @@ void gelu_backward(S* dinp,                      // overwritten; may alias dout
 // ---- residual add (residual.cpp)
 template <typename S>
 void residual_forward(S* out, const S* a, const S* b, int64_t n);  // out may alias a or b
+
+// ---- residual add fused with the next LayerNorm: res = a + b, out = layernorm(res) (residual_layernorm.cpp)
+template <typename S>
+void residual_layernorm_forward(S* res,          // (N, C), may alias a or b
+                                S* out,          // (N, C)
+                                float* mean, float* rstd,  // (N)
+                                const S* a, const S* b,    // (N, C)
+                                const S* weight, const S* bias,  // (C)
+                                int64_t N, int C);
 
 // ---- flash attention: scaled dot-product attention that saves only the log-sum-exp; backward recomputes
 // (flash_attention.cpp). q, k, v, out and the gradients are (B, H, T, d) views, unit stride along d: element

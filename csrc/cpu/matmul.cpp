@@ -1,4 +1,5 @@
-// nn.Linear on the CPU: out = inp @ weight^T + bias, and its backward, all three products through cpu::sgemm.
+// nn.Linear on the CPU: out = inp @ weight^T + bias, and its backward, all three products through cpu::sgemm; and
+// the pair the fused model's MLP runs with GELU on the GPU's epilogues (matmul_forward_gelu, matmul_backward_dgelu).
 // The weight gradient accumulates (beta = 1), which is what makes gradient accumulation over micro-batches free.
 // 16-bit operands are widened exactly into float scratch and the product runs in float: a 16-bit GEMM with fp32
 // accumulation, the output rounded once, as a tensor-core GEMM does.
@@ -109,6 +110,30 @@ void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const
 #define FASTGPT_INSTANTIATE(S)                                                                              \
   template void matmul_forward<S>(S*, const S*, const S*, const S*, int64_t, int, int);                     \
   template void matmul_backward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int, int);
+FASTGPT_INSTANTIATE(bf16)
+FASTGPT_INSTANTIATE(f16)
+#undef FASTGPT_INSTANTIATE
+
+// The MLP's GELU with the products around it: on the CPU the two ops in turn, so the fused model keeps the unfused
+// model's bits here (the GPU runs each pair as one cuBLASLt call with a GELU epilogue).
+template <typename S>
+void matmul_forward_gelu(S* out, S* pre, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC) {
+  matmul_forward(pre, inp, weight, bias, N, C, OC);
+  gelu_forward(out, (const S*)pre, N * OC);
+}
+
+template <typename S>
+void matmul_backward_dgelu(S* dpre, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                           const S* pre, int64_t N, int C, int OC) {
+  matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC);
+  gelu_backward(dpre, pre, (const S*)dpre, N * C);
+}
+
+#define FASTGPT_INSTANTIATE(S)                                                                                    \
+  template void matmul_forward_gelu<S>(S*, S*, const S*, const S*, const S*, int64_t, int, int);                  \
+  template void matmul_backward_dgelu<S>(S*, float*, float*, const S*, const S*, const S*, const S*, int64_t, int, \
+                                         int);
+FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)
 #undef FASTGPT_INSTANTIATE

@@ -6,6 +6,9 @@
 // Why cache: building descriptors and asking the heuristic costs far more than the product for small shapes, and a
 // training step repeats the same few shapes forever; the cache key holds everything the heuristic looks at
 // (shape, strides, transposes, batch, epilogue, element and compute types and the pointers' alignments).
+// GELU epilogues (gemm_gelu): the MLP's GELU rides in the products around it, forward (GELU_AUX_BIAS, the
+// pre-activation written beside the output for backward) and backward (DGELU on the product that makes its input's
+// gradient); a plan cuBLASLt refuses is remembered, and the caller falls back to the GELU kernel.
 // Mixed precision: the layouts carry each operand's cudaDataType_t, the descriptor the compute type with an fp32
 // scale type, and the bias epilogue the bias type. When the epilogue cannot be used, a kernel adds the bias; for a
 // 16-bit C the product then goes to fp32 scratch first, so that alpha * AB + beta * C + bias is rounded once, as the
@@ -44,7 +47,7 @@ struct Plan {
   bool use_epilogue = false;
 };
 
-using Key = std::array<int64_t, 22>;
+using Key = std::array<int64_t, 25>;
 struct KeyHash {
   size_t operator()(const Key& k) const {
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
@@ -118,17 +121,19 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, uint64_t rows, uint64_t 
   return l;
 }
 
-// Descriptor for the given transposes and epilogue; bias (a representative pointer) is set so that the heuristic
-// sees its alignment. The bias type is cuBLASLt's default (D's type) unless it differs, then set explicitly.
-cublasLtMatmulDesc_t make_desc(const GemmTypes& t, cublasOperation_t op_a, cublasOperation_t op_b,
-                               const void* bias) {
+// Descriptor for the given transposes and epilogue (BIAS when there is a bias and no other is named); bias (a
+// representative pointer) is set so that the heuristic sees its alignment. The bias type is cuBLASLt's default
+// (D's type) unless it differs, then set explicitly.
+cublasLtMatmulDesc_t make_desc(const GemmTypes& t, cublasOperation_t op_a, cublasOperation_t op_b, const void* bias,
+                               cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT) {
   cublasLtMatmulDesc_t d = nullptr;
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, t.compute, CUDA_R_32F));
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  if (bias) {
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  if (bias && epi == CUBLASLT_EPILOGUE_DEFAULT) epi = CUBLASLT_EPILOGUE_BIAS;
+  if (epi != CUBLASLT_EPILOGUE_DEFAULT)
     FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  if (bias) {
     FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
     if (t.bias != t.c) {
       const int32_t bt = (int32_t)t.bias;
@@ -139,8 +144,9 @@ cublasLtMatmulDesc_t make_desc(const GemmTypes& t, cublasOperation_t op_a, cubla
 }
 
 // Best algorithm for the plan's descriptor and layouts; false if cuBLASLt has none (not an error for the
-// epilogue attempt, which then falls back to the plain product).
-bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, uint32_t al_c) {
+// epilogue attempt, which then falls back to the plain product). optional: any refusal of the heuristic means
+// "none" (the GELU epilogues, whose fallback then reports what the plain product meets).
+bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, uint32_t al_c, bool optional = false) {
   cublasLtMatmulPreference_t pref = nullptr;
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   uint64_t ws = kWorkspaceBytes;
@@ -161,11 +167,22 @@ bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, u
   const cublasStatus_t st =
       cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) return false;
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0 || (optional && st != CUBLAS_STATUS_SUCCESS)) return false;
   FASTGPT_CUBLAS_CHECK(st);
   p.algo = result.algo;
   p.workspace = result.workspaceSize;
   return true;
+}
+
+// cuBLASLt's A, B and C layouts of a row-major problem (the swap of the file comment).
+void make_layouts(Plan& p, const GemmTypes& types, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  int64_t lda, int64_t ldb, int64_t ldc, int batch, int64_t stride_a, int64_t stride_b,
+                  int64_t stride_c) {
+  // cuBLASLt's A = our B: stored column-major (K, N) when trans_b (row-major (N, K)), else (N, K).
+  p.a = make_layout(types.b, trans_b ? K : N, trans_b ? N : K, ldb, batch, stride_b);
+  // cuBLASLt's B = our A: column-major (M, K) when trans_a (row-major (K, M)), else (K, M).
+  p.b = make_layout(types.a, trans_a ? M : K, trans_a ? K : M, lda, batch, stride_a);
+  p.c = make_layout(types.c, N, M, ldc, batch, stride_c);  // C^T: column-major (N, M)
 }
 
 // The epilogue by hand: C(M,N) (row-major, row stride ldc, batch stride sc) = acc + beta * C + bias[col], in float
@@ -222,7 +239,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   const uint32_t al_bias = want_epilogue ? alignment(bias, 0, 1, es_bias) : 0;
   const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, batch, stride_a, stride_b, stride_c,
                    (int64_t)types.compute, (int64_t)types.a, (int64_t)types.b, (int64_t)types.c,
-                   bias ? (int64_t)types.bias : -1, al_a, al_b, al_c, al_bias};
+                   bias ? (int64_t)types.bias : -1, al_a, al_b, al_c, al_bias, CUBLASLT_EPILOGUE_DEFAULT, 0, 0};
 
   // A 16-bit C whose bias the epilogue cannot add: the product goes to fp32 scratch, then one kernel rounds
   // acc + beta * C + bias once (adding the bias to an already rounded C would round twice).
@@ -253,11 +270,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
                                       device_name(device) + " has float16 and float32 matmuls");
       }
       Plan p;
-      // cuBLASLt's A = our B: stored column-major (K, N) when trans_b (row-major (N, K)), else (N, K).
-      p.a = make_layout(types.b, trans_b ? K : N, trans_b ? N : K, ldb, batch, stride_b);
-      // cuBLASLt's B = our A: column-major (M, K) when trans_a (row-major (K, M)), else (K, M).
-      p.b = make_layout(types.a, trans_a ? M : K, trans_a ? K : M, lda, batch, stride_a);
-      p.c = make_layout(types.c, N, M, ldc, batch, stride_c);  // C^T: column-major (N, M)
+      make_layouts(p, types, trans_a, trans_b, M, N, K, lda, ldb, ldc, batch, stride_a, stride_b, stride_c);
       const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
       const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
       bool ok = false;
@@ -298,6 +311,62 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     if (types.c != CUDA_R_32F) return product_then_bias();
     epilogue(C, nullptr, bias, 1.f, M, N, ldc, batch, stride_c, types, stream);
   }
+}
+
+bool gemm_gelu(GeluEpilogue kind, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
+               int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc, const void* bias, void* aux,
+               int64_t ldaux, cudaStream_t stream, const GemmTypes& types) {
+  if (kind == GeluEpilogue::backward && bias) fail("gemm_gelu", "the GELU-gradient epilogue takes no bias", __FILE__,
+                                                   __LINE__);
+  if (M <= 0 || N <= 0 || K <= 0) return false;
+  const size_t es_c = type_size(types.c);
+  // cuBLASLt's rules for the aux matrix: its leading dimension (ours, the row stride) a multiple of 8 and at least
+  // D's column-major rows (our N); 16-byte aligned aux and bias, as for the bias epilogue.
+  if (ldaux % 8 != 0 || ldaux < N || alignment(aux, 0, 1, es_c) < 16) return false;
+  if (bias && alignment(bias, 0, 1, type_size(types.bias)) < 16) return false;
+  int device = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  const uint32_t al_a = alignment(A, 0, 1, type_size(types.a)), al_b = alignment(B, 0, 1, type_size(types.b)),
+                 al_c = alignment(C, 0, 1, es_c), al_aux = alignment(aux, 0, 1, es_c),
+                 al_bias = bias ? alignment(bias, 0, 1, type_size(types.bias)) : 0;
+  const cublasLtEpilogue_t epi = kind == GeluEpilogue::backward ? CUBLASLT_EPILOGUE_DGELU
+                                 : bias                         ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                                                : CUBLASLT_EPILOGUE_GELU_AUX;
+  const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, 1, 0, 0, 0, (int64_t)types.compute,
+                   (int64_t)types.a, (int64_t)types.b, (int64_t)types.c, bias ? (int64_t)types.bias : -1, al_a, al_b,
+                   al_c, al_bias, epi, al_aux, ldaux};
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceState& dev = device_state(device);
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    Plan p;
+    make_layouts(p, types, trans_a, trans_b, M, N, K, lda, ldb, ldc, 1, 0, 0, 0);
+    p.desc = make_desc(types, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, bias, epi);
+    // The aux pointer (its alignment) and leading dimension are part of what the heuristic judges.
+    FASTGPT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+    FASTGPT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ldaux, sizeof(ldaux)));
+    p.use_epilogue = pick_algo(dev.handle, p, al_a, al_b, al_c, true);
+    if (!p.use_epilogue) {  // remembered as a refusal: the caller's fallback runs from now on, without asking again
+      FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
+      for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c}) FASTGPT_CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
+      p = Plan{};
+    }
+    it = g_plans.emplace(key, p).first;
+  }
+  Plan& p = it->second;
+  if (!p.use_epilogue) return false;
+  if (bias)
+    FASTGPT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  FASTGPT_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+  const float alpha = 1.f, beta = 0.f;
+  Scratch workspace((p.workspace + sizeof(float) - 1) / sizeof(float), stream);
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmul(dev.handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                                      workspace.ptr, p.workspace, stream));
+  return true;
 }
 
 }  // namespace fastgpt::cuda

@@ -35,4 +35,17 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
           const GemmTypes& types = {}, int batch = 1, int64_t stride_a = 0, int64_t stride_b = 0,
           int64_t stride_c = 0);
 
+// The GELU epilogues of the MLP (batch 1, alpha 1, beta 0, row-major as gemm):
+//   forward:  C = gelu(op(A) op(B) + bias), and aux = op(A) op(B) + bias, the pre-activation backward needs
+//             (cuBLASLt's GELU_AUX_BIAS, or GELU_AUX without a bias);
+//   backward: C = (op(A) op(B)) * gelu'(aux), aux the forward's pre-activation (cuBLASLt's DGELU); bias must be
+//             null.
+// aux is (M, N) in C's type with row stride ldaux. Returns false, having queued nothing, when cuBLASLt cannot do
+// it (ldaux not a multiple of 8, aux or bias not 16-byte aligned, no algorithm, an empty product): the caller then
+// runs gemm and the GELU kernel. Plans are cached as gemm's are; a refusal is cached too.
+enum class GeluEpilogue { forward, backward };
+bool gemm_gelu(GeluEpilogue kind, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A,
+               int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc, const void* bias, void* aux,
+               int64_t ldaux, cudaStream_t stream, const GemmTypes& types);
+
 }  // namespace fastgpt::cuda

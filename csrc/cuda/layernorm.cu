@@ -1,6 +1,7 @@
 // LayerNorm over the last dimension (eps 1e-5, biased variance), forward and backward; CUDA twin of
 // csrc/cpu/layernorm.cpp. One warp per row for everything that reduces across a row (two-pass mean then variance in
-// float, warp-shuffle sums). dinp accumulates (+=), as on the CPU: the residual stream sums into it.
+// float, warp-shuffle sums; the forward's row is in cuda/layernorm.cuh, shared with residual_layernorm.cu). dinp
+// accumulates (+=), as on the CPU: the residual stream sums into it.
 // dweight/dbias sum over all rows without atomics: partial sums over fixed chunks of kRowsPerChunk rows (the CPU's
 // chunking: each partial is the same in-order float sum) go to a scratch buffer, then one thread per channel adds
 // the chunks in order in double, as the CPU does. The result never depends on launch configuration or timing.
@@ -10,14 +11,13 @@
 #include <cmath>
 
 #include "cuda/check.h"
+#include "cuda/layernorm.cuh"
 #include "cuda/ops.h"
 #include "cuda/scratch.h"
-#include "cuda/warp.cuh"
 
 namespace fastgpt::cuda {
 
 namespace {
-constexpr float kEps = 1e-5f;
 constexpr int kRowsPerChunk = 64;  // must stay equal to the CPU's for the partial sums to match it
 constexpr int kWarpsPerBlock = 8;
 constexpr int kColThreads = 128;
@@ -32,20 +32,7 @@ __global__ void layernorm_forward_kernel(S* __restrict__ out, float* __restrict_
   const S* x = inp + n * C;
   float s = 0.f;
   for (int c = lane; c < C; c += 32) s += to_float(x[c]);
-  const float m = warp_sum(s) / C;
-  float v = 0.f;
-  for (int c = lane; c < C; c += 32) {
-    const float d = to_float(x[c]) - m;
-    v += d * d;
-  }
-  const float r = 1.f / sqrtf(warp_sum(v) / C + kEps);  // IEEE sqrt and divide: closer to the CPU than rsqrtf
-  S* o = out + n * C;
-  for (int c = lane; c < C; c += 32)
-    o[c] = from_float<S>((to_float(x[c]) - m) * r * to_float(weight[c]) + to_float(bias[c]));
-  if (lane == 0) {
-    mean[n] = m;
-    rstd[n] = r;
-  }
+  layernorm_row(out + n * C, mean + n, rstd + n, x, weight, bias, C, lane, s);
 }
 
 // dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w. One warp per row.
@@ -116,8 +103,8 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
                        int C, Stream stream) {
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  layernorm_forward_kernel<S><<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight,
-                                                                                 bias, N, C);
+  auto* kernel = layernorm_forward_kernel<S>;  // one-line launch: the warp emulator rewrites it
+  kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
@@ -126,16 +113,17 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
                         const float* mean, const float* rstd, int64_t N, int C, Stream stream) {
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  layernorm_backward_dinp_kernel<S><<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(dinp, dout, inp, weight,
-                                                                                       mean, rstd, N, C);
+  auto* dinp_kernel = layernorm_backward_dinp_kernel<S>;
+  dinp_kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
 
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   const unsigned col_blocks = (unsigned)((C + kColThreads - 1) / kColThreads);
-  float* partial = nullptr;  // stream-ordered scratch: freed after the combine kernel without a sync
-  partial = static_cast<float*>(pool_malloc((size_t)nchunks * 2 * C * sizeof(float), stream));
-  layernorm_backward_partial_kernel<S><<<dim3((unsigned)nchunks, col_blocks), kColThreads, 0, stream>>>(
-      partial, dout, inp, mean, rstd, N, C);
+  // Stream-ordered scratch: freed after the combine kernel without a sync.
+  float* partial = static_cast<float*>(pool_malloc((size_t)nchunks * 2 * C * sizeof(float), stream));
+  const dim3 grid((unsigned)nchunks, col_blocks);
+  auto* partial_kernel = layernorm_backward_partial_kernel<S>;
+  partial_kernel<<<grid, kColThreads, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
   layernorm_backward_combine_kernel<<<col_blocks, kColThreads, 0, stream>>>(dweight, dbias, partial, nchunks, C);
   FASTGPT_CUDA_CHECK_LAUNCH();

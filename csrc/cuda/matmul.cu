@@ -1,5 +1,6 @@
 // nn.Linear on the GPU: out = inp @ weight^T + bias, and its backward; the twin of csrc/cpu/matmul.cpp.
-// The three products go through the cuBLASLt wrapper (the forward bias rides in its epilogue). The bias gradient is
+// The three products go through the cuBLASLt wrapper (the forward bias rides in its epilogue; the fused model's
+// MLP also its GELU, forward and backward, in 16-bit storage). The bias gradient is
 // a column sum of dout done by our own two-pass kernel, not by atomics, so that it is bitwise reproducible:
 // pass 1 sums fixed chunks of kRowChunk rows per column (fixed order within a chunk), pass 2 adds the chunk sums
 // per column in chunk order. Nothing in the order depends on the GPU or the launch, only on N.
@@ -110,10 +111,38 @@ void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const
   if (dbias) bias_backward(dbias, dout, N, OC, stream);
 }
 
+// The MLP's GELU in the products around it (16-bit storage): cuBLASLt applies it to the fp32 accumulator and
+// rounds once, where the unfused kernels round the pre-activation first and then its GELU. float (fp32, tf32)
+// keeps the GELU kernels, which are the CPU's arithmetic: the reference precision stays exact.
+template <typename S>
+void matmul_forward_gelu(S* out, S* pre, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC,
+                         Stream stream, bool tf32) {
+  if (!std::is_same_v<S, float> &&
+      gemm_gelu(GeluEpilogue::forward, false, true, N, OC, C, inp, C, weight, C, out, OC, bias, pre, OC, stream,
+                gemm_types<S>(tf32)))
+    return;
+  matmul_forward(pre, inp, weight, bias, N, C, OC, stream, tf32);
+  gelu_forward(out, (const S*)pre, N * OC, stream);
+}
+
+template <typename S>
+void matmul_backward_dgelu(S* dpre, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                           const S* pre, int64_t N, int C, int OC, Stream stream, bool tf32) {
+  // dpre (N, C) = (dout (N, OC) @ weight (OC, C)) * gelu'(pre): the GELU's backward as the product's epilogue.
+  const bool fused = !std::is_same_v<S, float> &&
+                     gemm_gelu(GeluEpilogue::backward, false, false, N, C, OC, dout, OC, weight, C, dpre, C, nullptr,
+                               const_cast<S*>(pre), C, stream, gemm_types<S>(tf32));
+  matmul_backward(fused ? nullptr : dpre, dweight, dbias, dout, inp, weight, N, C, OC, stream, tf32);
+  if (!fused) gelu_backward(dpre, pre, (const S*)dpre, N * C, stream);
+}
+
 #define FASTGPT_INSTANTIATE(S)                                                                                  \
   template void matmul_forward<S>(S*, const S*, const S*, const S*, int64_t, int, int, Stream, bool);           \
   template void matmul_backward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int, int, Stream, \
-                                   bool);
+                                   bool);                                                                       \
+  template void matmul_forward_gelu<S>(S*, S*, const S*, const S*, const S*, int64_t, int, int, Stream, bool);  \
+  template void matmul_backward_dgelu<S>(S*, float*, float*, const S*, const S*, const S*, const S*, int64_t,   \
+                                         int, int, Stream, bool);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

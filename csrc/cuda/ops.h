@@ -37,6 +37,16 @@ template <typename S>
 void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight, int64_t N,
                      int C, int OC, Stream stream, bool tf32 = false);
 
+// The MLP's GELU fused into the products around it (cuBLASLt epilogues in 16-bit storage, else the kernels):
+// forward: pre = inp @ weight^T + bias, out = gelu(pre); backward of a linear whose input was gelu(pre):
+// dpre = (dout @ weight) * gelu'(pre), dweight/dbias as matmul_backward.
+template <typename S>
+void matmul_forward_gelu(S* out, S* pre, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC,
+                         Stream stream, bool tf32 = false);
+template <typename S>
+void matmul_backward_dgelu(S* dpre, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                           const S* pre, int64_t N, int C, int OC, Stream stream, bool tf32 = false);
+
 template <typename S>
 void gelu_forward(S* out, const S* inp, int64_t n, Stream stream);
 template <typename S>
@@ -44,6 +54,11 @@ void gelu_backward(S* dinp, const S* inp, const S* dout, int64_t n, Stream strea
 
 template <typename S>
 void residual_forward(S* out, const S* a, const S* b, int64_t n, Stream stream);
+// res = a + b (res may alias a or b), out = layernorm(res): the same bits as residual_forward then
+// layernorm_forward.
+template <typename S>
+void residual_layernorm_forward(S* res, S* out, float* mean, float* rstd, const S* a, const S* b, const S* weight,
+                                const S* bias, int64_t N, int C, Stream stream);
 
 // Flash attention (flash_attention.cu, the twin of csrc/cpu/flash_attention.cpp): q, k, v, out and their
 // gradients are (B, H, T, d) views described by HeadStrides, in `dtype`; lse (B, H, T) is float32, contiguous.

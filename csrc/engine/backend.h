@@ -67,6 +67,16 @@ class Backend {
                        int64_t N, int C, int OC) {
     matmul_backward_(dt<S>(), dinp, dweight, dbias, dout, inp, weight, N, C, OC);
   }
+  // The MLP's GELU fused into the products around it (kernels.h: matmul_forward_gelu, matmul_backward_dgelu).
+  template <typename S>
+  void matmul_forward_gelu(S* out, S* pre, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC) {
+    matmul_forward_gelu_(dt<S>(), out, pre, inp, weight, bias, N, C, OC);
+  }
+  template <typename S>
+  void matmul_backward_dgelu(S* dpre, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                             const S* pre, int64_t N, int C, int OC) {
+    matmul_backward_dgelu_(dt<S>(), dpre, dweight, dbias, dout, inp, weight, pre, N, C, OC);
+  }
   template <typename S>
   void gelu_forward(S* out, const S* inp, int64_t n) {
     gelu_forward_(dt<S>(), out, inp, n);
@@ -78,6 +88,12 @@ class Backend {
   template <typename S>
   void residual_forward(S* out, const S* a, const S* b, int64_t n) {
     residual_forward_(dt<S>(), out, a, b, n);
+  }
+  // res = a + b (res may alias a or b), out = layernorm(res): the residual add and the LayerNorm after it.
+  template <typename S>
+  void residual_layernorm_forward(S* res, S* out, float* mean, float* rstd, const S* a, const S* b, const S* weight,
+                                  const S* bias, int64_t N, int C) {
+    residual_layernorm_forward_(dt<S>(), res, out, mean, rstd, a, b, weight, bias, N, C);
   }
   template <typename S>
   void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal) {
@@ -146,9 +162,15 @@ class Backend {
   virtual void matmul_forward_(DType, void* out, cv* inp, cv* weight, cv* bias, int64_t N, int C, int OC) = 0;
   virtual void matmul_backward_(DType, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
                                 int64_t N, int C, int OC) = 0;
+  virtual void matmul_forward_gelu_(DType, void* out, void* pre, cv* inp, cv* weight, cv* bias, int64_t N, int C,
+                                    int OC) = 0;
+  virtual void matmul_backward_dgelu_(DType, void* dpre, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
+                                      cv* pre, int64_t N, int C, int OC) = 0;
   virtual void gelu_forward_(DType, void* out, cv* inp, int64_t n) = 0;
   virtual void gelu_backward_(DType, void* dinp, cv* inp, cv* dout, int64_t n) = 0;
   virtual void residual_forward_(DType, void* out, cv* a, cv* b, int64_t n) = 0;
+  virtual void residual_layernorm_forward_(DType, void* res, void* out, float* mean, float* rstd, cv* a, cv* b,
+                                           cv* weight, cv* bias, int64_t N, int C) = 0;
   virtual void attention_forward_(DType, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
                                   bool causal) = 0;
   virtual void attention_backward_(DType, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T,

@@ -86,6 +86,15 @@ class CpuBackend final : public Backend {
                         int C, int OC) override {
     FASTGPT_TYPED(d, cpu::matmul_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), N, C, OC));
   }
+  void matmul_forward_gelu_(DType d, void* out, void* pre, cv* inp, cv* weight, cv* bias, int64_t N, int C,
+                            int OC) override {
+    FASTGPT_TYPED(d, cpu::matmul_forward_gelu(P<S>(out), P<S>(pre), P<S>(inp), P<S>(weight), P<S>(bias), N, C, OC));
+  }
+  void matmul_backward_dgelu_(DType d, void* dpre, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
+                              cv* pre, int64_t N, int C, int OC) override {
+    FASTGPT_TYPED(d, cpu::matmul_backward_dgelu(P<S>(dpre), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight),
+                                                P<S>(pre), N, C, OC));
+  }
   void gelu_forward_(DType d, void* out, cv* inp, int64_t n) override {
     FASTGPT_TYPED(d, cpu::gelu_forward(P<S>(out), P<S>(inp), n));
   }
@@ -94,6 +103,11 @@ class CpuBackend final : public Backend {
   }
   void residual_forward_(DType d, void* out, cv* a, cv* b, int64_t n) override {
     FASTGPT_TYPED(d, cpu::residual_forward(P<S>(out), P<S>(a), P<S>(b), n));
+  }
+  void residual_layernorm_forward_(DType d, void* res, void* out, float* mean, float* rstd, cv* a, cv* b, cv* weight,
+                                   cv* bias, int64_t N, int C) override {
+    FASTGPT_TYPED(d, cpu::residual_layernorm_forward(P<S>(res), P<S>(out), mean, rstd, P<S>(a), P<S>(b),
+                                                     P<S>(weight), P<S>(bias), N, C));
   }
   void attention_forward_(DType d, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
                           bool causal) override {

@@ -139,6 +139,16 @@ class CudaBackend final : public Backend {
     FASTGPT_TYPED(d, cuda::matmul_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), N, C, OC,
                                            stream_, tf32_));
   }
+  void matmul_forward_gelu_(DType d, void* out, void* pre, cv* inp, cv* weight, cv* bias, int64_t N, int C,
+                            int OC) override {
+    FASTGPT_TYPED(d, cuda::matmul_forward_gelu(P<S>(out), P<S>(pre), P<S>(inp), P<S>(weight), P<S>(bias), N, C, OC,
+                                               stream_, tf32_));
+  }
+  void matmul_backward_dgelu_(DType d, void* dpre, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
+                              cv* pre, int64_t N, int C, int OC) override {
+    FASTGPT_TYPED(d, cuda::matmul_backward_dgelu(P<S>(dpre), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight),
+                                                 P<S>(pre), N, C, OC, stream_, tf32_));
+  }
   void gelu_forward_(DType d, void* out, cv* inp, int64_t n) override {
     FASTGPT_TYPED(d, cuda::gelu_forward(P<S>(out), P<S>(inp), n, stream_));
   }
@@ -147,6 +157,11 @@ class CudaBackend final : public Backend {
   }
   void residual_forward_(DType d, void* out, cv* a, cv* b, int64_t n) override {
     FASTGPT_TYPED(d, cuda::residual_forward(P<S>(out), P<S>(a), P<S>(b), n, stream_));
+  }
+  void residual_layernorm_forward_(DType d, void* res, void* out, float* mean, float* rstd, cv* a, cv* b, cv* weight,
+                                   cv* bias, int64_t N, int C) override {
+    FASTGPT_TYPED(d, cuda::residual_layernorm_forward(P<S>(res), P<S>(out), mean, rstd, P<S>(a), P<S>(b),
+                                                      P<S>(weight), P<S>(bias), N, C, stream_));
   }
   void attention_forward_(DType d, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
                           bool causal) override {

@@ -410,8 +410,10 @@ void GPT::forward_t(int B, int T, int pos, bool cached) {
     S* fch = A<S>(fch_, l * BT * 4 * C);
     S* fch_gelu = A<S>(fch_gelu_, l * BT * 4 * C);
     S* res3 = A<S>(residual3_, l * BT * C);
-    k.layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P<S>(LN1W, l),
-                        P<S>(LN1B, l), BT, C);
+    // Fused: ln_1 of every block but the first was taken with the residual add that ended the block before.
+    if (l == 0 || !fused_)
+      k.layernorm_forward(ln1, ln1_mean_.data() + l * BT, ln1_rstd_.data() + l * BT, residual, P<S>(LN1W, l),
+                          P<S>(LN1B, l), BT, C);
     k.matmul_forward(qkv, ln1, P<S>(QKVW, l), P<S>(QKVB, l), BT, C, 3 * C);
     // decode(): this layer's keys and values join the cache; past the prefill (pos 0, which attends as forward()
     // does) the new rows attend to the cache.
@@ -424,14 +426,37 @@ void GPT::forward_t(int B, int T, int pos, bool cached) {
       k.attention_forward(atty, att_lse_.data() + l * BT * NH, qkv, B, T, C, NH, true);
     // The projection lands in residual2 and the skip is added in place: no separate buffer for it.
     k.matmul_forward(res2, atty, P<S>(ATTPROJW, l), P<S>(ATTPROJB, l), BT, C, C);
-    k.residual_forward(res2, res2, residual, BT * C);
-    k.layernorm_forward(ln2, ln2_mean_.data() + l * BT, ln2_rstd_.data() + l * BT, res2, P<S>(LN2W, l),
-                        P<S>(LN2B, l), BT, C);
-    k.matmul_forward(fch, ln2, P<S>(FCW, l), P<S>(FCB, l), BT, C, 4 * C);
-    k.gelu_forward(fch_gelu, fch, BT * 4 * C);
+    float* ln2_mean = ln2_mean_.data() + l * BT;
+    float* ln2_rstd = ln2_rstd_.data() + l * BT;
+    if (fused_) {
+      k.residual_layernorm_forward(res2, ln2, ln2_mean, ln2_rstd, (const S*)res2, residual, P<S>(LN2W, l),
+                                   P<S>(LN2B, l), BT, C);
+    } else {
+      k.residual_forward(res2, res2, residual, BT * C);
+      k.layernorm_forward(ln2, ln2_mean, ln2_rstd, res2, P<S>(LN2W, l), P<S>(LN2B, l), BT, C);
+    }
+    if (fused_) {  // GELU as the product's epilogue (on a GPU; the two ops in turn on the CPU)
+      k.matmul_forward_gelu(fch_gelu, fch, ln2, P<S>(FCW, l), P<S>(FCB, l), BT, C, 4 * C);
+    } else {
+      k.matmul_forward(fch, ln2, P<S>(FCW, l), P<S>(FCB, l), BT, C, 4 * C);
+      k.gelu_forward(fch_gelu, fch, BT * 4 * C);
+    }
     k.matmul_forward(res3, fch_gelu, P<S>(FCPROJW, l), P<S>(FCPROJB, l), BT, 4 * C, C);
-    k.residual_forward(res3, res3, res2, BT * C);
+    if (!fused_) {
+      k.residual_forward(res3, res3, res2, BT * C);
+      continue;
+    }
+    // Fused: the add that ends this block goes with the LayerNorm that reads it, the next block's ln_1 or ln_f.
+    const bool last = l == L - 1;
+    S* next_ln = last ? A<S>(lnf_) : A<S>(ln1_, (l + 1) * BT * C);
+    float* next_mean = last ? lnf_mean_.data() : ln1_mean_.data() + (l + 1) * BT;
+    float* next_rstd = last ? lnf_rstd_.data() : ln1_rstd_.data() + (l + 1) * BT;
+    const S* next_w = last ? P<S>(LNFW) : P<S>(LN1W, l + 1);
+    const S* next_b = last ? P<S>(LNFB) : P<S>(LN1B, l + 1);
+    k.residual_layernorm_forward(res3, next_ln, next_mean, next_rstd, (const S*)res3, (const S*)res2, next_w, next_b,
+                                 BT, C);
   }
+  if (fused_) return;  // ln_f was taken with the last block's residual add
   const S* final_res = A<S>(residual3_, (L - 1) * BT * C);
   k.layernorm_forward(A<S>(lnf_), lnf_mean_.data(), lnf_rstd_.data(), final_res, P<S>(LNFW), P<S>(LNFB), BT, C);
 }
@@ -588,8 +613,12 @@ void GPT::backward_t() {
     S* dc = A<S>(dbtc_);
     S* dqkv = A<S>(dqkv_);
     // residual3 = residual2 + mlp(ln2(residual2)): dres flows to both, the MLP branch adds through ln_2.
-    k.matmul_backward(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P<S>(FCPROJW, l), BT, 4 * C, C);
-    k.gelu_backward(d4c, fch, d4c, BT * 4 * C);
+    if (fused_) {  // GELU's backward as the epilogue of the product that makes its input's gradient
+      k.matmul_backward_dgelu(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P<S>(FCPROJW, l), fch, BT, 4 * C, C);
+    } else {
+      k.matmul_backward(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P<S>(FCPROJW, l), BT, 4 * C, C);
+      k.gelu_backward(d4c, fch, d4c, BT * 4 * C);
+    }
     k.matmul_backward(dc, G(FCW, l), G(FCB, l), d4c, ln2, P<S>(FCW, l), BT, C, 4 * C);
     k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P<S>(LN2W, l), ln2_mean_.data() + l * BT,
                          ln2_rstd_.data() + l * BT, BT, C);

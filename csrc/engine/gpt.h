@@ -105,8 +105,10 @@ class GPT {
   // chunk's gradient going straight into lm_head's backward, so the (B, T, V) logits never exist and nothing is
   // recomputed. Unfused: forward() then backward(). Leaves no logits.
   float forward_backward(const int32_t* idx, const int32_t* targets, int B, int T, float grad_scale, bool sync = true);
-  // fused (the default): the classifier as forward_backward says (later also the fused kernels of the step);
-  // unfused: one kernel per op and the full logits, the "before torch.compile" model.
+  // fused (the default): the classifier as forward_backward says, each residual add fused with the LayerNorm that
+  // reads it (ln_2; the next block's ln_1 or ln_f), and the MLP's GELU in the epilogues of the products around it
+  // (forward and backward; 16-bit on a GPU); unfused: one kernel per op and the full logits, the "before
+  // torch.compile" model. On the CPU the two give the same forward bits.
   void set_fused(bool on) { fused_ = on; }
   bool fused() const { return fused_; }
   // Rows of logits per classifier chunk (fused model): 4096 on a GPU, 256 on the CPU by default.

@@ -4,11 +4,11 @@ kernels and come back as NumPy float32 arrays. CUDA arrays (torch tensors, CuPy 
 through DLPack to the CUDA kernels, run on the caller's current stream, and come back as arrays of the caller's
 framework. Parameter gradients are returned fresh (the engine accumulates them; here they start from zero).
 
-Precision: the model's ops (embedding, layernorm, matmul, gelu, attention, cross_entropy) run in the storage type
-of their activation and weight inputs, float32, bfloat16 or float16 (one dtype per call), as the engine does in
-bf16/fp16: 16-bit loads, float arithmetic, one rounding per output. On the CPU, bfloat16 arrays are ml_dtypes
-arrays (NumPy has no bfloat16; CPU torch tensors of either 16-bit dtype are taken too) and outputs come back in the
-same dtype. Statistics (mean, rstd, lse, losses) and parameter gradients are always float32.
+Precision: the model's ops (embedding, layernorm, residual_layernorm, matmul, gelu, attention, cross_entropy) run in
+the storage type of their activation and weight inputs, float32, bfloat16 or float16 (one dtype per call), as the
+engine does in bf16/fp16: 16-bit loads, float arithmetic, one rounding per output. On the CPU, bfloat16 arrays are
+ml_dtypes arrays (NumPy has no bfloat16; CPU torch tensors of either 16-bit dtype are taken too) and outputs come
+back in the same dtype. Statistics (mean, rstd, lse, losses) and parameter gradients are always float32.
 """
 import ml_dtypes
 import numpy as np
@@ -197,6 +197,20 @@ def layernorm_forward(x, weight, bias):
     return out, mean, rstd
 
 
+def residual_layernorm_forward(a, b, weight, bias):
+    """The residual add and the LayerNorm after it, in one op: a, b (..., C) -> (res = a + b, out =
+    layernorm(res), mean (N,), rstd (N,)), res rounded to the storage type before the LayerNorm reads it, so the
+    results are those of the two ops in turn. Its backward is layernorm_backward's, its dx added to the residual
+    gradient (which flows to a and b alike)."""
+    d = _where(a, b, weight, bias)
+    a, b, weight, bias = d.storage(a, "a"), d.storage(b, "b"), d.storage(weight, "weight"), d.storage(bias, "bias")
+    n = int(np.prod(_shape(a)[:-1], dtype=np.int64)) if len(_shape(a)) else 0
+    res, out, mean, rstd = d.empty(_shape(a), like=a), d.empty(_shape(a), like=a), d.empty((n,)), d.empty((n,))
+    _ops.residual_layernorm_forward(d.arg(res), d.arg(out), d.arg(mean), d.arg(rstd), d.arg(a), d.arg(b),
+                                    d.arg(weight), d.arg(bias), d.stream)
+    return res, out, mean, rstd
+
+
 def layernorm_backward(dout, x, weight, mean, rstd):
     """-> (dx, dweight, dbias)."""
     d = _where(dout, x, weight, mean, rstd)
@@ -227,6 +241,34 @@ def matmul_backward(dout, x, weight, bias=True):
     _ops.matmul_backward(d.arg(dx), d.arg(dw), None if db is None else d.arg(db), d.arg(dout), d.arg(x),
                          d.arg(weight), d.stream)
     return dx, dw, db
+
+
+def matmul_forward_gelu(x, weight, bias=None):
+    """nn.Linear then GELU (tanh), the fused model's MLP up-projection: -> (out = gelu(pre), pre = x @ weight^T +
+    bias), pre kept for matmul_backward_dgelu. On a GPU in 16-bit storage the GELU is the product's cuBLASLt epilogue
+    (applied to the fp32 accumulator); elsewhere matmul_forward then gelu_forward, the same bits as those two."""
+    d = _where(x, weight, bias)
+    x, weight = d.storage(x, "x"), d.storage(weight, "weight")
+    bias = None if bias is None else d.storage(bias, "bias")
+    shape = _shape(x)[:-1] + _shape(weight)[:1]
+    out, pre = d.empty(shape, like=x), d.empty(shape, like=x)
+    _ops.matmul_forward_gelu(d.arg(out), d.arg(pre), d.arg(x), d.arg(weight), None if bias is None else d.arg(bias),
+                             d.stream)
+    return out, pre
+
+
+def matmul_backward_dgelu(dout, x, weight, pre, bias=True):
+    """The backward of nn.Linear on x = gelu(pre), through the GELU: -> (dpre, dweight, dbias or None), dpre the
+    gradient of pre itself. On a GPU in 16-bit storage the GELU's derivative is the epilogue of the product that
+    makes dx; elsewhere matmul_backward then gelu_backward."""
+    d = _where(dout, x, weight, pre)
+    dout, x = d.storage(dout, "dout"), d.storage(x, "x")
+    weight, pre = d.storage(weight, "weight"), d.storage(pre, "pre")
+    dpre, dw = d.empty(_shape(x), like=x), d.zeros(_shape(weight))
+    db = d.zeros(_shape(weight)[:1]) if bias else None
+    _ops.matmul_backward_dgelu(d.arg(dpre), d.arg(dw), None if db is None else d.arg(db), d.arg(dout), d.arg(x),
+                               d.arg(weight), d.arg(pre), d.stream)
+    return dpre, dw, db
 
 
 def gelu_forward(x):

@@ -2,8 +2,8 @@
 // out, lse, dq, dk, dv by relative error, per dtype (bf16 3e-2, fp16 5e-3, fp32 1e-4: half inputs are rounded
 // before the reference sees them, so these bound the kernels' own error), over both layouts, causal or not, T that
 // is and is not a multiple of the tiles, atomic and deterministic dq, and the engine's fused qkv path; also the
-// KV-cache decode and the cross-entropy kernels. Outputs and shared memory start as NaN, so an element a kernel
-// forgets to write fails. Modes (argv[1]) pick the case lists.
+// KV-cache decode, cross-entropy and LayerNorm kernels (plain and fused with the residual add). Outputs and shared
+// memory start as NaN, so an element a kernel forgets to write fails. Modes (argv[1]) pick the case lists.
 #include "emu.h"
 #include "cuda/ops.h"
 #include <random>
@@ -287,6 +287,92 @@ void run_cross_entropy_cases(unsigned& seed) {
   run_cross_entropy<f16>(2, 600, 3.f, 1e-3, seed++);
 }
 
+// LayerNorm (layernorm.cu) and the residual add fused with it (residual_layernorm.cu) on rows stored as S. The fused
+// kernel must give the bits of the unfused pair: res = a + b rounded once (as residual.cu rounds it), then
+// layernorm_forward's out, mean and rstd on that res; also with res written over a (the engine's in-place add).
+// The LayerNorm itself and its backward (dinp +=, dweight, dbias over row chunks) against float64.
+template <typename S>
+void run_residual_layernorm(int N, int C, double tol, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  const size_t n = (size_t)N * C;
+  auto fill = [&](size_t k, float scale, float shift) {
+    std::vector<S> v(k);
+    for (auto& x : v) x = from_float<S>(shift + scale * nd(rng));
+    return v;
+  };
+  const std::vector<S> a = fill(n, 2.f, 0.5f), b = fill(n, 1.f, 0.f), w = fill(C, 1.f, 0.f),
+                       bias = fill(C, 1.f, 0.f), dy = fill(n, 1.f, 0.f), dinp0 = fill(n, 1.f, 0.f);
+  const S nan = from_float<S>(NAN);
+  std::vector<S> res(n, nan), out(n, nan), out2(n, nan), want(n);
+  std::vector<float> mean(N, NAN), rstd(N, NAN), mean2(N, NAN), rstd2(N, NAN);
+  for (size_t i = 0; i < n; i++) want[i] = from_float<S>(to_float(a[i]) + to_float(b[i]));
+  cuda::residual_layernorm_forward(res.data(), out.data(), mean.data(), rstd.data(), a.data(), b.data(), w.data(),
+                                   bias.data(), N, C, nullptr);
+  cuda::layernorm_forward(out2.data(), mean2.data(), rstd2.data(), want.data(), w.data(), bias.data(), N, C,
+                          nullptr);
+  std::vector<S> inplace = a, out3(n, nan);
+  std::vector<float> mean3(N, NAN), rstd3(N, NAN);
+  cuda::residual_layernorm_forward(inplace.data(), out3.data(), mean3.data(), rstd3.data(), inplace.data(), b.data(),
+                                   w.data(), bias.data(), N, C, nullptr);
+  const auto bytes_eq = [](const auto& x, const auto& y) {
+    return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  const bool same = bytes_eq(res, want) && bytes_eq(out, out2) && bytes_eq(mean, mean2) && bytes_eq(rstd, rstd2) &&
+                    bytes_eq(inplace, want) && bytes_eq(out3, out2) && bytes_eq(mean3, mean2) &&
+                    bytes_eq(rstd3, rstd2);
+
+  // float64 LayerNorm of the rounded sums, forward and backward (dinp accumulates onto dinp0).
+  std::vector<double> rout(n), rdx(n), rdw(C, 0.0), rdb(C, 0.0);
+  for (int r = 0; r < N; r++) {
+    const S* x = &want[(size_t)r * C];
+    double m = 0, v = 0;
+    for (int c = 0; c < C; c++) m += to_float(x[c]);
+    m /= C;
+    for (int c = 0; c < C; c++) v += (to_float(x[c]) - m) * (to_float(x[c]) - m);
+    const double rs = 1.0 / std::sqrt(v / C + 1e-5);
+    double sd = 0, sdn = 0;
+    for (int c = 0; c < C; c++) {
+      const double norm = (to_float(x[c]) - m) * rs, g = to_float(dy[(size_t)r * C + c]);
+      rout[(size_t)r * C + c] = norm * to_float(w[c]) + to_float(bias[c]);
+      sd += g * to_float(w[c]);
+      sdn += g * to_float(w[c]) * norm;
+      rdw[c] += g * norm;
+      rdb[c] += g;
+    }
+    for (int c = 0; c < C; c++) {
+      const double norm = (to_float(x[c]) - m) * rs, g = to_float(dy[(size_t)r * C + c]);
+      rdx[(size_t)r * C + c] = to_float(dinp0[(size_t)r * C + c]) + (g * to_float(w[c]) - sd / C - norm * sdn / C) * rs;
+    }
+  }
+  std::vector<S> dinp = dinp0;
+  std::vector<float> dw(C, 0.f), db(C, 0.f);
+  cuda::layernorm_backward(dinp.data(), dw.data(), db.data(), dy.data(), want.data(), w.data(), mean.data(),
+                           rstd.data(), N, C, nullptr);
+  auto wide = [](const auto& v) {
+    std::vector<double> o(v.size());
+    for (size_t i = 0; i < v.size(); i++) o[i] = to_float(v[i]);
+    return o;
+  };
+  const double eo = relerr(wide(out), rout), ex = relerr(wide(dinp), rdx), ew = relerr(wide(dw), rdw),
+               eb = relerr(wide(db), rdb);
+  const bool ok = same && eo < tol && ex < tol && ew < 1e-5 && eb < 1e-5;
+  if (!ok) failures++;
+  const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
+  printf("%s residual_layernorm %s N=%d C=%d: %s; out %.2e, dinp %.2e, dweight %.2e, dbias %.2e\n",
+         ok ? "ok  " : "FAIL", type, N, C, same ? "unfused bits" : "DIFFERS from the unfused pair", eo, ex, ew,
+         eb);
+  fflush(stdout);
+}
+
+void run_layernorm_cases(unsigned& seed) {
+  run_residual_layernorm<float>(13, 96, 1e-5, seed++);  // rows not a multiple of the block's 8 warps
+  run_residual_layernorm<float>(9, 7, 1e-5, seed++);    // fewer columns than lanes
+  run_residual_layernorm<float>(130, 40, 1e-5, seed++); // three row chunks for dweight/dbias
+  run_residual_layernorm<bf16>(11, 64, 1e-2, seed++);
+  run_residual_layernorm<f16>(11, 80, 2e-3, seed++);
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "quick";
   emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
@@ -296,8 +382,11 @@ int main(int argc, char** argv) {
       run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
+      run_layernorm_cases(seed);
     } else if (mode == "ce") {
       run_cross_entropy_cases(seed);
+    } else if (mode == "ln") {
+      run_layernorm_cases(seed);
     } else if (mode == "tc") {
       for (int d : {64, 128})
         for (int T : {1, 17, 64, 100, 130})
