@@ -185,6 +185,21 @@ void make_layouts(Plan& p, const GemmTypes& types, bool trans_a, bool trans_b, i
   p.c = make_layout(types.c, N, M, ldc, batch, stride_c);  // C^T: column-major (N, M)
 }
 
+// Runs a cached plan under g_mutex: this call's bias and aux pointers on its descriptor (the plan was made with
+// representative ones; null leaves an attribute alone), a workspace from the stream's pool, then the product.
+void run_plan(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const void* B, float beta, void* C,
+              const void* bias, const void* aux, cudaStream_t stream) {
+  if (bias)
+    FASTGPT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (aux)
+    FASTGPT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+  Scratch workspace((p.workspace + sizeof(float) - 1) / sizeof(float), stream);
+  FASTGPT_CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                                      workspace.ptr, p.workspace, stream));
+}
+
 // The epilogue by hand: C(M,N) (row-major, row stride ldc, batch stride sc) = acc + beta * C + bias[col], in float
 // and rounded once to CT. acc (the fp32 product alpha * AB packed (batch, M, N), or null for 0) and bias may be
 // null. Serves the K == 0 product (beta * C + bias), a bias the cuBLASLt epilogue could not add to an fp32 C
@@ -298,14 +313,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
     Plan& p = it->second;
     used_epilogue = p.use_epilogue;
     // No epilogue for a 16-bit C's bias: leave the lock, take the fp32 scratch route below.
-    if (!(bias && !used_epilogue && types.c != CUDA_R_32F)) {
-      if (used_epilogue)
-        FASTGPT_CUBLAS_CHECK(
-            cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-      Scratch workspace((p.workspace + sizeof(float) - 1) / sizeof(float), stream);
-      FASTGPT_CUBLAS_CHECK(cublasLtMatmul(dev.handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
-                                          &p.algo, workspace.ptr, p.workspace, stream));
-    }
+    if (!(bias && !used_epilogue && types.c != CUDA_R_32F))
+      run_plan(dev.handle, p, alpha, A, B, beta, C, used_epilogue ? bias : nullptr, nullptr, stream);
   }
   if (bias && !used_epilogue) {
     if (types.c != CUDA_R_32F) return product_then_bias();
@@ -357,15 +366,7 @@ bool gemm_gelu(GeluEpilogue kind, bool trans_a, bool trans_b, int64_t M, int64_t
   }
   Plan& p = it->second;
   if (!p.use_epilogue) return false;
-  if (bias)
-    FASTGPT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  FASTGPT_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
-  const float alpha = 1.f, beta = 0.f;
-  Scratch workspace((p.workspace + sizeof(float) - 1) / sizeof(float), stream);
-  FASTGPT_CUBLAS_CHECK(cublasLtMatmul(dev.handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
-                                      workspace.ptr, p.workspace, stream));
+  run_plan(dev.handle, p, 1.f, A, B, 0.f, C, bias, aux, stream);
   return true;
 }
 

@@ -428,16 +428,13 @@ void GPT::forward_t(int B, int T, int pos, bool cached) {
     k.matmul_forward(res2, atty, P<S>(ATTPROJW, l), P<S>(ATTPROJB, l), BT, C, C);
     float* ln2_mean = ln2_mean_.data() + l * BT;
     float* ln2_rstd = ln2_rstd_.data() + l * BT;
-    if (fused_) {
+    if (fused_) {  // the skip with ln_2, and fc's GELU as its product's epilogue (the two ops in turn on the CPU)
       k.residual_layernorm_forward(res2, ln2, ln2_mean, ln2_rstd, (const S*)res2, residual, P<S>(LN2W, l),
                                    P<S>(LN2B, l), BT, C);
+      k.matmul_forward_gelu(fch_gelu, fch, ln2, P<S>(FCW, l), P<S>(FCB, l), BT, C, 4 * C);
     } else {
       k.residual_forward(res2, res2, residual, BT * C);
       k.layernorm_forward(ln2, ln2_mean, ln2_rstd, res2, P<S>(LN2W, l), P<S>(LN2B, l), BT, C);
-    }
-    if (fused_) {  // GELU as the product's epilogue (on a GPU; the two ops in turn on the CPU)
-      k.matmul_forward_gelu(fch_gelu, fch, ln2, P<S>(FCW, l), P<S>(FCB, l), BT, C, 4 * C);
-    } else {
       k.matmul_forward(fch, ln2, P<S>(FCW, l), P<S>(FCB, l), BT, C, 4 * C);
       k.gelu_forward(fch_gelu, fch, BT * 4 * C);
     }
