@@ -2,7 +2,8 @@
 default. Variants, one after the other: fastgpt fp32; fastgpt bf16 fused (GPT(fused=True), the default: the chunked
 classifier) and unfused (GPT(fused=False): one kernel per op, the full logits kept); torch eager fp32 (TF32 off);
 torch eager TF32; torch compiled bf16 (build-nanogpt's set-up: TF32 matmuls, bf16 autocast, torch.compile, SDPA
-attention, fused AdamW). fastgpt's step is forward_backward, clip_grad_norm, step.
+attention, fused AdamW). fastgpt's fused step is one AdamW.train_step call (the norm, clip and counters on the
+device, one-launch AdamW); unfused it is forward_backward, clip_grad_norm, step.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -143,8 +144,8 @@ def main(argv=None):
 
     def run_steps(step, after=None):
         """All warmup + timed steps of one variant. Each step is bracketed by torch.cuda.synchronize(), which is
-        a device-wide sync: it also waits for fastgpt's own stream (its AdamW step is asynchronous; only the loss
-        read-back in forward and the norm in clip_grad_norm sync by themselves)."""
+        a device-wide sync: it also waits for fastgpt's own stream (train_step and the AdamW step are asynchronous;
+        only the loss read-back in forward_backward and the norm in clip_grad_norm sync by themselves)."""
         times, losses = [], []
         for i in range(n):
             torch.cuda.synchronize()
@@ -152,7 +153,8 @@ def main(argv=None):
             loss = step(i)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            losses.append(float(loss))  # torch: .item() here, outside the timer (the step is already synced)
+            # torch: .item() here, outside the timer (the step is already synced); fastgpt fused: StepStats.loss
+            losses.append(float(getattr(loss, "loss", loss)))
             if after is not None:
                 after()
         return times, losses
@@ -171,6 +173,8 @@ def main(argv=None):
 
         def step(i):
             x, y = (a[:b] for a in np_batches[i])  # leading rows of a C-contiguous array: contiguous
+            if model.fused:  # nothing in it waits for the device; run_steps' synchronize does
+                return opt.train_step(x, y, lr=LR, max_norm=CLIP)
             model.zero_grad()
             loss = model.forward_backward(x, y)  # returns after reading the loss back: synced
             opt.clip_grad_norm(CLIP)

@@ -47,8 +47,8 @@ RUNGS = [
     Rung("tf32", {"tf32": True}, {"precision": "tf32"}),
     Rung("bf16", {"autocast": True}, {"precision": "bf16"}),
     Rung("compile", {"compile": True}, {"fused": True},
-         note="GPT(fused=True): so far the chunked classifier (no (B, T, V) logits); epilogues, fused residual + "
-              "LayerNorm and CUDA graphs are to come"),
+         note="GPT(fused=True): chunked classifier (no (B, T, V) logits), residual + LayerNorm fused, GELU "
+              "epilogues (GPU), the step one train_step call; CUDA graphs to come"),
     Rung("flash attention", {"flash": True}, {},
          note="fastgpt's attention is a flash kernel at every rung (only the log-sum-exp is kept for backward)"),
     Rung("vocab 50304", {"vocab": 50304}, {"vocab": 50304}),
@@ -202,18 +202,22 @@ def run_torch(setup, s, wrap=None):
 
 
 def run_fastgpt(setup, s):
-    """fastgpt's training step (forward_backward, clip, AdamW: three calls into the engine) with the switches in
-    `s`; unfused (one kernel per op, the full logits kept) until the compile rung switches fused on."""
+    """fastgpt's training step with the switches in `s`: unfused (one kernel per op, the full logits kept;
+    forward_backward, clip, AdamW: three calls into the engine) until the compile rung switches fused on, which
+    also takes the whole step as one AdamW.train_step call (the loss read back inside the timer, as torch's)."""
     model = fastgpt.GPT(setup.config(s.get("vocab", 50257)), device=setup.device,
                         precision=s.get("precision", "fp32"), seed=setup.seed, fused=bool(s.get("fused")))
     opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     losses, times = [], []
     for x, y in setup.batches:
         t0 = time.perf_counter()
-        loss = model.forward_backward(x, y)  # a float: the step has finished
-        opt.clip_grad_norm(CLIP)
-        opt.step(lr=LR)
-        model.zero_grad()
+        if model.fused:
+            loss = opt.train_step(x, y, lr=LR, max_norm=CLIP).loss  # read: the step has finished
+        else:
+            loss = model.forward_backward(x, y)  # a float: the step has finished
+            opt.clip_grad_norm(CLIP)
+            opt.step(lr=LR)
+            model.zero_grad()
         losses.append(float(loss))
         times.append(time.perf_counter() - t0)
     return {"ms": _median_ms(times[setup.warmup:]), "losses": losses, "memory": model.memory()["total"]}

@@ -107,11 +107,7 @@ def main(argv=None):
 
     def fg_step(i):
         x, y = fg_batches[i]
-        loss = model.forward_backward(x, y)
-        opt_f.clip_grad_norm(clip)
-        opt_f.step()
-        opt_f.zero_grad()
-        return loss
+        return opt_f.train_step(x, y, max_norm=clip).loss  # zero_grad, forward, backward, clip, AdamW
 
     def th_step(i):
         x, y = th_batches[i]

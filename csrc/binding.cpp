@@ -20,6 +20,7 @@
 #include "engine/comm.h"
 #include "engine/comm_nccl.h"
 #include "engine/gpt.h"
+#include "engine/train_step.h"
 
 namespace py = pybind11;
 using namespace fastgpt;
@@ -921,8 +922,33 @@ PYBIND11_MODULE(_C, m) {
              o.load_state(m.data(), v.data(), step_count, skipped_steps);
            },
            py::arg("m"), py::arg("v"), py::arg("step_count"), py::arg("skipped_steps"))
-      .def_property_readonly("step_count", &AdamW::step_count)
-      .def_property_readonly("skipped_steps", &AdamW::skipped_steps)
+      .def("train_step",
+           [](AdamW& o, const IArray& idx, const IArray& targets, float lr, double max_norm) {
+             need(idx.ndim() == 3,
+                  "idx must be 3-D (A, B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
+             same_shape(view_of(idx, "idx", 'i'), view_of(targets, "targets", 'i'), "idx", "targets");
+             const int A = idx.shape(0), B = idx.shape(1), T = idx.shape(2);
+             py::gil_scoped_release nogil;
+             train_step(o.model(), o, idx.data(), targets.data(), A, B, T, lr, max_norm);
+           },
+           py::arg("idx"), py::arg("targets"), py::arg("lr"), py::arg("max_norm"))
+      .def("step_stats",
+           [](AdamW& o) {
+             StepStats s;
+             {
+               py::gil_scoped_release nogil;
+               s = read_step(o.model(), o);
+             }
+             return py::make_tuple(s.loss, s.norm, s.applied, s.step_count, s.skipped_steps);
+           })
+      .def_property_readonly("step_count", [](const AdamW& o) {
+        py::gil_scoped_release nogil;
+        return o.step_count();
+      })
+      .def_property_readonly("skipped_steps", [](const AdamW& o) {
+        py::gil_scoped_release nogil;
+        return o.skipped_steps();
+      })
       .def_property_readonly("m", [](py::object self) {
         AdamW& o = self.cast<AdamW&>();
         return host_array(o.backend(), o.m(), {(py::ssize_t)o.size()}, self);

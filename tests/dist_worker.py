@@ -25,6 +25,7 @@ p.add_argument("--precision", default="fp32")
 p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--device", default="cpu")
 p.add_argument("--overlap", action="store_true", help="CPU: reduce layer by layer as the backward goes (NCCL's way)")
+p.add_argument("--train-step", action="store_true", help="each step as one AdamW.train_step call, not the loop")
 p.add_argument("--fail", choices=("none", "raise", "kill", "exit"), default="none")
 p.add_argument("--fail-rank", type=int, default=1)
 p.add_argument("--fail-step", type=int, default=2)
@@ -60,6 +61,13 @@ for step in range(args.steps):
         if args.fail == "exit":
             sys.exit(3)
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.train_step:
+        batches = [loader.next_batch() for _ in range(args.accum)]
+        stats = opt.train_step(np.stack([b[0] for b in batches]), np.stack([b[1] for b in batches]), max_norm=1.0)
+        losses.append(distributed.all_reduce(stats.loss, "avg"))
+        norms.append(stats.norm)
+        identical = same_everywhere() and identical
+        continue
     model.zero_grad()
     loss = 0.0
     for micro in range(args.accum):

@@ -265,24 +265,31 @@ def test_a_nonfinite_loss_stops_the_run(shakespeare_txt, encoder_json, tmp_path,
 
 
 @pytest.mark.parametrize("skip", [False, True])
-def test_a_nonfinite_gradient_is_stopped_or_skipped(skip, shakespeare_txt, encoder_json, tmp_path, monkeypatch):
-    # One NaN in one gradient at step 2 (the third backward): without --skip-nonfinite the run stops there; with
-    # it, that step's update is skipped and training goes on with finite weights.
+def test_a_nonfinite_step_is_stopped_or_skipped(skip, shakespeare_txt, encoder_json, tmp_path, monkeypatch):
+    # One NaN in ln_f's weight during step 2 (the third train_step) makes that step's loss and norm NaN: without
+    # --skip-nonfinite the run stops there; with it, the device skipped the update (the weights are exactly as
+    # before it, so putting the weight back leaves them finite) and training goes on.
     calls = []
 
-    class Poisoned(fastgpt.GPT):
-        def forward_backward(self, *a, **k):  # train.py's training step call
-            loss = super().forward_backward(*a, **k)
+    class Poisoned(fastgpt.AdamW):
+        def train_step(self, *a, **k):  # train.py's training step call
             calls.append(1)
-            if len(calls) == 3:
-                self.grads()["transformer.h.1.mlp.c_fc.weight"][3, 5] = np.nan
-            return loss
+            if len(calls) != 3:
+                return super().train_step(*a, **k)
+            w = self.model.state_dict()["transformer.ln_f.weight"]  # a zero-copy view on the CPU
+            saved, before = w[0], np.array(self.model._engine.params)
+            w[0] = np.nan
+            stats = super().train_step(*a, **k)
+            assert math.isnan(stats.loss) and not stats.applied  # read now: the step has finished
+            w[0] = saved
+            np.testing.assert_array_equal(np.nan_to_num(self.model._engine.params), np.nan_to_num(before))
+            return stats
 
-    monkeypatch.setattr(fastgpt.train, "GPT", Poisoned)
+    monkeypatch.setattr(fastgpt.train, "AdamW", Poisoned)
     flags = ["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "5",
              "--eval-steps", "1", "--sample-tokens", "0", "--out-dir", str(tmp_path / "run")]
     if not skip:
-        with pytest.raises(fastgpt.train.NonFiniteError, match="step 2: gradient norm nan"):
+        with pytest.raises(fastgpt.train.NonFiniteError, match="step 2: loss nan and gradient norm nan"):
             main(flags)
         return
     result = main(flags + ["--skip-nonfinite"])

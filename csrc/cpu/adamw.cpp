@@ -1,5 +1,9 @@
 // AdamW exactly as torch.optim.AdamW computes it (decoupled decay applied to the parameter first, then the Adam
-// update with bias corrections), plus the deterministic global gradient norm used for clipping.
+// update with bias corrections), plus the deterministic global gradient norm used for clipping. The engine's step
+// (adamw_step) is one pass over the whole flat buffer that reads its scalars (clip factor, step counter, whether to
+// skip) from adamw_prepare's StepScalars; the arithmetic of both is cpu/adamw.h, shared with the CUDA kernels.
+#include "cpu/adamw.h"
+
 #include <cmath>
 #include <vector>
 
@@ -12,57 +16,76 @@ AdamWHyper adamw_hyper(float lr, float beta1, float beta2, float eps, float weig
           (float)std::sqrt(1.0 - std::pow((double)beta2, (double)step))};
 }
 
-namespace {
-// lowp == nullptr: the fp32 update alone; else also lowp[i] = round_weight<S>(new param) in the same pass.
 template <typename S>
-void update(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
-            const RoundKey& key) {
-  const float decay = 1.f - h.lr * h.weight_decay;
-  const float step_size = h.lr / h.bias_correction1;
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
+                float beta1, float beta2, float eps, const StepScalars* s, RoundKey key) {
+  if (!s->applied) return;
+  const float step_size = lr / s->bias_correction1, gscale = s->gscale, bc2 = s->bias_correction2_sqrt;
+  key.step = (uint64_t)s->t;
+  int64_t a = seg.begin;
+  for (int j = 0; j < seg.n; a = seg.end[j++]) {
+    const int64_t b = seg.end[j];
+    const float decay = 1.f - lr * seg.weight_decay[j];
+    float* mo = m - seg.begin;  // moments are indexed from the first updated element
+    float* vo = v - seg.begin;
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; i++) {
-    const float g = grad[i];
-    const float mi = m[i] + (1.f - h.beta1) * (g - m[i]);  // torch's lerp form
-    const float vi = h.beta2 * v[i] + (1.f - h.beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    const float denom = std::sqrt(vi) / h.bias_correction2_sqrt + h.eps;
-    const float p = param[i] * decay - step_size * mi / denom;
-    param[i] = p;
-    if (lowp) lowp[i] = round_weight<S>(p, key, i);
+    for (int64_t i = a; i < b; i++) {
+      const float p = adamw_element(param[i], mo[i], vo[i], grad[i] * gscale, beta1, beta2, eps, decay, step_size,
+                                    bc2);
+      if (lowp) lowp[i] = round_weight<S>(p, key, i);
+    }
   }
 }
-}  // namespace
+template void adamw_step<float>(float*, float*, const float*, float*, float*, const AdamWSegments&, float, float,
+                                float, float, const StepScalars*, RoundKey);
+template void adamw_step<bf16>(float*, bf16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
+                               float, const StepScalars*, RoundKey);
+template void adamw_step<f16>(float*, f16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
+                              float, const StepScalars*, RoundKey);
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h) {
-  update<float>(param, nullptr, grad, m, v, n, h, RoundKey{});
+  StepScalars s;
+  AdamWSegments seg;
+  single_range_step(h, n, &s, &seg);
+  adamw_step<float>(param, nullptr, grad, m, v, seg, h.lr, h.beta1, h.beta2, h.eps, &s, RoundKey{});
 }
 
-template <typename S>
-void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
-                        const RoundKey& key) {
-  update<S>(param, lowp, grad, m, v, n, h, key);
+void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
+                   double max_norm, bool skip, float beta1, float beta2) {
+  fastgpt::adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
 }
-template void adamw_update_mixed<bf16>(float*, bf16*, const float*, float*, float*, int64_t, const AdamWHyper&,
-                                       const RoundKey&);
-template void adamw_update_mixed<f16>(float*, f16*, const float*, float*, float*, int64_t, const AdamWHyper&,
-                                      const RoundKey&);
 
-double sum_squares(const float* x, int64_t n) {
-  constexpr int64_t kChunk = 1 << 16;  // fixed, so the combine order never depends on the thread count
-  const int64_t nchunks = (n + kChunk - 1) / kChunk;
-  std::vector<double> partial(nchunks);
+void sum_squares_partials(double* partial, const float* x, int64_t n) {
+  const int64_t nchunks = (n + kSumChunk - 1) / kSumChunk;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < nchunks; c++) {
-    const int64_t i1 = (c + 1) * kChunk < n ? (c + 1) * kChunk : n;
+    const int64_t i1 = (c + 1) * kSumChunk < n ? (c + 1) * kSumChunk : n;
     double s = 0.0;
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = c * kChunk; i < i1; i++) s += (double)x[i] * x[i];
+    for (int64_t i = c * kSumChunk; i < i1; i++) s += (double)x[i] * x[i];
     partial[c] = s;
   }
+}
+
+void sum_in_order(double* out, const double* x, int64_t n) {
   double total = 0.0;
-  for (double s : partial) total += s;
+  for (int64_t i = 0; i < n; i++) total += x[i];
+  *out = total;
+}
+
+double sum_squares(const float* x, int64_t n) {
+  std::vector<double> partial((n + kSumChunk - 1) / kSumChunk);
+  sum_squares_partials(partial.data(), x, n);
+  double total = 0.0;
+  sum_in_order(&total, partial.data(), (int64_t)partial.size());
   return total;
+}
+
+void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; i++) sum += losses[i];
+  const float mean = (float)(sum / n);  // the float a forward returns
+  *acc = (reset ? 0.0 : *acc) + (double)mean / divisor;
 }
 
 void scale_inplace(float* x, int64_t n, float s) {

@@ -13,6 +13,7 @@
 #pragma once
 #include <cstdint>
 
+#include "cpu/adamw.h"
 #include "cpu/dtype.h"
 
 namespace fastgpt::cpu {
@@ -171,7 +172,7 @@ void cross_entropy_forward_backward(float* losses,    // (N)
                                     const S* logits,  // (N, V)
                                     const int32_t* targets, float dloss, int64_t N, int V);
 
-// ---- AdamW as torch.optim.AdamW (adamw.cpp)
+// ---- AdamW as torch.optim.AdamW (adamw.cpp; the shared arithmetic and StepScalars in cpu/adamw.h)
 // One contiguous range; bias corrections precomputed by the caller (they depend only on the step).
 struct AdamWHyper {
   float lr, beta1, beta2, eps, weight_decay;
@@ -179,14 +180,38 @@ struct AdamWHyper {
 };
 // The hyper-parameters of update number `step` (1-based): the bias corrections are formed here, in double, once.
 AdamWHyper adamw_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+// Update number h's step of one range, weight decay h.weight_decay everywhere (fastgpt.ops.adamw_update): the
+// engine's adamw_step over one segment, with the scalars single_range_step makes (no clip, h's bias corrections).
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h);
-// The same update of fp32 masters, which also writes the compute weights `lowp` (bf16: rounded as `key` says,
-// stochastically after a step; f16: to nearest). One pass over the five buffers.
+inline void single_range_step(const AdamWHyper& h, int64_t n, StepScalars* s, AdamWSegments* seg) {
+  *s = StepScalars{};
+  s->applied = 1;
+  s->bias_correction1 = h.bias_correction1;
+  s->bias_correction2_sqrt = h.bias_correction2_sqrt;
+  *seg = AdamWSegments{};
+  seg->n = 1;
+  seg->end[0] = n;
+  seg->weight_decay[0] = h.weight_decay;
+}
+// The engine's step: one pass over the flat indices of `seg`, each decayed as its segment says, every gradient
+// times s->gscale, bias corrections and the rounding key's step from s (nothing when !s->applied). param, grad and
+// lowp are indexed by flat index, m and v from seg.begin. lowp (S = bf16/f16; null for float): the compute weights,
+// written from the new masters as `key` says in the same pass (key.offset 0: the flat index keys the rounding).
 template <typename S>
-void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n,
-                        const AdamWHyper& h, const RoundKey& key);
-// Sum of squares in float64, over fixed-size chunks combined in order: deterministic for any thread count.
-double sum_squares(const float* x, int64_t n);
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
+                float beta1, float beta2, float eps, const StepScalars* s, RoundKey key);
+// cpu/adamw.h's adamw_prepare: the step's scalars from partial sums of squares (in order) and the mean loss.
+void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
+                   double max_norm, bool skip, float beta1, float beta2);
+// Sums of squares in float64 over fixed chunks of kSumChunk elements (partial: ceil(n / kSumChunk)), so the total,
+// the chunks added in order (sum_in_order), is the same for any thread count and on either device.
+constexpr int64_t kSumChunk = 1 << 16;
+void sum_squares_partials(double* partial, const float* x, int64_t n);
+void sum_in_order(double* out, const double* x, int64_t n);  // *out = x[0] + x[1] + ... in that order
+double sum_squares(const float* x, int64_t n);               // the two, on the host
+// acc (one double) += (double)(float)(mean of the n losses) / divisor; reset: acc = that. The mean is the float a
+// forward returns; a training step's loss is the sum over its micro-steps, divided by their count.
+void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset);
 void scale_inplace(float* x, int64_t n, float s);
 
 // ---- conversions between float32 and the storage types (cast.cpp)

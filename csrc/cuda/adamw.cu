@@ -1,10 +1,11 @@
 // AdamW exactly as torch.optim.AdamW orders it (decoupled decay on the parameter first, then the Adam step with
-// bias corrections); CUDA twin of cpu::adamw_update. Elementwise over one contiguous range, grid-stride loop.
-// decay and step_size are formed on the host with the same float expressions as the CPU file.
-// Also the global gradient norm's sum of squares (deterministic) and the clip scaling.
-// Mixed precision: adamw_update_mixed<S> (S = bf16, f16) makes the same update of the fp32 masters and, in the same
-// pass, writes the 16-bit compute weights from the new masters with dtype.h's round_weight<S> (nearest even, or
-// bf16 stochastic rounding keyed on (seed, step, key.offset + i): the CPU's bits exactly).
+// bias corrections); CUDA twin of cpu/adamw.cpp, the arithmetic shared through cpu/adamw.h. The engine's step is one
+// launch over the whole flat buffer (adamw_step: weight decay by segment, the clip factor, the step counter and the
+// skip read from device StepScalars), so the step queues without a host sync. Also the global gradient norm's sums
+// of squares (fixed chunks, combined in order: deterministic), the loss accumulator and the clip scaling.
+// Mixed precision: adamw_step<S> (S = bf16, f16) also writes the 16-bit compute weights from the new masters with
+// dtype.h's round_weight<S> (nearest even, or bf16 stochastic rounding keyed on (seed, step, flat index): the CPU's
+// bits exactly).
 #include <algorithm>
 #include <vector>
 
@@ -15,47 +16,38 @@
 namespace fastgpt::cuda {
 
 namespace {
+constexpr int kThreads = 256;
+
+int grid_for(int64_t n) { return (int)std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 16); }
+
 // lowp == nullptr: the fp32 update alone; else also lowp[i] = round_weight<S>(new param) in the same pass.
 template <typename S>
-__global__ void adamw_kernel(float* __restrict__ param, S* __restrict__ lowp, const float* __restrict__ grad,
-                             float* __restrict__ m, float* __restrict__ v, int64_t n, float beta1, float beta2,
-                             float eps, float decay, float step_size, float bias_correction2_sqrt, RoundKey key) {
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float g = grad[i];
-    const float mo = m[i];
-    const float mi = mo + (1.f - beta1) * (g - mo);  // torch's lerp form
-    const float vi = beta2 * v[i] + (1.f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    const float denom = sqrtf(vi) / bias_correction2_sqrt + eps;
-    const float p = param[i] * decay - step_size * mi / denom;
-    param[i] = p;
+__global__ void adamw_step_kernel(float* __restrict__ param, S* __restrict__ lowp, const float* __restrict__ grad,
+                                  float* __restrict__ m, float* __restrict__ v, AdamWSegments seg, float lr,
+                                  float beta1, float beta2, float eps, const StepScalars* __restrict__ s,
+                                  RoundKey key) {
+  if (!s->applied) return;
+  const float step_size = lr / s->bias_correction1, gscale = s->gscale, bc2 = s->bias_correction2_sqrt;
+  key.step = (uint64_t)s->t;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x, end = seg.end[seg.n - 1];
+  int j = 0;  // the segment of i: i only grows, so the search only moves forward
+  for (int64_t i = seg.begin + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < end; i += stride) {
+    while (seg.end[j] <= i) j++;
+    float& mi = m[i - seg.begin];
+    float& vi = v[i - seg.begin];
+    const float p = adamw_element(param[i], mi, vi, grad[i] * gscale, beta1, beta2, eps,
+                                  1.f - lr * seg.weight_decay[j], step_size, bc2);
     if (lowp) lowp[i] = round_weight<S>(p, key, i);
   }
 }
 
-template <typename S>
-void launch_adamw(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
-                  const RoundKey& key, Stream stream) {
-  if (n <= 0) return;
-  const float decay = 1.f - h.lr * h.weight_decay;
-  const float step_size = h.lr / h.bias_correction1;
-  constexpr int kThreads = 256;
-  const int blocks = (int)std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 16);
-  adamw_kernel<S><<<blocks, kThreads, 0, stream>>>(param, lowp, grad, m, v, n, h.beta1, h.beta2, h.eps, decay,
-                                                   step_size, h.bias_correction2_sqrt, key);
-  FASTGPT_CUDA_CHECK_LAUNCH();
-}
-
-// One block per fixed chunk of kChunk elements: the partition depends only on n, so the sum does too.
-constexpr int64_t kChunk = 1 << 16;
+// One block per fixed chunk of cpu::kSumChunk elements: the partition depends only on n, so the sum does too.
 constexpr int kReduceThreads = 256;
 
 __global__ void sum_squares_kernel(const float* __restrict__ x, int64_t n, double* __restrict__ partial) {
   __shared__ double warp_sums[kReduceThreads / 32];
-  const int64_t begin = blockIdx.x * kChunk;
-  const int64_t end = begin + kChunk < n ? begin + kChunk : n;
+  const int64_t begin = blockIdx.x * cpu::kSumChunk;
+  const int64_t end = begin + cpu::kSumChunk < n ? begin + cpu::kSumChunk : n;
   double s = 0.0;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) s += (double)x[i] * x[i];
   for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
@@ -68,50 +60,113 @@ __global__ void sum_squares_kernel(const float* __restrict__ x, int64_t n, doubl
   }
 }
 
+// One thread: the order of the additions is the host's.
+__global__ void sum_in_order_kernel(double* out, const double* x, int64_t n) {
+  double total = 0.0;
+  for (int64_t i = 0; i < n; i++) total += x[i];
+  *out = total;
+}
+
+__global__ void adamw_prepare_kernel(StepScalars* s, const double* parts, int nparts, const double* losses,
+                                     int nlosses, double max_norm, bool skip, float beta1, float beta2) {
+  adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+}
+
+// One block: a fixed tree over fixed strides, so the loss does not depend on anything but n.
+constexpr int kLossThreads = 1024;
+__global__ void loss_accumulate_kernel(double* acc, const float* __restrict__ losses, int64_t n, double divisor,
+                                       bool reset) {
+  __shared__ double sums[kLossThreads];
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kLossThreads) s += losses[i];
+  sums[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = kLossThreads / 2; half > 0; half >>= 1) {
+    if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const float mean = (float)(sums[0] / n);  // the float a forward returns
+    *acc = (reset ? 0.0 : *acc) + (double)mean / divisor;
+  }
+}
+
 __global__ void scale_kernel(float* x, int64_t n, float s) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] *= s;
 }
 }  // namespace
 
+template <typename S>
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
+                float beta1, float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream) {
+  if (seg.n < 1 || seg.n > AdamWSegments::kMax || seg.end[seg.n - 1] <= seg.begin) return;
+  adamw_step_kernel<S><<<grid_for(seg.end[seg.n - 1] - seg.begin), kThreads, 0, stream>>>(
+      param, lowp, grad, m, v, seg, lr, beta1, beta2, eps, s, key);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+template void adamw_step<float>(float*, float*, const float*, float*, float*, const AdamWSegments&, float, float,
+                                float, float, const StepScalars*, const RoundKey&, Stream);
+template void adamw_step<bf16>(float*, bf16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
+                               float, const StepScalars*, const RoundKey&, Stream);
+template void adamw_step<f16>(float*, f16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
+                              float, const StepScalars*, const RoundKey&, Stream);
+
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
+                  Stream stream) {
+  if (n <= 0) return;
+  StepScalars s;
+  AdamWSegments seg;
+  cpu::single_range_step(h, n, &s, &seg);
+  // The op's scalars go to stream-ordered device memory (the engine keeps its own, sized once).
+  StepScalars* dev = static_cast<StepScalars*>(pool_malloc(sizeof(StepScalars), stream));
+  // From pageable memory: the copy has taken s by the time it returns.
+  FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dev, &s, sizeof s, cudaMemcpyHostToDevice, stream));
+  adamw_step<float>(param, nullptr, grad, m, v, seg, h.lr, h.beta1, h.beta2, h.eps, dev, RoundKey{}, stream);
+  FASTGPT_CUDA_CHECK(cudaFreeAsync(dev, stream));
+}
+
+void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
+                   double max_norm, bool skip, float beta1, float beta2, Stream stream) {
+  adamw_prepare_kernel<<<1, 1, 0, stream>>>(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+void sum_squares_partials(double* partial, const float* x, int64_t n, Stream stream) {
+  if (n <= 0) return;
+  sum_squares_kernel<<<(unsigned)((n + cpu::kSumChunk - 1) / cpu::kSumChunk), kReduceThreads, 0, stream>>>(x, n,
+                                                                                                           partial);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+void sum_in_order(double* out, const double* x, int64_t n, Stream stream) {
+  sum_in_order_kernel<<<1, 1, 0, stream>>>(out, x, n);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
 double sum_squares(const float* x, int64_t n, Stream stream) {
   if (n <= 0) return 0.0;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  double* partial = nullptr;
-  partial = static_cast<double*>(pool_malloc(chunks * sizeof(double), stream));
-  sum_squares_kernel<<<(unsigned)chunks, kReduceThreads, 0, stream>>>(x, n, partial);
-  FASTGPT_CUDA_CHECK_LAUNCH();
+  const int64_t chunks = (n + cpu::kSumChunk - 1) / cpu::kSumChunk;
+  double* partial = static_cast<double*>(pool_malloc(chunks * sizeof(double), stream));
+  sum_squares_partials(partial, x, n, stream);
   std::vector<double> host(chunks);
   FASTGPT_CUDA_CHECK(cudaMemcpyAsync(host.data(), partial, chunks * sizeof(double), cudaMemcpyDeviceToHost, stream));
   FASTGPT_CUDA_CHECK(cudaFreeAsync(partial, stream));
   FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream));
   double total = 0.0;
-  for (double p : host) total += p;  // in chunk order, as the CPU does
+  cpu::sum_in_order(&total, host.data(), chunks);  // in chunk order, as the CPU does
   return total;
+}
+
+void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset, Stream stream) {
+  loss_accumulate_kernel<<<1, kLossThreads, 0, stream>>>(acc, losses, n, divisor, reset);
+  FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
 void scale_inplace(float* x, int64_t n, float s, Stream stream) {
   if (n <= 0) return;
-  constexpr int kThreads = 256;
-  const int blocks = (int)std::min<int64_t>((n + kThreads - 1) / kThreads, 1 << 16);
-  scale_kernel<<<blocks, kThreads, 0, stream>>>(x, n, s);
+  scale_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, n, s);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
-
-void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
-                  Stream stream) {
-  launch_adamw<float>(param, nullptr, grad, m, v, n, h, RoundKey{}, stream);
-}
-
-template <typename S>
-void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n,
-                        const AdamWHyper& h, const RoundKey& key, Stream stream) {
-  launch_adamw<S>(param, lowp, grad, m, v, n, h, key, stream);
-}
-
-template void adamw_update_mixed<bf16>(float*, bf16*, const float*, float*, float*, int64_t, const AdamWHyper&,
-                                       const RoundKey&, Stream);
-template void adamw_update_mixed<f16>(float*, f16*, const float*, float*, float*, int64_t, const AdamWHyper&,
-                                      const RoundKey&, Stream);
 
 }  // namespace fastgpt::cuda

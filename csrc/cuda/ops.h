@@ -106,13 +106,17 @@ void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, 
                                     int64_t N, int V, Stream stream);
 
 using AdamWHyper = cpu::AdamWHyper;
+// CUDA twins of cpu/kernels.h's AdamW functions (adamw.cu); scalars and partial sums live in device memory.
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
                   Stream stream);
-// The same update, also writing the 16-bit compute weights lowp from the new masters as `key` says (cpu twin:
-// cpu::adamw_update_mixed; the stochastic rounding uses dtype.h's sr_bits, so both devices round alike).
 template <typename S>
-void adamw_update_mixed(float* param, S* lowp, const float* grad, float* m, float* v, int64_t n,
-                        const AdamWHyper& h, const RoundKey& key, Stream stream);
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
+                float beta1, float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream);
+void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
+                   double max_norm, bool skip, float beta1, float beta2, Stream stream);
+void sum_squares_partials(double* partial, const float* x, int64_t n, Stream stream);
+void sum_in_order(double* out, const double* x, int64_t n, Stream stream);
+void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset, Stream stream);
 // Conversions (cast.cu): widen 16-bit to float; narrow float masters to 16-bit compute weights.
 template <typename S>
 void widen(float* out, const S* in, int64_t n, Stream stream);

@@ -1,8 +1,10 @@
-// AdamW step over the flat parameter buffer (see adamw.h).
+// AdamW step over the flat parameter buffer (see adamw.h): one adamw_step launch over this optimizer's range,
+// weight decay switching by segment, its scalars (clip factor, step counter, skip) prepared on the device.
 #include "engine/adamw.h"
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -26,49 +28,119 @@ AdamW::AdamW(GPT& model, const AdamWConfig& cfg, int zero_stage) : model_(model)
   model_.set_zero_stage(zero_stage);
   lo_ = zero_stage == 1 ? model.shard_begin() : 0;
   hi_ = zero_stage == 1 ? lo_ + model.shard_size() : model.num_parameters();
-  m_ = Buffer<float>(&model.backend(), hi_ - lo_);
-  v_ = Buffer<float>(&model.backend(), hi_ - lo_);
+  // The tensors inside [lo, hi) (ZeRO-1's padding is never updated), neighbours of equal decay merged.
+  segments_.begin = lo_;
+  for (const ParamTensor& t : model_.tensors()) {
+    const int64_t a = std::max(t.offset, lo_), b = std::min(t.offset + t.numel, hi_);
+    if (a >= b) continue;
+    const float wd = t.decay ? cfg_.weight_decay : 0.f;
+    AdamWSegments& s = segments_;
+    if (s.n > 0 && s.weight_decay[s.n - 1] == wd && s.end[s.n - 1] == a) {
+      s.end[s.n - 1] = b;
+      continue;
+    }
+    if (s.n == AdamWSegments::kMax)
+      throw std::logic_error("AdamW: more weight-decay segments than AdamWSegments::kMax");
+    if (s.n == 0) s.begin = a;
+    s.end[s.n] = b;
+    s.weight_decay[s.n++] = wd;
+  }
+  Backend* be = &model.backend();
+  m_ = Buffer<float>(be, hi_ - lo_);
+  v_ = Buffer<float>(be, hi_ - lo_);
+  scalars_ = Buffer<uint8_t>(be, sizeof(StepScalars));  // zeroed: t = skipped = 0
+  const int64_t n = model_.comm() ? model_.shard_size() : model_.padded_size();
+  partial_ = Buffer<double>(be, (n + cpu::kSumChunk - 1) / cpu::kSumChunk);
+  slots_ = Buffer<double>(be, 2 * model_.world_size());
+}
+
+StepScalars AdamW::scalars() const {
+  StepScalars s;
+  model_.backend().download(&s, scalars_.data(), sizeof s);
+  return s;
 }
 
 void AdamW::load_state(const float* m, const float* v, int64_t step_count, int64_t skipped_steps) {
   if (step_count < 0 || skipped_steps < 0) throw std::invalid_argument("step_count and skipped_steps must be >= 0");
-  model_.backend().upload(m_.data(), m, size() * (int64_t)sizeof(float));
-  model_.backend().upload(v_.data(), v, size() * (int64_t)sizeof(float));
-  t_ = step_count;
-  skipped_ = skipped_steps;
+  Backend& be = model_.backend();
+  be.upload(m_.data(), m, size() * (int64_t)sizeof(float));
+  be.upload(v_.data(), v, size() * (int64_t)sizeof(float));
+  StepScalars s;
+  s.t = step_count;
+  s.skipped = skipped_steps;
+  be.upload(scalars_.data(), &s, sizeof s);
 }
 
-bool AdamW::step(float lr) {
+void AdamW::check_args(float lr, double max_norm) {
   if (!(std::isfinite(lr) && lr >= 0.f)) throw std::invalid_argument("lr must be a finite number >= 0");
+  if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
+}
+
+void AdamW::check_step(float lr) const {
+  check_args(lr, 1.0);
   if (model_.scaler().enabled && model_.stepped())
     throw std::logic_error("step() was already taken on these gradients: with fp16 loss scaling each step needs a "
                            "new backward() (after zero_grad())");
-  const bool found_inf = model_.unscale_grads();
+}
+
+bool AdamW::unscale() {
+  const bool found_inf = model_.unscale_grads();  // reduces first, if a backward left that to the step
   model_.scaler().update(found_inf);
   if (model_.scaler().enabled) model_.mark_stepped();
-  if (found_inf) {
-    skipped_++;
-    return false;
-  }
-  t_++;
-  cpu::AdamWHyper h = cpu::adamw_hyper(lr, cfg_.beta1, cfg_.beta2, cfg_.eps, 0.f, t_);
+  return found_inf;
+}
+
+void AdamW::update(float lr) {
   const DType st = model_.storage();
-  uint8_t* lowp = st == DType::f32 ? nullptr : static_cast<uint8_t*>(model_.compute_params());
-  RoundKey key{st == DType::bf16, model_.seed(), (uint64_t)t_, 0};
-  for (const ParamTensor& t : model_.tensors()) {
-    const int64_t a = std::max(t.offset, lo_), b = std::min(t.offset + t.numel, hi_);  // this tensor in [lo, hi)
-    if (a >= b) continue;
-    h.weight_decay = t.decay ? cfg_.weight_decay : 0.f;
-    key.offset = (uint64_t)a;
-    model_.backend().adamw_update(model_.params() + a, lowp ? lowp + a * dtype_size(st) : nullptr, st,
-                                  model_.grads() + a, m_.data() + (a - lo_), v_.data() + (a - lo_), b - a, h, key);
-  }
+  void* lowp = st == DType::f32 ? nullptr : model_.compute_params();
+  const RoundKey key{st == DType::bf16, model_.seed(), 0, 0};  // the step comes from the scalars
+  model_.backend().adamw_step(model_.params(), lowp, st, model_.grads(), m_.data(), v_.data(), segments_, lr,
+                              cfg_.beta1, cfg_.beta2, cfg_.eps, dev_scalars(), key);
   if (model_.zero_stage() == 1) {  // every rank updated its shard: now everyone gets all of them
     Comm& c = model_.bound_comm();
     c.all_gather(model_.params(), model_.shard_size() * (int64_t)sizeof(float));
     if (lowp) c.all_gather(lowp, model_.shard_size() * dtype_size(st));
   }
+}
+
+bool AdamW::step(float lr) {
+  check_step(lr);
+  const bool skip = unscale();
+  model_.backend().adamw_prepare(dev_scalars(), nullptr, 0, nullptr, 0, std::numeric_limits<double>::infinity(), skip,
+                                 cfg_.beta1, cfg_.beta2);
+  if (skip) return false;  // nothing to update or gather
+  update(lr);
   return true;
+}
+
+void AdamW::step_clipped(float lr, double max_norm, const double* loss) {
+  check_step(lr);
+  check_args(lr, max_norm);
+  const bool skip = model_.scaler().enabled ? unscale() : (model_.sync_grads(), false);
+  // Each rank's part of the reduced gradients (all of them without data parallel), in fixed chunks: the same
+  // partition, and so the same bits, as clip_grad_norm's.
+  Backend& be = model_.backend();
+  const int64_t b = model_.comm() ? model_.shard_begin() : 0;
+  const int64_t n = model_.comm() ? model_.shard_size() : model_.padded_size();
+  be.sum_squares_partials(partial_.data(), model_.grads() + b, n);
+  const double* parts = partial_.data();
+  int nparts = (int)partial_.size(), nlosses = loss ? 1 : 0;
+  if (model_.comm()) {
+    // A slot per rank for its sum of squares (adding the zeros of the others is exact; the slots are then added in
+    // rank order) and one for its loss, so that every rank sees every loss and all skip, or step, together.
+    const int world = model_.world_size(), r = model_.rank();
+    double* slots = slots_.data();  // (2, world)
+    be.zero(slots, slots_.size() * (int64_t)sizeof(double));
+    be.sum_in_order(slots + r, partial_.data(), partial_.size());
+    if (loss) be.copy(slots + world + r, loss, sizeof(double));
+    model_.bound_comm().all_reduce_doubles(slots, 2 * world);
+    parts = slots;
+    nparts = world;
+    nlosses = loss ? world : 0;
+    loss = slots + world;
+  }
+  be.adamw_prepare(dev_scalars(), parts, nparts, loss, nlosses, max_norm, skip, cfg_.beta1, cfg_.beta2);
+  update(lr);  // skipped on the device when the scalars say so (ZeRO-1 then gathers the unchanged weights)
 }
 
 }  // namespace fastgpt

@@ -23,15 +23,25 @@ struct AdamWConfig {
 class AdamW {
  public:
   AdamW(GPT& model, const AdamWConfig& cfg, int zero_stage = 0);
-  // One update with this learning rate; the step counter advances first (torch's rule). Returns false when the
-  // step was skipped (fp16: the gradients held an inf/NaN): parameters, moments and the counter are unchanged.
+  // One update with this learning rate from the gradients as they are (clip_grad_norm first to clip). Returns false
+  // when the step was skipped (fp16: the gradients held an inf/NaN): parameters, moments and the counter unchanged.
   bool step(float lr);
-  int64_t skipped_steps() const { return skipped_; }
-  int64_t step_count() const { return t_; }
+  // The device step: the global norm of the (reduced) gradients, the clip to max_norm (+inf: none) folded into the
+  // update, which is skipped on the device when the norm or *loss (backend memory, or null) is not finite; the
+  // gradient buffer is left unclipped. Nothing waits for the device, except fp16, whose loss scaler decides on the
+  // host. scalars() says what happened.
+  void step_clipped(float lr, double max_norm, const double* loss);
+  // Throws std::invalid_argument naming lr or max_norm unless lr is finite and >= 0 and max_norm > 0.
+  static void check_args(float lr, double max_norm);
+  // The step's scalars (norm, applied, counters), read from the device (waits for it).
+  StepScalars scalars() const;
+  int64_t skipped_steps() const { return scalars().skipped; }
+  int64_t step_count() const { return scalars().t; }
   int64_t size() const { return m_.size(); }  // of each moment buffer: the parameters, or this rank's shard
   int zero_stage() const { return model_.zero_stage(); }
   int64_t moments_begin() const { return lo_; }  // flat index of m()[0]
   Backend& backend() { return model_.backend(); }
+  GPT& model() { return model_; }
   float* m() { return m_.data(); }  // backend memory, parameter layout
   float* v() { return v_.data(); }
   const AdamWConfig& config() const { return cfg_; }
@@ -40,11 +50,19 @@ class AdamW {
   void load_state(const float* m, const float* v, int64_t step_count, int64_t skipped_steps);
 
  private:
+  void check_step(float lr) const;
+  bool unscale();  // fp16: unscales the gradients, updates the loss scale; returns whether the step is skipped
+  void update(float lr);  // queues the update (as the scalars say) and ZeRO-1's all-gather
+  StepScalars* dev_scalars() { return reinterpret_cast<StepScalars*>(scalars_.data()); }
+
   GPT& model_;
   AdamWConfig cfg_;
-  int64_t t_ = 0, skipped_ = 0;
   int64_t lo_ = 0, hi_ = 0;  // the part of the flat buffer this optimizer updates
+  AdamWSegments segments_;   // [lo, hi) by weight decay
   Buffer<float> m_, v_;  // same layout as the parameters, zero at the start
+  Buffer<uint8_t> scalars_;  // one StepScalars, backend memory: the counters live where the update runs
+  Buffer<double> partial_;   // sums of squares of this rank's gradients, per chunk
+  Buffer<double> slots_;     // data parallel (2, world): each rank's sum of squares and loss in its slots, reduced
 };
 
 }  // namespace fastgpt

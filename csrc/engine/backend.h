@@ -35,6 +35,9 @@ class Backend {
   virtual void copy(void* dst, const void* src, int64_t bytes) = 0;  // within the device
   virtual void upload(void* dst, const void* host_src, int64_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, int64_t bytes) = 0;  // waits for the device
+  // As upload, without waiting for the work already queued: src is copied to the backend's staging memory before
+  // this returns (the caller may free it), then to dst in stream order. Waits only for the previous staged copy.
+  virtual void upload_async(void* dst, const void* host_src, int64_t bytes) { upload(dst, host_src, bytes); }
   int64_t bytes_in_use() const { return bytes_in_use_; }  // held by Buffers of this backend
 
   // ---- kernels (see csrc/cpu/kernels.h for the contract of each), typed: S is the storage type of activations and
@@ -128,9 +131,18 @@ class Backend {
                                       int64_t N, int V) {
     cross_entropy_forward_backward_(dt<S>(), losses, dlogits, logits, targets, dloss, N, V);
   }
-  // AdamW on fp32 masters; with lowp (a 16-bit copy, bf16 or f16), also writes the compute weights.
-  virtual void adamw_update(float* param, void* lowp, DType lowp_dtype, const float* grad, float* m, float* v,
-                            int64_t n, const cpu::AdamWHyper& h, const RoundKey& key) = 0;
+  // AdamW on fp32 masters over the flat indices of seg (cpu/kernels.h: adamw_step), its scalars read from s in this
+  // backend's memory; with lowp (a 16-bit copy, bf16 or f16), also writes the compute weights.
+  virtual void adamw_step(float* param, void* lowp, DType lowp_dtype, const float* grad, float* m, float* v,
+                          const AdamWSegments& seg, float lr, float beta1, float beta2, float eps,
+                          const StepScalars* s, const RoundKey& key) = 0;
+  // The step's scalars, where s lives (cpu/adamw.h); parts, loss: this backend's memory.
+  virtual void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
+                             double max_norm, bool skip, float beta1, float beta2) = 0;
+  // Sums of squares without the host: partial (ceil(n / cpu::kSumChunk)) and their in-order total.
+  virtual void sum_squares_partials(double* partial, const float* x, int64_t n) = 0;
+  virtual void sum_in_order(double* out, const double* x, int64_t n) = 0;
+  virtual void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset) = 0;
   // Masters to compute weights as `key` says, and 16-bit memory widened to float: dtype bf16 or f16 only.
   virtual void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) = 0;
   virtual void widen(float* out, const void* in, DType dtype, int64_t n) = 0;

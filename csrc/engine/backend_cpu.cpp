@@ -45,11 +45,24 @@ class CpuBackend final : public Backend {
   void upload(void* dst, const void* src, int64_t bytes) override { std::memcpy(dst, src, bytes); }
   void download(void* dst, const void* src, int64_t bytes) override { std::memcpy(dst, src, bytes); }
 
-  void adamw_update(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v, int64_t n,
-                    const cpu::AdamWHyper& h, const RoundKey& key) override {
-    if (!lowp) return cpu::adamw_update(param, grad, m, v, n, h);
-    if (dtype == DType::bf16) return cpu::adamw_update_mixed(param, P<bf16>(lowp), grad, m, v, n, h, key);
-    cpu::adamw_update_mixed(param, P<f16>(lowp), grad, m, v, n, h, key);
+  void adamw_step(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v,
+                  const AdamWSegments& seg, float lr, float beta1, float beta2, float eps, const StepScalars* s,
+                  const RoundKey& key) override {
+    if (!lowp) return cpu::adamw_step<float>(param, nullptr, grad, m, v, seg, lr, beta1, beta2, eps, s, key);
+    if (dtype == DType::bf16)
+      return cpu::adamw_step(param, P<bf16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key);
+    cpu::adamw_step(param, P<f16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key);
+  }
+  void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
+                     double max_norm, bool skip, float beta1, float beta2) override {
+    cpu::adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+  }
+  void sum_squares_partials(double* partial, const float* x, int64_t n) override {
+    cpu::sum_squares_partials(partial, x, n);
+  }
+  void sum_in_order(double* out, const double* x, int64_t n) override { cpu::sum_in_order(out, x, n); }
+  void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset) override {
+    cpu::loss_accumulate(acc, losses, n, divisor, reset);
   }
   void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
     if (dtype == DType::bf16) return cpu::narrow(P<bf16>(out), in, n, key);

@@ -1,8 +1,10 @@
 // The CUDA backend: device memory from cudaMalloc and the kernels of csrc/cuda/, all on one stream the backend owns,
-// so the engine's work is ordered without host synchronisation; only download() and the gradient norm wait.
+// so the engine's work is ordered without host synchronisation; only download(), upload() and the host's gradient
+// norm (clip_grad_norm) wait. upload_async stages through pinned memory, so a training step's ids go up unwaited.
 // Built only with FASTGPT_WITH_CUDA (backend_cpu.cpp supplies the error otherwise).
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <stdexcept>
 
 #include "cuda/check.h"
@@ -33,11 +35,14 @@ class CudaBackend final : public Backend {
                                   std::to_string(cuda::device_count()) + " visible)");
     const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    FASTGPT_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
   }
   ~CudaBackend() override {
     try {
       const cuda::DeviceGuard guard(device_);
       cudaStreamSynchronize(stream_);
+      if (staging_) cudaFreeHost(staging_);
+      cudaEventDestroy(staged_);
       cudaStreamDestroy(stream_);
     } catch (...) {  // no throw from a destructor (the guard throws only if the device cannot be queried)
     }
@@ -80,19 +85,56 @@ class CudaBackend final : public Backend {
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+  void upload_async(void* dst, const void* src, int64_t bytes) override {
+    if (bytes <= 0) return;
+    const cuda::DeviceGuard guard(device_);
+    // The staging memory is free once the last copy out of it ran: in a training loop that was a step ago.
+    if (staged_pending_) FASTGPT_CUDA_CHECK(cudaEventSynchronize(staged_));
+    staged_pending_ = false;
+    if (bytes > staging_bytes_) {
+      if (staging_) FASTGPT_CUDA_CHECK(cudaFreeHost(staging_));
+      staging_ = nullptr;
+      staging_bytes_ = 0;
+      FASTGPT_CUDA_CHECK(cudaHostAlloc(&staging_, bytes, cudaHostAllocDefault));
+      staging_bytes_ = bytes;
+    }
+    std::memcpy(staging_, src, bytes);
+    FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, staging_, bytes, cudaMemcpyHostToDevice, stream_));
+    FASTGPT_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+    staged_pending_ = true;
+  }
   void download(void* dst, const void* src, int64_t bytes) override {
     const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
-  void adamw_update(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v, int64_t n,
-                    const cpu::AdamWHyper& h, const RoundKey& key) override {
+  void adamw_step(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v,
+                  const AdamWSegments& seg, float lr, float beta1, float beta2, float eps, const StepScalars* s,
+                  const RoundKey& key) override {
     const cuda::DeviceGuard guard(device_);
-    if (!lowp) return cuda::adamw_update(param, grad, m, v, n, h, stream_);
+    if (!lowp)
+      return cuda::adamw_step<float>(param, nullptr, grad, m, v, seg, lr, beta1, beta2, eps, s, key, stream_);
     if (dtype == DType::bf16)
-      return cuda::adamw_update_mixed(param, P<bf16>(lowp), grad, m, v, n, h, key, stream_);
-    cuda::adamw_update_mixed(param, P<f16>(lowp), grad, m, v, n, h, key, stream_);
+      return cuda::adamw_step(param, P<bf16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key, stream_);
+    cuda::adamw_step(param, P<f16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key, stream_);
+  }
+  void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
+                     double max_norm, bool skip, float beta1, float beta2) override {
+    const cuda::DeviceGuard guard(device_);
+    cuda::adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, stream_);
+  }
+  void sum_squares_partials(double* partial, const float* x, int64_t n) override {
+    const cuda::DeviceGuard guard(device_);
+    cuda::sum_squares_partials(partial, x, n, stream_);
+  }
+  void sum_in_order(double* out, const double* x, int64_t n) override {
+    const cuda::DeviceGuard guard(device_);
+    cuda::sum_in_order(out, x, n, stream_);
+  }
+  void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset) override {
+    const cuda::DeviceGuard guard(device_);
+    cuda::loss_accumulate(acc, losses, n, divisor, reset, stream_);
   }
   void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
     const cuda::DeviceGuard guard(device_);
@@ -200,6 +242,11 @@ class CudaBackend final : public Backend {
   int device_;
   cudaStream_t stream_ = nullptr;
   bool tf32_ = false;
+  // upload_async's pinned staging memory (grown only) and the event of the last copy out of it.
+  void* staging_ = nullptr;
+  int64_t staging_bytes_ = 0;
+  cudaEvent_t staged_ = nullptr;
+  bool staged_pending_ = false;
 };
 
 #undef FASTGPT_TYPED

@@ -37,6 +37,8 @@ class Comm {
   virtual void broadcast(void* x, int64_t bytes, int root) = 0;
   // Host doubles (losses, squared norms, counts): x (n) <- the sum over ranks, the same on every rank.
   virtual void all_reduce_host(double* x, int n) = 0;
+  // The same sum on doubles in backend memory, queued without waiting (NCCL); a CPU backend's memory is the host's.
+  virtual void all_reduce_doubles(double* x, int n) { all_reduce_host(x, n); }
   virtual void barrier() = 0;
 
   // Overlap with the backward (optional). all_reduce_async starts the mean over ranks of these slices now, on the

@@ -91,6 +91,10 @@ class NcclComm final : public Comm {
       wait(model_);
     });
   }
+  void all_reduce_doubles(double* x, int n) override {
+    if (n <= 0) return;
+    guarded([&] { FASTGPT_NCCL_CHECK(ncclAllReduce(x, x, n, ncclFloat64, ncclSum, comm_, model_)); });
+  }
   void barrier() override {
     // NCCL has no barrier: a one-element all-reduce completes only once every rank has joined it. The value summed
     // is whatever the scratch holds; only the completion matters.

@@ -141,6 +141,7 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
   params_ = Buffer<float>(be_.get(), offset);
   grads_ = Buffer<float>(be_.get(), offset);
   if (storage_ != DType::f32) cparams_ = Buffer<uint8_t>(be_.get(), offset * dtype_size(storage_));
+  loss_sums_ = Buffer<double>(be_.get(), 2);
   init_params(seed);
   if (comm_) {  // every replica starts from rank 0's weights, whatever seed each was given
     bound_comm().broadcast(params_.data(), params_.size() * (int64_t)sizeof(float), 0);
@@ -186,7 +187,7 @@ int64_t GPT::activation_bytes() const {
   for (const auto* b : {&ln1_mean_, &ln1_rstd_, &att_lse_, &ln2_mean_, &ln2_rstd_, &lnf_mean_, &lnf_rstd_, &losses_,
                         &ce_lse_})
     n += b->size() * 4;
-  return n + (idx_.size() + targets_.size()) * 4;
+  return n + tokens_.size() * 4 + loss_sums_.size() * 8;
 }
 
 void GPT::init_params(uint64_t seed) {
@@ -248,8 +249,6 @@ void GPT::ensure_activations(int B, int T) {
   const int64_t es = dtype_size(storage_);  // bytes per stored activation
   auto act = [&](int64_t n) { return Buffer<uint8_t>(be, n * es); };
   act_bt_ = BT;
-  idx_ = Buffer<int32_t>(be, BT);
-  targets_ = Buffer<int32_t>(be, BT);
   encoded_ = act(BT * C);
   for (auto* b : {&ln1_, &atty_, &residual2_, &ln2_, &residual3_}) *b = act(L * BT * C);
   for (auto* b : {&ln1_mean_, &ln1_rstd_, &ln2_mean_, &ln2_rstd_}) *b = Buffer<float>(be, L * BT);
@@ -263,11 +262,16 @@ void GPT::ensure_activations(int B, int T) {
   last_rows_ = act(BT * C);
   losses_ = Buffer<float>(be, BT);
   ce_lse_ = Buffer<float>(be, BT);
-  host_losses_.resize(BT);
   dresidual_ = act(BT * C);
   dbtc_ = act(BT * C);
   dbt4c_ = act(BT * 4 * C);
   dqkv_ = act(BT * 3 * C);
+}
+
+void GPT::ensure_tokens(int64_t n) {
+  if (tokens_.size() >= n) return;
+  tokens_ = Buffer<int32_t>();
+  tokens_ = Buffer<int32_t>(be_.get(), n);
 }
 
 void GPT::ensure_logits(int64_t rows) {
@@ -285,75 +289,112 @@ void GPT::check_ids(const int32_t* ids, int64_t n, const char* what) const {
                                   "), found " + std::to_string(ids[i]) + " at flat index " + std::to_string(i));
 }
 
-void GPT::check_batch(const int32_t* idx, const int32_t* targets, int B, int T) const {
+void GPT::check_batch(const int32_t* idx, const int32_t* targets, int B, int T, int A) const {
   if (B < 1) throw std::invalid_argument("batch size B must be >= 1, got " + std::to_string(B));
   if (T < 1 || T > cfg_.block_size)
     throw std::invalid_argument("sequence length T must be in [1, block_size=" + std::to_string(cfg_.block_size) +
                                 "], got " + std::to_string(T));
-  check_ids(idx, (int64_t)B * T, "idx");
-  if (targets) check_ids(targets, (int64_t)B * T, "targets");
+  check_ids(idx, (int64_t)A * B * T, "idx");
+  if (targets) check_ids(targets, (int64_t)A * B * T, "targets");
 }
 
-void GPT::load_batch(const int32_t* idx, const int32_t* targets, int B, int T) {
-  const int64_t BT = (int64_t)B * T;
+void GPT::load_batch(const int32_t* idx, const int32_t* targets, int B, int T, int A) {
+  const int64_t n = (int64_t)A * B * T;
   ensure_activations(B, T);
+  ensure_tokens(targets ? 2 * n : n);
   B_ = B;
   T_ = T;
-  be_->upload(idx_.data(), idx, BT * sizeof(int32_t));
-  if (targets) be_->upload(targets_.data(), targets, BT * sizeof(int32_t));
+  // One staged copy, [idx | targets]: no wait for the work already queued (a step's micro-batches all at once).
+  host_tokens_.assign(idx, idx + n);
+  if (targets) host_tokens_.insert(host_tokens_.end(), targets, targets + n);
+  be_->upload_async(tokens_.data(), host_tokens_.data(), (int64_t)host_tokens_.size() * sizeof(int32_t));
+  select_batch(0, A);
+}
+
+void GPT::select_batch(int a, int A) {
+  const int64_t BT = (int64_t)B_ * T_;
+  ids_ = tokens_.data() + a * BT;
+  tgts_ = tokens_.data() + A * BT + a * BT;  // meaningful only when targets were loaded
 }
 
 float GPT::mean_loss() {
-  const int64_t BT = (int64_t)B_ * T_;
-  be_->download(host_losses_.data(), losses_.data(), BT * sizeof(float));
-  double sum = 0.0;
-  for (int64_t i = 0; i < BT; i++) sum += host_losses_[i];
-  return (float)(sum / BT);
+  be_->loss_accumulate(loss_sums_.data(), losses_.data(), (int64_t)B_ * T_, 1.0, true);
+  double mean = 0.0;
+  be_->download(&mean, loss_sums_.data(), sizeof(double));
+  return (float)mean;
+}
+
+double GPT::step_loss_value() {
+  double v = 0.0;
+  be_->download(&v, step_loss(), sizeof(double));
+  return v;
 }
 
 float GPT::forward(const int32_t* idx, const int32_t* targets, int B, int T, bool last_only, bool keep_logits) {
   check_batch(idx, targets, B, T);
   if (targets && last_only) throw std::invalid_argument("last_only forward cannot take targets");
+  load_batch(idx, targets, B, T);
+  run_forward(targets != nullptr, last_only, keep_logits);
+  return targets ? mean_loss() : std::numeric_limits<float>::quiet_NaN();
+}
+
+void GPT::run_forward(bool with_targets, bool last_only, bool keep_logits) {
   // The fused model keeps no logits it was not asked for: the loss is taken chunk by chunk, and a backward
   // recomputes each chunk's logits (forward_backward, the training step's call, needs no recomputation).
-  const bool chunked = fused_ && targets && !keep_logits;
-  if (!chunked) ensure_logits(last_only ? B : (int64_t)B * T);
-  load_batch(idx, targets, B, T);
+  const bool chunked = fused_ && with_targets && !keep_logits;
+  if (!chunked) ensure_logits(last_only ? B_ : (int64_t)B_ * T_);
   with_dtype(storage_, [&](auto s) {
     using S = decltype(s);
-    forward_t<S>(B, T);
+    forward_t<S>(B_, T_);
     if (chunked)
       classifier_t<S>(Pass::loss, 0.f);
     else
-      head_t<S>(B, T, last_only, targets != nullptr);
+      head_t<S>(B_, T_, last_only, with_targets);
   });
   last_only_ = last_only;
-  have_targets_ = targets != nullptr;
+  have_targets_ = with_targets;
   logits_valid_ = !chunked;
   chunked_ = chunked;
-  return targets ? mean_loss() : std::numeric_limits<float>::quiet_NaN();
 }
 
 float GPT::forward_backward(const int32_t* idx, const int32_t* targets, int B, int T, float grad_scale, bool sync) {
   if (!targets) throw std::invalid_argument("forward_backward needs targets");
   check_backward_allowed();  // before anything changes
-  if (!fused_) {  // the unfused model: the two calls, the full logits kept in between
-    const float loss = forward(idx, targets, B, T);
-    backward(grad_scale, sync);
-    return loss;
-  }
   check_batch(idx, targets, B, T);
   load_batch(idx, targets, B, T);
+  run_forward_backward(grad_scale, sync);
+  return mean_loss();
+}
+
+void GPT::forward_backward_steps(const int32_t* idx, const int32_t* targets, int A, int B, int T) {
+  if (A < 1) throw std::invalid_argument("the number of micro-batches must be >= 1, got " + std::to_string(A));
+  if (!targets) throw std::invalid_argument("forward_backward_steps needs targets");
+  check_backward_allowed();
+  check_batch(idx, targets, B, T, A);
+  load_batch(idx, targets, B, T, A);
+  const float grad_scale = (float)(1.0 / A);  // the mean over micro-steps, as one big batch would
+  for (int a = 0; a < A; a++) {
+    select_batch(a, A);
+    run_forward_backward(grad_scale, a == A - 1);  // data parallel: reduced once, with the last micro-step
+    be_->loss_accumulate(step_loss(), losses_.data(), (int64_t)B * T, (double)A, a == 0);
+  }
+}
+
+void GPT::run_forward_backward(float grad_scale, bool sync) {
+  if (!fused_) {  // the unfused model: forward then backward, the full logits kept in between
+    run_forward(true, false, true);
+    run_backward(grad_scale, sync);
+    return;
+  }
   const float dloss = begin_backward(grad_scale, sync);
   with_dtype(storage_, [&](auto s) {
     using S = decltype(s);
-    forward_t<S>(B, T);
+    forward_t<S>(B_, T_);
     classifier_t<S>(Pass::loss_and_grad, dloss);
     backward_t<S>();
   });
   last_only_ = chunked_ = false;
   end_backward(sync);
-  return mean_loss();
 }
 
 void GPT::decode(const int32_t* idx, int B, int T, int pos) {
@@ -399,7 +440,7 @@ void GPT::forward_t(int B, int T, int pos, bool cached) {
   const int64_t BT = (int64_t)B * T;
   Backend& k = *be_;
   // Positions [pos, pos + T): the rows of wpe from pos on.
-  k.encoder_forward(A<S>(encoded_), idx_.data(), P<S>(WTE), P<S>(WPE) + (int64_t)pos * C, B, T, C);
+  k.encoder_forward(A<S>(encoded_), ids_, P<S>(WTE), P<S>(WPE) + (int64_t)pos * C, B, T, C);
   for (int l = 0; l < L; l++) {
     const S* residual = l == 0 ? A<S>(encoded_) : A<S>(residual3_, (l - 1) * BT * C);
     S* ln1 = A<S>(ln1_, l * BT * C);
@@ -470,7 +511,7 @@ void GPT::head_t(int B, int T, bool last_only, bool with_targets) {
     return;
   }
   k.matmul_forward(A<S>(logits_), A<S>(lnf_), P<S>(WTE), (const S*)nullptr, BT, C, V);
-  if (with_targets) k.cross_entropy_forward(losses_.data(), ce_lse_.data(), A<S>(logits_), targets_.data(), BT, V);
+  if (with_targets) k.cross_entropy_forward(losses_.data(), ce_lse_.data(), A<S>(logits_), tgts_, BT, V);
 }
 
 template <typename S>
@@ -488,7 +529,7 @@ void GPT::classifier_t(Pass pass, float dloss) {
     const S* x = A<S>(lnf_, r0 * C);
     float* losses = losses_.data() + r0;
     float* lse = ce_lse_.data() + r0;
-    const int32_t* tgt = targets_.data() + r0;
+    const int32_t* tgt = tgts_ + r0;
     k.matmul_forward(z, x, P<S>(WTE), (const S*)nullptr, n, C, V);
     if (pass == Pass::loss) {
       k.cross_entropy_forward(losses, lse, (const S*)z, tgt, n, V);
@@ -528,6 +569,10 @@ void GPT::backward(float grad_scale, bool sync) {
   if (!have_targets_)
     throw std::logic_error("backward() needs a forward() with targets first (and one backward per forward)");
   check_backward_allowed();
+  run_backward(grad_scale, sync);
+}
+
+void GPT::run_backward(float grad_scale, bool sync) {
   const bool chunked = chunked_;
   const float dloss = begin_backward(grad_scale, sync);
   with_dtype(storage_, [&](auto s) {
@@ -583,7 +628,7 @@ void GPT::head_backward_t(float dloss) {
   const int64_t BT = (int64_t)B_ * T_;
   Backend& k = *be_;
   S* dlogits = A<S>(logits_);
-  k.cross_entropy_backward(dlogits, A<S>(logits_), ce_lse_.data(), targets_.data(), dloss, BT, V);
+  k.cross_entropy_backward(dlogits, A<S>(logits_), ce_lse_.data(), tgts_, dloss, BT, V);
   k.matmul_backward(A<S>(dbtc_), G(WTE), nullptr, dlogits, A<S>(lnf_), P<S>(WTE), BT, C, V);
 }
 
@@ -627,7 +672,7 @@ void GPT::backward_t() {
                          ln1_rstd_.data() + l * BT, BT, C);
     if (overlap_) reduce_layer_async(l);  // nothing below this layer writes its gradients again
   }
-  k.encoder_backward(G(WTE), G(WPE), (const S*)dres, idx_.data(), B, T, C, V);
+  k.encoder_backward(G(WTE), G(WPE), (const S*)dres, ids_, B, T, C, V);
 }
 
 void GPT::zero_grad() {

@@ -105,6 +105,13 @@ class GPT {
   // chunk's gradient going straight into lm_head's backward, so the (B, T, V) logits never exist and nothing is
   // recomputed. Unfused: forward() then backward(). Leaves no logits.
   float forward_backward(const int32_t* idx, const int32_t* targets, int B, int T, float grad_scale, bool sync = true);
+  // The micro-steps of one optimizer step, queued without waiting for the device: idx, targets (A, B, T) host ids,
+  // uploaded in one staged copy; micro-step a runs as forward_backward(grad_scale 1/A, sync on the last), and
+  // step_loss() becomes the sum of their mean losses over A (build-nanogpt's loss_accum), on the device.
+  void forward_backward_steps(const int32_t* idx, const int32_t* targets, int A, int B, int T);
+  // Backend memory: one double, the loss of the last forward_backward_steps; step_loss_value() waits and reads it.
+  double* step_loss() const { return loss_sums_.data() + 1; }
+  double step_loss_value();
   // fused (the default): the classifier as forward_backward says, each residual add fused with the LayerNorm that
   // reads it (ln_2; the next block's ln_1 or ln_f), and the MLP's GELU in the epilogues of the products around it
   // (forward and backward; 16-bit on a GPU); unfused: one kernel per op and the full logits, the "before
@@ -183,10 +190,18 @@ class GPT {
   void reduce_layer_async(int l);  // overlap: layer l's gradients are final
   void ensure_activations(int B, int T);
   void check_ids(const int32_t* ids, int64_t n, const char* what) const;  // in [0, vocab_size)
-  void check_batch(const int32_t* idx, const int32_t* targets, int B, int T) const;
-  void load_batch(const int32_t* idx, const int32_t* targets, int B, int T);  // sizes, uploads
+  // A batches (A, B, T) of ids: shapes and ids in range.
+  void check_batch(const int32_t* idx, const int32_t* targets, int B, int T, int A = 1) const;
+  // Sizes the buffers, uploads A batches (one staged copy, no wait) and selects the first.
+  void load_batch(const int32_t* idx, const int32_t* targets, int B, int T, int A = 1);
+  void select_batch(int a, int A);  // ids_, tgts_ <- batch a of the A loaded
+  void ensure_tokens(int64_t n);
   void ensure_logits(int64_t rows);
   float mean_loss();  // of the last forward's losses (waits for the device)
+  // On the loaded batch, queued without waiting: forward (targets: the losses), backward, both.
+  void run_forward(bool with_targets, bool last_only, bool keep_logits);
+  void run_backward(float grad_scale, bool sync);
+  void run_forward_backward(float grad_scale, bool sync);
   void check_backward_allowed() const;
   float begin_backward(float grad_scale, bool sync);  // returns the loss gradient of each row
   void end_backward(bool sync);
@@ -241,7 +256,11 @@ class GPT {
   bool fused_ = true;
   int64_t classifier_rows_ = 256;
   // Buffer<uint8_t> holds the storage type (A<S>), Buffer<float> is float in every precision.
-  Buffer<int32_t> idx_, targets_;   // (B, T)
+  // Token ids of the loaded batches: [idx (A, B, T) | targets (A, B, T)]; ids_, tgts_ point at the current batch.
+  Buffer<int32_t> tokens_;
+  std::vector<int32_t> host_tokens_;
+  const int32_t* ids_ = nullptr;
+  const int32_t* tgts_ = nullptr;
   Buffer<uint8_t> encoded_;         // (B, T, C)
   Buffer<uint8_t> ln1_;             // (L, B, T, C)
   Buffer<float> ln1_mean_, ln1_rstd_;  // (L, B, T) x2
@@ -259,7 +278,7 @@ class GPT {
   // fused classifier) write the logit gradients over the logits.
   Buffer<uint8_t> logits_;
   Buffer<float> losses_, ce_lse_;   // (B, T)
-  std::vector<float> host_losses_;  // (B, T)
+  Buffer<double> loss_sums_;        // (2): the last forward's mean loss; the last optimizer step's (step_loss)
   // KV cache of decode(): keys and values of positions [0, cache_len_) of cache_B_ rows, per layer
   // (L, B, NH, block_size, hs) each, in the storage type.
   Buffer<uint8_t> kcache_, vcache_;

@@ -4,6 +4,8 @@
     model = fastgpt.GPT(fastgpt.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=50304))
     opt = fastgpt.AdamW(model, lr=6e-4)
     loss = model.forward_backward(x, y); opt.clip_grad_norm(1.0); opt.step(); model.zero_grad()
+    # or the whole step in one call, nothing waiting for the device: x, y (A, B, T) micro-batches
+    stats = opt.train_step(x, y, max_norm=1.0); print(stats.loss, stats.norm)
     # or PyTorch's shape: logits, loss = model(x, y); model.backward(); ...
 
 The C++ core (fastgpt._C) holds the model, optimizer and kernels; this package is a thin layer over it.

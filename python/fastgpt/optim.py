@@ -4,11 +4,47 @@ Weight decay applies to the 2-D weights only (embeddings and matmul weights), ne
 parameters: build-nanogpt's two parameter groups. Moments live in buffers of the parameter layout. In bf16/fp16
 the update also rewrites the model's 16-bit compute weights from the fp32 masters (one pass); in fp16 it first
 unscales the gradients and skips the step if they hold an inf/NaN, as GradScaler.step does.
+
+train_step is the whole optimizer step in one call (micro-batches, the norm, the clipped update), queued on the
+device without waiting for it; its StepStats reads the loss and the norm only when asked.
 """
+import math
+
 import numpy as np
 
 from . import _C
-from ._convert import check_float, check_int
+from ._convert import as_ids, check_float, check_int
+
+
+class StepStats:
+    """What one AdamW.train_step did: loss (the mean over its micro-batches, this rank's), norm (of the gradients
+    before clipping, over all ranks), applied (False: skipped for a non-finite loss or norm, or an fp16 overflow),
+    step_count and skipped_steps after it. Read from the device on first access (that waits for the step to
+    finish), which must come before the optimizer's next step overwrites them."""
+
+    def __init__(self, opt, serial):
+        self._opt, self._serial, self._values = opt, serial, None
+
+    def _read(self):
+        if self._values is None:
+            if self._opt._serial != self._serial:
+                raise RuntimeError("this train_step's statistics were overwritten by a later step of the optimizer: "
+                                   "read loss/norm/applied before the next step (or keep the values)")
+            loss, norm, applied, steps, skipped = self._opt._opt.step_stats()
+            self._values = (float(loss), float(norm), bool(applied), int(steps), int(skipped))
+        return self._values
+
+    loss = property(lambda self: self._read()[0])
+    norm = property(lambda self: self._read()[1])
+    applied = property(lambda self: self._read()[2])
+    step_count = property(lambda self: self._read()[3])
+    skipped_steps = property(lambda self: self._read()[4])
+
+    def __repr__(self):
+        if self._values is None and self._opt._serial != self._serial:
+            return "StepStats(<overwritten by a later step>)"
+        loss, norm, applied, steps, skipped = self._read()
+        return f"StepStats(loss={loss:.6g}, norm={norm:.6g}, applied={applied}, step_count={steps})"
 
 
 class AdamW:
@@ -35,12 +71,43 @@ class AdamW:
         self.zero_stage = zero_stage
         self._opt = _C.AdamW(model._engine, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
                              zero_stage)
+        self._serial = 0  # counts what rewrites the step's scalars on the device (StepStats checks it)
 
     def step(self, lr=None):
         """One update of every parameter from the gradient buffer; lr overrides the default for this step.
         Returns True if applied, False if skipped (fp16 only: inf/NaN gradients; weights, moments and step_count
         unchanged, the loss scale backed off)."""
-        return bool(self._opt.step(self.lr if lr is None else check_float(lr, "lr", low=0.0)))
+        lr = self.lr if lr is None else check_float(lr, "lr", low=0.0)
+        self._serial += 1
+        return bool(self._opt.step(lr))
+
+    def train_step(self, idx, targets, lr=None, max_norm=None):
+        """The whole optimizer step in one call: zero_grad, then for each of the A micro-batches of idx, targets
+        ((A, B, T) int arrays; (B, T) is one) forward_backward with grad_scale 1/A (data parallel: the gradients are
+        averaged over ranks with the last), the global gradient norm, and the update with the clip to max_norm
+        (None: no clipping) folded in. The same weights as that loop with clip_grad_norm and step() (bit for bit on
+        the CPU), but nothing waits for the device: the loss and the norm stay there until the returned StepStats
+        is read. A step whose loss or norm is not finite is skipped (weights, moments, step_count unchanged). The
+        gradient buffer keeps this step's unclipped gradients; lr overrides the default for this step."""
+        lr = self.lr if lr is None else check_float(lr, "lr", low=0.0)
+        max_norm = math.inf if max_norm is None else check_float(max_norm, "max_norm", low=0.0, low_open=True)
+        ids, tgt = as_ids(idx, "idx"), as_ids(targets, "targets")
+        if ids.ndim == 2:
+            ids = ids[None]
+        if tgt.ndim == 2:
+            tgt = tgt[None]
+        if ids.ndim != 3:
+            raise ValueError(f"idx must be (A, B, T) micro-batches or one (B, T) batch, got shape {ids.shape}")
+        if tgt.shape != ids.shape:
+            raise ValueError(f"targets shape {tgt.shape} must equal idx shape {ids.shape}")
+        if min(ids.shape) < 1:
+            raise ValueError(f"idx must have A >= 1, B >= 1 and T >= 1, got shape {ids.shape}")
+        block = self.model.config.block_size
+        if ids.shape[2] > block:
+            raise ValueError(f"idx has sequence length T={ids.shape[2]} > block_size={block}")
+        self._serial += 1
+        self._opt.train_step(ids, tgt, lr, max_norm)
+        return StepStats(self, self._serial)
 
     @property
     def skipped_steps(self):
@@ -91,5 +158,6 @@ class AdamW:
             if a.size != m.size:
                 raise ValueError(f"optimizer state {key!r} holds {a.size} values, this optimizer {m.size}")
             arrays.append(np.ascontiguousarray(a))
+        self._serial += 1
         self._opt.load_state(arrays[0], arrays[1], check_int(state["step_count"], "step_count", low=0),
                              check_int(state["skipped_steps"], "skipped_steps", low=0))

@@ -401,19 +401,17 @@ def main(argv=None):
                     break
 
                 t0 = time.perf_counter()
-                model.zero_grad()
-                loss = 0.0
-                for micro in range(grad_accum):
-                    x, y = train_loader.next_batch()
-                    model.require_backward_grad_sync = micro == grad_accum - 1  # reduce over ranks once, at the end
-                    # the mean over micro steps, as one big batch would
-                    loss += model.forward_backward(x, y, grad_scale=1.0 / grad_accum) / grad_accum
+                lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
+                batch = [train_loader.next_batch() for _ in range(grad_accum)]
+                # The whole step in one call (the micro-steps' mean loss, gradients reduced over ranks with the last,
+                # the clip folded into AdamW); a non-finite loss or norm leaves the weights as they were.
+                stats = opt.train_step(np.stack([x for x, _ in batch]), np.stack([y for _, y in batch]), lr=lr,
+                                       max_norm=args.grad_clip)
+                loss, norm, applied = stats.loss, stats.norm, stats.applied
                 stop = stop_signal.signum is not None
                 if world_size > 1:  # one collective: the mean loss, and whether a signal reached any rank
                     loss_sum, stops = distributed.all_reduce([loss, float(stop)])
                     loss, stop = loss_sum / world_size, stops > 0
-                norm = opt.clip_grad_norm(args.grad_clip)
-                lr = get_lr(step, args.max_lr, min_lr, args.warmup_steps, args.max_steps)
                 # fp16 overflows are the loss scaler's to skip; anything else non-finite is a broken run
                 bad = [f"loss {loss}"] if not math.isfinite(loss) else []
                 bad += [f"gradient norm {norm}"] if not math.isfinite(norm) and args.precision != "fp16" else []
@@ -428,7 +426,6 @@ def main(argv=None):
                     record({"step": step, "nonfinite": " and ".join(bad), "skipped": True, "lr": lr})
                     say(f"step {step:5d} | skipped: {' and '.join(bad)}")
                 else:
-                    applied = opt.step(lr)
                     if not applied:  # fp16: the gradients overflowed at this loss scale; the weights were left as they were
                         say(f"step {step:5d} | skipped: inf/NaN gradients, loss scale now {model.loss_scale:g}")
                     dt = time.perf_counter() - t0

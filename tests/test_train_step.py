@@ -1,0 +1,170 @@
+"""train_step: AdamW.train_step, the whole optimizer step in one engine call (micro-batches, the gradients' norm on
+the device, the clip folded into one AdamW pass, a non-finite step skipped on the device). It must give the loop's
+bits (forward_backward per micro-batch, clip_grad_norm, step) in every precision, fused and unfused, follow PyTorch
+(AdamW + clip_grad_norm_) over several steps, skip what the loop would refuse, and name bad arguments."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fastgpt
+from devices import needs_cuda
+from reference_gpt import ref_from_fastgpt, rel_err
+
+CONFIG = fastgpt.GPTConfig(block_size=16, vocab_size=96, n_layer=2, n_head=2, n_embd=32)
+
+
+def batches(rng, A, B=2, T=16):
+    return rng.integers(0, CONFIG.vocab_size, (A, B, T)), rng.integers(0, CONFIG.vocab_size, (A, B, T))
+
+
+def params(model):
+    return np.array(model._engine.params)
+
+
+def loop_step(model, opt, x, y, lr, max_norm):
+    """The loop train_step replaces, as build-nanogpt writes it."""
+    model.zero_grad()
+    loss = 0.0
+    for a in range(len(x)):
+        model.require_backward_grad_sync = a == len(x) - 1
+        loss += model.forward_backward(x[a], y[a], grad_scale=1.0 / len(x)) / len(x)
+    norm = opt.clip_grad_norm(max_norm) if max_norm is not None else None
+    applied = opt.step(lr)
+    return loss, norm, applied
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("A,max_norm", [(1, None), (3, 0.3), (2, 100.0)])
+def test_train_step_is_the_loop_bit_for_bit(rng, precision, fused, A, max_norm):
+    seed = int(rng.integers(1 << 31))
+    models = [fastgpt.GPT(CONFIG, precision=precision, seed=seed, fused=fused) for _ in range(2)]
+    opts = [fastgpt.AdamW(m, lr=2e-3, weight_decay=0.1) for m in models]
+    for step in range(3):
+        x, y = batches(rng, A)
+        lr = 2e-3 * (step + 1) / 3
+        stats = opts[0].train_step(x, y, lr=lr, max_norm=max_norm)
+        loss, norm, applied = loop_step(models[1], opts[1], x, y, lr, max_norm)
+        assert stats.loss == loss, step
+        if norm is not None:
+            assert stats.norm == norm, step
+        assert stats.applied and applied
+        assert stats.step_count == opts[1].step_count == step + 1
+        np.testing.assert_array_equal(params(models[0]), params(models[1]))
+        if precision != "fp32":  # the 16-bit compute weights too (bf16: stochastic rounding keyed by the step)
+            np.testing.assert_array_equal(models[0]._engine.compute_params(), models[1]._engine.compute_params())
+        for m0, m1 in zip(opts[0].moments(), opts[1].moments()):
+            np.testing.assert_array_equal(m0, m1)
+    if max_norm == 0.3:
+        assert stats.norm > 0.3, "the case meant to clip did not"
+
+
+def test_train_step_follows_torch(rng):
+    # Four steps of build-nanogpt's recipe (clip 1.0, decay groups, a changing LR, two micro-batches) against torch
+    # in float64: losses and norms within 1e-5, the weights within 1e-5 over the whole buffer.
+    model = fastgpt.GPT(CONFIG, seed=int(rng.integers(1 << 31)))
+    opt = fastgpt.AdamW(model, lr=3e-3, weight_decay=0.1)
+    ref = ref_from_fastgpt(model, torch.float64)
+    ref_opt = ref.configure_optimizers(weight_decay=0.1, learning_rate=3e-3)
+    for step in range(4):
+        x, y = batches(rng, 2)
+        lr = 3e-3 * (0.5 + 0.5 * math.cos(step))
+        stats = opt.train_step(x, y, lr=lr, max_norm=1.0)
+        ref_opt.zero_grad()
+        ref_loss = 0.0
+        for a in range(2):
+            _, loss = ref(torch.tensor(x[a]), torch.tensor(y[a]))
+            (loss / 2).backward()
+            ref_loss += loss.item() / 2
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+        for group in ref_opt.param_groups:
+            group["lr"] = lr
+        ref_opt.step()
+        assert abs(stats.loss - ref_loss) <= 1e-5 * ref_loss, step
+        assert abs(stats.norm - ref_norm) <= 1e-5 * ref_norm, step
+    ours = model.state_dict()
+    flat = lambda sd: np.concatenate([np.asarray(sd[k], np.float64).ravel() for k in ours if k != "lm_head.weight"])
+    theirs = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    assert rel_err(flat(ours), flat(theirs)) < 1e-5
+
+
+def test_a_non_finite_step_is_skipped_on_the_device(rng):
+    model = fastgpt.GPT(CONFIG, seed=3)
+    opt = fastgpt.AdamW(model, lr=1e-3)
+    x, y = batches(rng, 2)
+    w = model.state_dict()["transformer.ln_f.weight"]  # a zero-copy view on the CPU
+    saved = w[0]
+    w[0] = np.nan  # every row's loss becomes NaN
+    before = params(model)
+    stats = opt.train_step(x, y, max_norm=1.0)
+    assert not stats.applied and math.isnan(stats.loss)
+    assert stats.step_count == 0 and stats.skipped_steps == 1
+    np.testing.assert_array_equal(params(model), before)  # NaN compares equal to itself here
+    assert not any(np.any(m) for m in opt.moments()), "the moments must not move on a skipped step"
+    w[0] = saved
+    stats = opt.train_step(x, y, max_norm=1.0)
+    assert stats.applied and stats.step_count == 1 and stats.skipped_steps == 1
+    # ... and that step is the first step of a fresh optimizer (the skipped one left no trace but the count).
+    twin = fastgpt.GPT(CONFIG, seed=3)
+    twin_opt = fastgpt.AdamW(twin, lr=1e-3)
+    twin_opt.train_step(x, y, max_norm=1.0)
+    np.testing.assert_array_equal(params(model), params(twin))
+
+
+def test_step_stats_are_read_once_and_go_stale(rng):
+    model = fastgpt.GPT(CONFIG, seed=1)
+    opt = fastgpt.AdamW(model)
+    x, y = batches(rng, 1)
+    first = opt.train_step(x, y)
+    loss = first.loss  # read now: kept
+    second = opt.train_step(x[0], y[0])  # (B, T) is one micro-batch
+    assert first.loss == loss and first.step_count == 1
+    assert second.step_count == 2 and second.loss < loss
+    third = opt.train_step(x, y)
+    fourth = opt.train_step(x, y)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        third.norm  # never read, and the optimizer stepped since  # noqa: B018
+    assert "overwritten" in repr(third)
+    opt.step()  # the plain step rewrites the step's scalars too
+    with pytest.raises(RuntimeError, match="overwritten"):
+        fourth.loss  # noqa: B018
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=-1.0), "lr"), (dict(max_norm=0.0), "max_norm"), (dict(max_norm=float("nan")), "max_norm"),
+    (dict(idx=np.zeros((1, 1, 2, 16), np.int64)), "idx"), (dict(targets=np.zeros((1, 2, 15), np.int64)), "targets"),
+    (dict(targets=np.full((1, 2, 16), 96)), "targets"),
+    (dict(idx=np.zeros((1, 2, 17), np.int64), targets=np.zeros((1, 2, 17), np.int64)), "block_size"),
+    (dict(idx=np.zeros((0, 2, 16), np.int64), targets=np.zeros((0, 2, 16), np.int64)), "A >= 1"),
+    (dict(targets=np.zeros((1, 2, 16), np.float32)), "integer"),
+])
+def test_bad_arguments_are_named_and_change_nothing(rng, kwargs, match):
+    model = fastgpt.GPT(CONFIG, seed=2)
+    opt = fastgpt.AdamW(model)
+    x, y = batches(rng, 1)
+    args = dict(idx=x, targets=y) | kwargs
+    before = params(model)
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.train_step(args.pop("idx"), args.pop("targets"), **args)
+    np.testing.assert_array_equal(params(model), before)
+    assert opt.step_count == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_step_on_the_gpu_is_the_loop(rng, precision):
+    # On the GPU the bias corrections come from the device's pow (one double rounding apart from the host's at
+    # worst) and the loss from a tree sum: the loop's values within float rounding, the weights within 1e-6.
+    seed = int(rng.integers(1 << 31))
+    models = [fastgpt.GPT(CONFIG, device="cuda", precision=precision, seed=seed) for _ in range(2)]
+    opts = [fastgpt.AdamW(m, lr=2e-3) for m in models]
+    for step in range(3):
+        x, y = batches(rng, 2)
+        stats = opts[0].train_step(x, y, max_norm=0.5)
+        loss, norm, _ = loop_step(models[1], opts[1], x, y, 2e-3, 0.5)
+        assert abs(stats.loss - loss) <= 1e-6 * loss and abs(stats.norm - norm) <= 1e-6 * norm, step
+        assert stats.applied and stats.step_count == step + 1
+    a, b = params(models[0]).astype(np.float64), params(models[1]).astype(np.float64)
+    assert rel_err(a, b) < 1e-6
