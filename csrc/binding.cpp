@@ -798,6 +798,7 @@ PYBIND11_MODULE(_C, m) {
              d["activations"] = g.activation_bytes();
              d["kv_cache"] = g.cache_bytes();
              d["total"] = g.backend().bytes_in_use();
+             d["scratch"] = g.backend().scratch_bytes();
              return d;
            })
       // fp16 loss scaling (GradScaler's rules): the state, and its settings.

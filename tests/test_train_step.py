@@ -168,3 +168,20 @@ def test_train_step_on_the_gpu_is_the_loop(rng, precision):
         assert stats.applied and stats.step_count == step + 1
     a, b = params(models[0]).astype(np.float64), params(models[1]).astype(np.float64)
     assert rel_err(a, b) < 1e-6
+
+
+@needs_cuda
+def test_the_gpu_step_allocates_no_scratch_after_the_first():
+    # The kernels' scratch (GEMM workspace, LayerNorm and bias partial sums, flash backward) comes from the stream's
+    # workspace, sized by the first step: later steps of the same shape neither grow it nor go to the pool.
+    model = fastgpt.GPT(CONFIG, device="cuda", precision="bf16", seed=5)
+    opt = fastgpt.AdamW(model)
+    x, y = batches(np.random.default_rng(5), 2)
+    opt.train_step(x, y, max_norm=1.0).loss  # noqa: B018
+    opt.train_step(x, y, max_norm=1.0).loss  # noqa: B018  (the first step's last windows grow it at their rewind)
+    sized = model.memory()["scratch"]
+    for _ in range(3):
+        assert opt.train_step(x, y, max_norm=1.0).applied
+        assert model.memory()["scratch"] == sized
+    assert sized > 0
+    assert fastgpt.GPT(CONFIG).memory()["scratch"] == 0  # the CPU's scratch is per thread, not the engine's

@@ -101,8 +101,8 @@ template <typename S>
 void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
                 float beta1, float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream) {
   if (seg.n < 1 || seg.n > AdamWSegments::kMax || seg.end[seg.n - 1] <= seg.begin) return;
-  adamw_step_kernel<S><<<grid_for(seg.end[seg.n - 1] - seg.begin), kThreads, 0, stream>>>(
-      param, lowp, grad, m, v, seg, lr, beta1, beta2, eps, s, key);
+  const int grid = grid_for(seg.end[seg.n - 1] - seg.begin);
+  adamw_step_kernel<S><<<grid, kThreads, 0, stream>>>(param, lowp, grad, m, v, seg, lr, beta1, beta2, eps, s, key);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 template void adamw_step<float>(float*, float*, const float*, float*, float*, const AdamWSegments&, float, float,
@@ -134,8 +134,8 @@ void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double
 
 void sum_squares_partials(double* partial, const float* x, int64_t n, Stream stream) {
   if (n <= 0) return;
-  sum_squares_kernel<<<(unsigned)((n + cpu::kSumChunk - 1) / cpu::kSumChunk), kReduceThreads, 0, stream>>>(x, n,
-                                                                                                           partial);
+  const unsigned chunks = (unsigned)((n + cpu::kSumChunk - 1) / cpu::kSumChunk);
+  sum_squares_kernel<<<chunks, kReduceThreads, 0, stream>>>(x, n, partial);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 

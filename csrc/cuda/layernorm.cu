@@ -119,15 +119,15 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
 
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   const unsigned col_blocks = (unsigned)((C + kColThreads - 1) / kColThreads);
-  // Stream-ordered scratch: freed after the combine kernel without a sync.
-  float* partial = static_cast<float*>(pool_malloc((size_t)nchunks * 2 * C * sizeof(float), stream));
+  // Scratch until the combine kernel has been queued: no sync.
+  Scratch scratch((size_t)nchunks * 2 * C, stream);
+  float* partial = scratch.ptr;
   const dim3 grid((unsigned)nchunks, col_blocks);
   auto* partial_kernel = layernorm_backward_partial_kernel<S>;
   partial_kernel<<<grid, kColThreads, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
   layernorm_backward_combine_kernel<<<col_blocks, kColThreads, 0, stream>>>(dweight, dbias, partial, nchunks, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
-  FASTGPT_CUDA_CHECK(cudaFreeAsync(partial, stream));
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                               \

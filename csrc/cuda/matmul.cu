@@ -66,16 +66,14 @@ void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream
   if (N <= 0 || OC <= 0) return;
   const int64_t nchunks = (N + kRowChunk - 1) / kRowChunk;
   const int ncb = (OC + kCols - 1) / kCols;
-  float* partial = nullptr;
-  if (nchunks > 1)
-    partial = static_cast<float*>(pool_malloc((size_t)nchunks * OC * sizeof(float), stream));
+  Scratch scratch(nchunks > 1 ? (size_t)nchunks * OC : 0, stream);  // one chunk writes dbias directly
+  float* partial = scratch.ptr;
   const dim3 grid((unsigned)nchunks, (unsigned)std::min(ncb, 65535)), block(kCols, kLanes);
   bias_partial_kernel<S><<<grid, block, 0, stream>>>(partial, dbias, dout, N, OC, (int)nchunks);
   FASTGPT_CUDA_CHECK_LAUNCH();
   if (nchunks > 1) {
     bias_final_kernel<<<(OC + 255) / 256, 256, 0, stream>>>(dbias, partial, OC, (int)nchunks);
     FASTGPT_CUDA_CHECK_LAUNCH();
-    FASTGPT_CUDA_CHECK(cudaFreeAsync(partial, stream));
   }
 }
 

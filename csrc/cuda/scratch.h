@@ -1,5 +1,7 @@
-// Stream-ordered fp32 scratch for the CUDA ops (cudaMallocAsync on the op's stream), returned to the pool on every
-// exit path, exceptions included: one definition for flash attention, the engine's attention and the GEMM fallback.
+// fp32 scratch for the CUDA ops, released on every exit path, exceptions included: one definition for flash
+// attention, the engine's attention, the GEMM workspace and fallback, the LayerNorm and bias gradients. An engine
+// call takes it from its stream's Workspace (sized once: no allocation in a training step); anything else from the
+// stream-ordered pool (cudaMallocAsync on the op's stream).
 // Include it after cuda/check.h (and, in flash files, after flash_attention.cuh, which the warp emulator swaps).
 #pragma once
 #include <atomic>
@@ -29,16 +31,91 @@ inline void* pool_malloc(size_t bytes, cudaStream_t stream) {
   return p;
 }
 
+// The scratch of an engine's stream, held between calls: one device buffer sized by the largest set of scratch
+// live at once in the first training step, so that later steps allocate nothing (and a CUDA graph of a step sees
+// the same addresses on every replay). Scratch is bump-allocated from it while any is live and it rewinds when none
+// is: work on the stream runs in order, so the next kernel may reuse what the last one used. A request that does not
+// fit goes to the pool (Scratch does that) and raises the size the buffer takes at its next rewind; the old buffer
+// is freed in stream order, after the work queued on it.
+class Workspace {
+ public:
+  explicit Workspace(cudaStream_t stream) : stream_(stream) {}
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace() {
+    if (base_) cudaFreeAsync(base_, stream_);  // no throw from a destructor
+  }
+  cudaStream_t stream() const { return stream_; }
+  size_t capacity() const { return cap_; }
+  // bytes from the buffer, or nullptr: the caller takes them from the pool, and tells give() which it was.
+  void* take(size_t bytes) {
+    bytes = (bytes + 255) / 256 * 256;  // every piece as aligned as cudaMalloc's
+    if (live_ == 0) {
+      top_ = peak_ = 0;
+      if (want_ > cap_) grow();
+    }
+    live_++;
+    peak_ += bytes;  // what the window would need if everything live came from the buffer
+    want_ = want_ > peak_ ? want_ : peak_;
+    if (top_ + bytes > cap_) return nullptr;
+    void* p = base_ + top_;
+    top_ += bytes;
+    return p;
+  }
+  void give() { live_--; }
+
+ private:
+  void grow() {
+    if (base_) FASTGPT_CUDA_CHECK(cudaFreeAsync(base_, stream_));
+    base_ = nullptr;
+    cap_ = 0;
+    base_ = static_cast<char*>(pool_malloc(want_, stream_));
+    cap_ = want_;
+  }
+  cudaStream_t stream_;
+  char* base_ = nullptr;
+  size_t cap_ = 0, top_ = 0, peak_ = 0, want_ = 0;
+  int live_ = 0;
+};
+
+// The workspace of the engine call running on this thread (the CUDA backend sets it around each kernel call); ops
+// called from Python have none and take their scratch from the pool.
+inline thread_local Workspace* tl_workspace = nullptr;
+struct WorkspaceScope {
+  Workspace* prev;
+  explicit WorkspaceScope(Workspace* w) : prev(tl_workspace) { tl_workspace = w; }
+  ~WorkspaceScope() { tl_workspace = prev; }
+  WorkspaceScope(const WorkspaceScope&) = delete;
+  WorkspaceScope& operator=(const WorkspaceScope&) = delete;
+};
+
+// n floats of scratch on `stream` until the end of the scope: from the engine's workspace when the caller runs on
+// its stream, else from the pool (returned in stream order).
 struct Scratch {
   float* ptr = nullptr;
   cudaStream_t stream;
+  Workspace* ws = nullptr;
+  bool pooled = false;
   Scratch(size_t n, cudaStream_t s) : stream(s) {
-    if (n) ptr = static_cast<float*>(pool_malloc(n * sizeof(float), stream));
+    if (!n) return;
+    if (tl_workspace && tl_workspace->stream() == s) {
+      ws = tl_workspace;
+      ptr = static_cast<float*>(ws->take(n * sizeof(float)));
+      if (ptr) return;
+    }
+    try {
+      ptr = static_cast<float*>(pool_malloc(n * sizeof(float), stream));
+    } catch (...) {
+      if (ws) ws->give();
+      throw;
+    }
+    pooled = true;
   }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   ~Scratch() {
-    if (ptr) cudaFreeAsync(ptr, stream);  // no throw from a destructor
+    if (pooled) cudaFreeAsync(ptr, stream);  // no throw from a destructor
+    if (ws) ws->give();
   }
 };
 

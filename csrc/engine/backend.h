@@ -39,6 +39,8 @@ class Backend {
   // this returns (the caller may free it), then to dst in stream order. Waits only for the previous staged copy.
   virtual void upload_async(void* dst, const void* host_src, int64_t bytes) { upload(dst, host_src, bytes); }
   int64_t bytes_in_use() const { return bytes_in_use_; }  // held by Buffers of this backend
+  // Held between calls for the kernels' scratch (a GPU's workspace, sized by the largest need seen; not Buffers).
+  virtual int64_t scratch_bytes() const { return 0; }
 
   // ---- kernels (see csrc/cpu/kernels.h for the contract of each), typed: S is the storage type of activations and
   // compute weights (float, bf16, f16); parameter gradients and statistics are float. Each forwards to the

@@ -5,25 +5,29 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
 #include "cuda/runtime.h"
+#include "cuda/scratch.h"
 #include "engine/backend.h"
 
 namespace fastgpt {
 
 namespace {
 
-// Runs `body` with S bound to the C++ type of `d` (see backend_cpu.cpp), on this backend's device.
-#define FASTGPT_TYPED(d, ...)                  \
-  do {                                         \
-    const cuda::DeviceGuard guard_(device_);   \
-    with_dtype(d, [&](auto tag_) {             \
-      using S = decltype(tag_);                \
-      __VA_ARGS__;                             \
-    });                                        \
+// Runs `body` with S bound to the C++ type of `d` (see backend_cpu.cpp), on this backend's device, its kernels'
+// scratch from this backend's workspace.
+#define FASTGPT_TYPED(d, ...)                          \
+  do {                                                 \
+    const cuda::DeviceGuard guard_(device_);           \
+    const cuda::WorkspaceScope ws_(workspace_.get());  \
+    with_dtype(d, [&](auto tag_) {                     \
+      using S = decltype(tag_);                        \
+      __VA_ARGS__;                                     \
+    });                                                \
   } while (0)
 
 
@@ -36,10 +40,12 @@ class CudaBackend final : public Backend {
     const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     FASTGPT_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    workspace_ = std::make_unique<cuda::Workspace>(stream_);
   }
   ~CudaBackend() override {
     try {
       const cuda::DeviceGuard guard(device_);
+      workspace_.reset();  // freed in the order of its stream, which must still exist
       cudaStreamSynchronize(stream_);
       if (staging_) cudaFreeHost(staging_);
       cudaEventDestroy(staged_);
@@ -58,6 +64,7 @@ class CudaBackend final : public Backend {
   }
   void set_tf32(bool on) override { tf32_ = on; }
   void* stream() const override { return stream_; }
+  int64_t scratch_bytes() const override { return (int64_t)workspace_->capacity(); }
 
   void* alloc(int64_t bytes) override {
     void* p = nullptr;
@@ -242,6 +249,7 @@ class CudaBackend final : public Backend {
   int device_;
   cudaStream_t stream_ = nullptr;
   bool tf32_ = false;
+  std::unique_ptr<cuda::Workspace> workspace_;  // the kernels' scratch, sized by the first step
   // upload_async's pinned staging memory (grown only) and the event of the last copy out of it.
   void* staging_ = nullptr;
   int64_t staging_bytes_ = 0;

@@ -220,7 +220,8 @@ class GPT:
     def memory(self):
         """Bytes of engine memory: 'parameters' (fp32 masters + 16-bit compute weights), 'gradients',
         'activations' (sized by the largest batch run so far), 'kv_cache' (generation's keys and values, held only
-        while generate runs) and 'total' (also the optimizer moments)."""
+        while generate runs) and 'total' (also the optimizer moments); besides them 'scratch': on a GPU the kernels'
+        workspace, sized by the first training step and reused by every later one (no allocation in a step)."""
         return dict(self._engine.memory())
 
     # ---- fp16 loss scaling (torch.amp.GradScaler's rules)

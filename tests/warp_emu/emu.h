@@ -87,6 +87,20 @@ inline float shfl(unsigned mask, float v, int src) {
   done();
   return r;
 }
+// __shfl_down_sync on any 4- or 8-byte value (the gradient norm's double partial sums): lanes past the warp's end
+// read their own value, as on the GPU.
+template <typename T>
+inline T shfl_down(unsigned mask, T v, int delta) {
+  static_assert(sizeof(T) <= 8, "shfl_down: at most 8 bytes");
+  if (mask != 0xffffffffu) die("mask");
+  Warp& w = warp();
+  memcpy(&w.slot[lane()][0], &v, sizeof(T));
+  deposit(7);
+  T r;
+  memcpy(&r, &w.slot[lane() + delta < 32 ? lane() + delta : lane()][0], sizeof(T));
+  done();
+  return r;
+}
 inline void check_smem(const void* p, size_t n) {
   const unsigned char* c = (const unsigned char*)p;
   if (c < tl_block->smem || c + n > tl_block->smem + tl_block->smem_bytes) die("shared memory access out of bounds");
@@ -199,6 +213,12 @@ inline cudaError_t FuncSetAttribute(const void* f, cudaFuncAttribute, int bytes)
   g_attr[f] = bytes;
   return cudaSuccess;
 }
+// Copies happen at issue: every emulated launch has finished by the time it returns.
+inline cudaError_t MemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, void*) {
+  memcpy(dst, src, n);
+  return cudaSuccess;
+}
+inline cudaError_t StreamSynchronize(void*) { return cudaSuccess; }
 inline cudaError_t MemsetAsync(void* p, int v, size_t n, void*) {
   memset(p, v, n);
   return cudaSuccess;
@@ -288,6 +308,9 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define __fsub_rn(a, b) ((float)(a) - (float)(b))
 #define __shfl_xor_sync emu::shfl_xor
 #define __shfl_sync emu::shfl
+#define __shfl_down_sync emu::shfl_down
+#define cudaMemcpyAsync emu::MemcpyAsync
+#define cudaStreamSynchronize emu::StreamSynchronize
 #define atomicAdd emu::atomic_add
 #define cudaFuncSetAttribute emu::FuncSetAttribute
 #define cudaMemsetAsync emu::MemsetAsync

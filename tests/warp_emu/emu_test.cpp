@@ -2,10 +2,13 @@
 // out, lse, dq, dk, dv by relative error, per dtype (bf16 3e-2, fp16 5e-3, fp32 1e-4: half inputs are rounded
 // before the reference sees them, so these bound the kernels' own error), over both layouts, causal or not, T that
 // is and is not a multiple of the tiles, atomic and deterministic dq, and the engine's fused qkv path; also the
-// KV-cache decode, cross-entropy and LayerNorm kernels (plain and fused with the residual add). Outputs and shared
+// KV-cache decode, cross-entropy and LayerNorm kernels (plain and fused with the residual add) and the optimizer
+// step's (adamw.cu, against the CPU reference compiled in beside them). Outputs and shared
 // memory start as NaN, so an element a kernel forgets to write fails. Modes (argv[1]) pick the case lists.
+#include <cuda_runtime.h>  // before the emulator's macros (cuda/scratch.h includes it again)
 #include "emu.h"
 #include "cuda/ops.h"
+#include "cuda/scratch.h"
 #include <random>
 #include <string>
 using namespace fastgpt;
@@ -373,6 +376,142 @@ void run_layernorm_cases(unsigned& seed) {
   run_residual_layernorm<f16>(11, 80, 2e-3, seed++);
 }
 
+// The optimizer step's kernels (adamw.cu) against the CPU reference (cpu/adamw.cpp, compiled in beside them): the
+// one-launch AdamW over segments with different weight decay (moments offset from the segments' start, the clip
+// factor and step counter read from StepScalars) must give the CPU's bits in every storage type, a skipped step
+// must write nothing, adamw_prepare (one thread) the CPU's scalars, and the norm's partial sums and the loss's tree
+// sum the CPU's values to rounding.
+template <typename S>
+void run_adamw_step(unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  const int64_t begin = 37, n = 5000;  // flat indices [begin, begin + n)
+  AdamWSegments seg;
+  seg.n = 3;
+  seg.begin = begin;
+  seg.end[0] = begin + 1200, seg.end[1] = begin + 1201, seg.end[2] = begin + n;  // one segment of one element
+  seg.weight_decay[0] = 0.1f, seg.weight_decay[1] = 0.f, seg.weight_decay[2] = 0.25f;
+  std::vector<float> param(begin + n), grad(begin + n), m(n), v(n);
+  for (auto& x : param) x = 0.05f * nd(rng);
+  for (auto& x : grad) x = 0.01f * nd(rng);
+  for (auto& x : m) x = 0.001f * nd(rng);
+  for (auto& x : v) x = 1e-5f * std::fabs(nd(rng));
+  StepScalars s;
+  s.t = 4;
+  const double parts[2] = {0.5, 1.5}, loss = 2.0;
+  cpu::adamw_prepare(&s, parts, 2, &loss, 1, 1.0, false, 0.9f, 0.95f);  // norm sqrt(2) > 1: clips
+  const RoundKey key{std::is_same_v<S, bf16>, 77, 0, 0};
+  bool same = true;
+  for (int applied : {1, 0}) {
+    s.applied = applied;
+    std::vector<float> p1 = param, p2 = param, m1 = m, m2 = m, v1 = v, v2 = v;
+    const S nan = from_float<S>(NAN);
+    std::vector<S> l1(begin + n, nan), l2(begin + n, nan);
+    S* lp1 = std::is_same_v<S, float> ? nullptr : l1.data();
+    S* lp2 = std::is_same_v<S, float> ? nullptr : l2.data();
+    cpu::adamw_step<S>(p1.data(), lp1, grad.data(), m1.data(), v1.data(), seg, 3e-3f, 0.9f, 0.95f, 1e-8f, &s, key);
+    cuda::adamw_step<S>(p2.data(), lp2, grad.data(), m2.data(), v2.data(), seg, 3e-3f, 0.9f, 0.95f, 1e-8f, &s, key,
+                        nullptr);
+    same = same && p1 == p2 && m1 == m2 && v1 == v2 && memcmp(l1.data(), l2.data(), l1.size() * sizeof(S)) == 0;
+    if (applied) same = same && p1 != param && p1[begin - 1] == param[begin - 1];  // moved, but not before begin
+    else same = same && p2 == param && m2 == m;                                   // skipped: nothing written
+  }
+  if (!same) failures++;
+  const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
+  printf("%s adamw_step %s n=%ld 3 segments: %s\n", same ? "ok  " : "FAIL", type, (long)n,
+         same ? "the CPU's bits (and nothing written when skipped)" : "DIFFERS from the CPU");
+  fflush(stdout);
+}
+
+void run_adamw_cases(unsigned& seed) {
+  run_adamw_step<float>(seed++);
+  run_adamw_step<bf16>(seed++);
+  run_adamw_step<f16>(seed++);
+  std::mt19937 rng(seed++);
+  std::normal_distribution<float> nd;
+  // Sums of squares over 2.5 chunks, in order; then the step's scalars from them, a finite and a NaN loss.
+  const int64_t n = 2 * cpu::kSumChunk + cpu::kSumChunk / 2;
+  std::vector<float> x(n);
+  for (auto& e : x) e = nd(rng);
+  std::vector<double> pc(3), pg(3, NAN);
+  cpu::sum_squares_partials(pc.data(), x.data(), n);
+  cuda::sum_squares_partials(pg.data(), x.data(), n, nullptr);
+  double tc = 0, tg = NAN;
+  cpu::sum_in_order(&tc, pg.data(), 3);
+  cuda::sum_in_order(&tg, pg.data(), 3, nullptr);
+  bool ok = relerr(pg, pc) < 1e-13 && tc == tg;
+  for (double loss : {3.0, (double)NAN}) {
+    StepScalars a, b;
+    a.t = b.t = 9;
+    cpu::adamw_prepare(&a, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f);
+    cuda::adamw_prepare(&b, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, nullptr);
+    ok = ok && a.sumsq == b.sumsq && a.norm == b.norm && a.gscale == b.gscale && a.applied == b.applied &&
+         a.t == b.t && a.skipped == b.skipped && a.bias_correction1 == b.bias_correction1 &&
+         a.bias_correction2_sqrt == b.bias_correction2_sqrt && a.applied == (loss == loss) && a.gscale < 1.f;
+  }
+  // The loss: a tree over 1024 threads against the CPU's sum in order, to rounding; reset, then accumulate.
+  std::vector<float> losses(3001);
+  for (auto& e : losses) e = 4.f + nd(rng);
+  double lc = 0, lg = NAN;
+  cpu::loss_accumulate(&lc, losses.data(), 3001, 2.0, true);
+  cuda::loss_accumulate(&lg, losses.data(), 3001, 2.0, true, nullptr);
+  cpu::loss_accumulate(&lc, losses.data(), 1000, 2.0, false);
+  cuda::loss_accumulate(&lg, losses.data(), 1000, 2.0, false, nullptr);
+  ok = ok && std::fabs(lc - lg) <= 1e-6 * lc && lc > 3.5;
+  if (!ok) failures++;
+  printf("%s adamw norm partials / in-order sum / prepare / loss_accumulate: %s\n", ok ? "ok  " : "FAIL",
+         ok ? "as the CPU" : "DIFFER from the CPU");
+  fflush(stdout);
+}
+
+// The engine's scratch workspace (cuda/scratch.h): the first pass of a sequence of calls may go to the pool and
+// sizes the buffer; every later pass takes all of its scratch from the buffer, pieces live at once never overlap,
+// and a sequence with a larger need grows it once more. Then a real kernel (the LayerNorm backward) through it.
+void run_workspace() {
+  cuda::Workspace ws(nullptr);
+  const cuda::WorkspaceScope scope(&ws);
+  bool ok = true;
+  auto pass = [&](std::initializer_list<size_t> sizes) {  // one window: all live together, then all released
+    std::vector<std::unique_ptr<cuda::Scratch>> live;
+    std::vector<std::pair<char*, char*>> spans;
+    bool all_from_buffer = true;
+    char* first = nullptr;  // of the pieces from the buffer: each starts a multiple of 256 bytes after it
+    for (size_t n : sizes) {
+      live.push_back(std::make_unique<cuda::Scratch>(n, nullptr));
+      all_from_buffer = all_from_buffer && !live.back()->pooled;
+      char* p = reinterpret_cast<char*>(live.back()->ptr);
+      for (auto& s : spans) ok = ok && (p + n * 4 <= s.first || p >= s.second);  // no overlap with a live piece
+      spans.push_back({p, p + n * 4});
+      if (!live.back()->pooled) first = first ? first : p;
+      ok = ok && (live.back()->pooled || (p - first) % 256 == 0);
+    }
+    return all_from_buffer;
+  };
+  const bool first = pass({1000, 300, 7});  // sizes the buffer, which the next pass allocates (at its rewind)
+  const bool second = pass({1000, 300, 7});
+  const size_t cap1 = ws.capacity();
+  const bool third = pass({7, 1000});
+  const size_t cap2 = ws.capacity();
+  const bool bigger = pass({1000, 300, 7, 5000});
+  const bool after = pass({1000, 300, 7, 5000});
+  ok = ok && !first && second && third && cap1 == cap2 && cap1 >= 1307 * 4 && !bigger && after &&
+       ws.capacity() >= 6307 * 4;
+  // The LayerNorm backward's partial sums, twice: the second call finds the buffer the first one sized.
+  const int N = 300, C = 40;
+  std::vector<float> x(N * C, 0.5f), dy(N * C, 1.f), w(C, 1.f), dw(C, 0.f), db(C, 0.f), dx(N * C, 0.f);
+  std::vector<float> mean(N, 0.f), rstd(N, 1.f);
+  cuda::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                           N, C, nullptr);
+  const size_t cap3 = ws.capacity();
+  cuda::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
+                           N, C, nullptr);
+  ok = ok && ws.capacity() == cap3 && db[0] == 2.f * N;
+  if (!ok) failures++;
+  printf("%s scratch workspace: sized by the first pass (%zu bytes), reused after, grown for a larger need\n",
+         ok ? "ok  " : "FAIL", cap1);
+  fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "quick";
   emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
@@ -383,6 +522,11 @@ int main(int argc, char** argv) {
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
       run_layernorm_cases(seed);
+      run_adamw_cases(seed);
+      run_workspace();
+    } else if (mode == "adamw") {
+      run_adamw_cases(seed);
+      run_workspace();
     } else if (mode == "ce") {
       run_cross_entropy_cases(seed);
     } else if (mode == "ln") {

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Runs the tensor-core and fp32 flash attention kernels (csrc/cuda/flash_attention*.cu, attention.cu, cast.cu), the
-# KV-cache decode kernels (attention_decode.cu), the cross-entropy kernels (cross_entropy.cu) and the LayerNorm
-# ones (layernorm.cu, residual_layernorm.cu) on the CPU, in a host emulation of the few CUDA features they use
-# (emu.h: one OS thread per CUDA thread, ldmatrix / mma.sync / shuffles as warp collectives written from the PTX
-# ISA's fragment tables, cp.async copied at issue or as late as wait_group allows), and compares their outputs with
-# a float64 reference (emu_test.cpp). It checks the
-# kernels' index, fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real
-# compiler's code. The kernel sources are used as they are: only the asm helpers, the shared-memory declarations
-# and the <<<>>> launches are swapped (by the sed/awk below, so those lines keep their current spelling).
+# KV-cache decode kernels (attention_decode.cu), the cross-entropy kernels (cross_entropy.cu), the LayerNorm ones
+# (layernorm.cu, residual_layernorm.cu) and the optimizer step's (adamw.cu, beside its CPU reference; and the scratch
+# workspace) on the CPU, in a host emulation of the few CUDA features they use (emu.h: one OS thread per CUDA
+# thread, ldmatrix / mma.sync / shuffles as warp collectives written from the PTX ISA's fragment tables, cp.async
+# copied at issue or as late as wait_group allows), and compares their outputs with a float64 reference
+# (emu_test.cpp). It checks the kernels' index, fragment, masking and barrier logic without a GPU; it says nothing of
+# speed or of the real compiler's code. The kernel sources are used as they are: only the asm helpers, the
+# shared-memory declarations and the <<<>>> launches are swapped (by the sed/awk below, so those lines keep their
+# current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|f32|sm75|decode|ce|ln|big|peaky|grid, LAZY 0|1.
+#   MODE quick|mix|tc|f32|sm75|decode|ce|ln|adamw|big|peaky|grid, LAZY 0|1.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../../csrc" && pwd)
@@ -22,17 +23,17 @@ cp "$here/emu.h" "$here/emu_ops.h" "$out/"
   awk '/^\/\/ c \(16 x 8, fp32\) \+= a/{skip=1} /^\/\/ Rows \[row0/{if(skip){print "#include \"../emu_ops.h\""}; skip=0} !skip{print}' \
     "$src/cuda/flash_attention.cuh"; } > "$out/cuda/flash_attention.cuh"
 units=(flash_attention_fwd flash_attention_bwd flash_attention attention cast attention_decode cross_entropy layernorm
-       residual_layernorm)
+       residual_layernorm adamw)
 for f in "${units[@]}"; do
   # cast.cu (the 16-bit fallback of attention.cu widens and narrows through it), attention_decode.cu,
   # cross_entropy.cu and the LayerNorm files do not include the swapped flash_attention.cuh: the CUDA headers and
   # then the emulator come first.
   { { [ $f = cast ] || [ $f = attention_decode ] || [ $f = cross_entropy ] || [ $f = layernorm ] ||
-      [ $f = residual_layernorm ]; } &&
+      [ $f = residual_layernorm ] || [ $f = adamw ]; } &&
       printf '#include <cuda_runtime.h>\n#include <library_types.h>\n#include "emu.h"\n'
     sed -E -e 's/extern __shared__ __align__\(16\) unsigned char smem_raw\[\];/unsigned char* smem_raw = emu::smem();/' \
       -e 's/extern __shared__ float sm\[\];/float* sm = reinterpret_cast<float*>(emu::smem());/' \
-      -e 's/__shared__ ([A-Za-z_0-9]+) ([A-Za-z_0-9]+)\[([0-9]+)\];/\1* \2 = emu::static_smem<\1>(__LINE__, \3);/' \
+      -e 's/__shared__ ([A-Za-z_0-9]+) ([A-Za-z_0-9]+)\[([^]]+)\];/\1* \2 = emu::static_smem<\1>(__LINE__, \3);/' \
       -e 's/([A-Za-z_0-9:]+(<[^<>]*>)?)<<<(.*)>>>\((.*)\);/emu::launch(\1, \3, \4);/' "$src/cuda/$f.cu"; } \
     > "$out/$f.cpp"
 done
@@ -41,12 +42,17 @@ if grep -q "<<<\|__shared__\|asm volatile" "$out"/*.cpp "$out/cuda/flash_attenti
   exit 2
 fi
 cp "$here/emu_test.cpp" "$out/test.cpp"
+cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU reference the adamw kernels are compared with
 flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes)
-objs=()
-for f in "${units[@]}" test; do
-  [ "$out/$f.o" -nt "$out/$f.cpp" ] || g++ "${flags[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
+objs=() pids=()
+for f in "${units[@]}" cpu_adamw test; do
+  if ! [ "$out/$f.o" -nt "$out/$f.cpp" ]; then
+    rm -f "$out/$f.o"  # a failed compile must not leave an old object to link
+    g++ "${flags[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
+    pids+=($!)
+  fi
   objs+=("$out/$f.o")
 done
-wait
+for p in "${pids[@]}"; do wait "$p"; done  # set -e: the first failed compile ends the run
 g++ "${flags[@]}" "${objs[@]}" -o "$out/emu_test"
 "$out/emu_test" "$mode" "$lazy"
