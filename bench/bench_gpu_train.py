@@ -3,7 +3,8 @@ default. Variants, one after the other: fastgpt fp32; fastgpt bf16 fused (GPT(fu
 classifier) and unfused (GPT(fused=False): one kernel per op, the full logits kept); torch eager fp32 (TF32 off);
 torch eager TF32; torch compiled bf16 (build-nanogpt's set-up: TF32 matmuls, bf16 autocast, torch.compile, SDPA
 attention, fused AdamW). fastgpt's fused step is one AdamW.train_step call (the norm, clip and counters on the
-device, one-launch AdamW); unfused it is forward_backward, clip_grad_norm, step.
+device, one-launch AdamW), recorded as a CUDA graph and replayed in "fastgpt bf16 graph"; unfused it is
+forward_backward, clip_grad_norm, step.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -33,8 +34,8 @@ from _common import environment, write_json
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
-VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 unfused", "torch eager fp32", "torch eager tf32",
-            "torch compiled bf16")
+VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 unfused", "torch eager fp32",
+            "torch eager tf32", "torch compiled bf16")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 
 
@@ -174,7 +175,7 @@ def main(argv=None):
         def step(i):
             x, y = (a[:b] for a in np_batches[i])  # leading rows of a C-contiguous array: contiguous
             if model.fused:  # nothing in it waits for the device; run_steps' synchronize does
-                return opt.train_step(x, y, lr=LR, max_norm=CLIP)
+                return opt.train_step(x, y, lr=LR, max_norm=CLIP, graph=name.endswith("graph"))
             model.zero_grad()
             loss = model.forward_backward(x, y)  # returns after reading the loss back: synced
             opt.clip_grad_norm(CLIP)
@@ -186,6 +187,7 @@ def main(argv=None):
         return times, losses, {"peak_mem_bytes": free0 - free_min[-1], "engine_bytes": model.memory()["total"],
                                "activation_bytes": model.memory()["activations"],
                                "classifier_rows": model.classifier_rows if model.fused else None,
+                               "graph_counts": opt.graph_counts, "graph_error": opt.graph_error,
                                "peak_mem_how": "torch.cuda.mem_get_info: free before model creation minus lowest "
                                                "free after creation/steps (rough, driver-level)"}
 

@@ -923,25 +923,6 @@ PYBIND11_MODULE(_C, m) {
              o.load_state(m.data(), v.data(), step_count, skipped_steps);
            },
            py::arg("m"), py::arg("v"), py::arg("step_count"), py::arg("skipped_steps"))
-      .def("train_step",
-           [](AdamW& o, const IArray& idx, const IArray& targets, float lr, double max_norm) {
-             need(idx.ndim() == 3,
-                  "idx must be 3-D (A, B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
-             same_shape(view_of(idx, "idx", 'i'), view_of(targets, "targets", 'i'), "idx", "targets");
-             const int A = idx.shape(0), B = idx.shape(1), T = idx.shape(2);
-             py::gil_scoped_release nogil;
-             train_step(o.model(), o, idx.data(), targets.data(), A, B, T, lr, max_norm);
-           },
-           py::arg("idx"), py::arg("targets"), py::arg("lr"), py::arg("max_norm"))
-      .def("step_stats",
-           [](AdamW& o) {
-             StepStats s;
-             {
-               py::gil_scoped_release nogil;
-               s = read_step(o.model(), o);
-             }
-             return py::make_tuple(s.loss, s.norm, s.applied, s.step_count, s.skipped_steps);
-           })
       .def_property_readonly("step_count", [](const AdamW& o) {
         py::gil_scoped_release nogil;
         return o.step_count();
@@ -958,6 +939,33 @@ PYBIND11_MODULE(_C, m) {
         AdamW& o = self.cast<AdamW&>();
         return host_array(o.backend(), o.v(), {(py::ssize_t)o.size()}, self);
       });
+
+  py::class_<TrainStep>(m, "TrainStep")
+      .def(py::init<GPT&, AdamW&>(), py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::arg("model"),
+           py::arg("opt"))
+      .def("run",
+           [](TrainStep& t, const IArray& idx, const IArray& targets, float lr, double max_norm, bool graph) {
+             need(idx.ndim() == 3,
+                  "idx must be 3-D (A, B, T), got shape " + shape_str(view_of(idx, "idx", 'i').shape));
+             same_shape(view_of(idx, "idx", 'i'), view_of(targets, "targets", 'i'), "idx", "targets");
+             const int A = idx.shape(0), B = idx.shape(1), T = idx.shape(2);
+             py::gil_scoped_release nogil;
+             t.run(idx.data(), targets.data(), A, B, T, lr, max_norm, graph);
+           },
+           py::arg("idx"), py::arg("targets"), py::arg("lr"), py::arg("max_norm"), py::arg("graph"))
+      .def("stats",
+           [](TrainStep& t) {
+             StepStats s;
+             {
+               py::gil_scoped_release nogil;
+               s = t.stats();
+             }
+             return py::make_tuple(s.loss, s.norm, s.applied, s.step_count, s.skipped_steps);
+           })
+      .def_property_readonly("graph_eligible", &TrainStep::graph_eligible)
+      .def_property_readonly("captures", &TrainStep::captures)
+      .def_property_readonly("capture_error", &TrainStep::capture_error)
+      .def_property_readonly("replays", &TrainStep::replays);
 
   // Communicators: built by fastgpt.distributed, handed to GPT(comm=...); host collectives for the Python layer.
   m.attr("built_with_nccl") = built_with_nccl();

@@ -301,6 +301,20 @@ def test_a_nonfinite_step_is_stopped_or_skipped(skip, shakespeare_txt, encoder_j
     assert all(np.isfinite(v).all() for v in result["model"].state_dict().values())
 
 
+def test_graph_flag_trains_the_same_weights(shakespeare_txt, encoder_json, tmp_path):
+    # --graph records the step and replays it (the CPU's recording here): the same losses and weights as without.
+    common = ["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "4",
+              "--eval-interval", "2", "--eval-steps", "1", "--sample-tokens", "0", "--total-batch-size", "256"]
+    runs = [main(common + ["--out-dir", str(tmp_path / name)] + flags) for name, flags in (("eager", []),
+                                                                                         ("graph", ["--graph"]))]
+    logs = [[e["loss"] for e in _read_log(tmp_path / name) if "loss" in e] for name in ("eager", "graph")]
+    assert logs[0] == logs[1] and len(logs[0]) == 4
+    a, b = (r["model"].state_dict() for r in runs)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert runs[0]["grad_accum"] == 2 and runs[0]["graph_counts"] == [0, 0]
+    assert runs[1]["graph_counts"] == [1, 3], "recorded on the second step, replayed on the rest"
+
+
 def test_mfu_in_the_log(shakespeare_txt, encoder_json, tmp_path):
     out = tmp_path / "mfu"
     common = ["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "3",

@@ -1,7 +1,10 @@
 """train_step: AdamW.train_step, the whole optimizer step in one engine call (micro-batches, the gradients' norm on
 the device, the clip folded into one AdamW pass, a non-finite step skipped on the device). It must give the loop's
 bits (forward_backward per micro-batch, clip_grad_norm, step) in every precision, fused and unfused, follow PyTorch
-(AdamW + clip_grad_norm_) over several steps, skip what the loop would refuse, and name bad arguments."""
+(AdamW + clip_grad_norm_) over several steps, skip what the loop would refuse, and name bad arguments. With
+graph=True the step is recorded and replayed (on the CPU a recording of the calls, with their arguments as recorded,
+as a CUDA graph has them): the replays must give the eager steps' bits, and shapes that change, memory that moves
+and recordings that fail must fall back to eager steps."""
 import math
 
 import numpy as np
@@ -132,13 +135,95 @@ def test_step_stats_are_read_once_and_go_stale(rng):
         fourth.loss  # noqa: B018
 
 
+def twins(precision="fp32", fused=True, seed=11):
+    models = [fastgpt.GPT(CONFIG, precision=precision, seed=seed, fused=fused) for _ in range(2)]
+    return models, [fastgpt.AdamW(m, lr=2e-3, weight_decay=0.1) for m in models]
+
+
+def assert_same_state(models, opts):
+    np.testing.assert_array_equal(params(models[0]), params(models[1]))
+    if models[0].precision != "fp32":
+        np.testing.assert_array_equal(models[0]._engine.compute_params(), models[1]._engine.compute_params())
+    for m0, m1 in zip(opts[0].moments(), opts[1].moments()):
+        np.testing.assert_array_equal(m0, m1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_replayed_graph_is_the_eager_step_bit_for_bit(rng, precision, fused):
+    # The CPU's graphs replay the recorded calls with their recorded arguments, as a CUDA graph does: a learning
+    # rate, token ids or step counter baked into the recording would give other weights than the eager twin's.
+    models, opts = twins(precision, fused)
+    for step in range(5):
+        x, y = batches(rng, 2)
+        lr = 2e-3 * (step + 1) / 5
+        got = opts[0].train_step(x, y, lr=lr, max_norm=0.4, graph=True)
+        want = opts[1].train_step(x, y, lr=lr, max_norm=0.4)
+        assert (got.loss, got.norm, got.applied, got.step_count) == (want.loss, want.norm, want.applied,
+                                                                    want.step_count), step
+        assert_same_state(models, opts)
+    assert opts[0].graph_counts == (1, 4), "recorded on the second step, replayed from then on"
+    assert opts[1].graph_counts == (0, 0)
+    # After a replay the model is as after an eager step: a forward, and then the loop's own calls, work as usual.
+    x, y = batches(rng, 1)
+    assert models[0].forward(x[0], y[0])[1] == models[1].forward(x[0], y[0])[1]
+
+
+def test_new_shapes_and_moved_memory_run_eagerly_then_are_recorded_again(rng):
+    models, opts = twins("bf16")
+    plan = [(2, 2), (2, 2), (2, 2), (1, 2), (1, 2), (1, 2), "eval", (1, 2), (1, 2), (2, 2), (2, 2)]
+    want_counts = [(0, 0), (1, 1), (1, 2), (1, 2), (2, 3), (2, 4), None, (2, 4), (3, 5), (3, 5), (4, 6)]
+    for step, (what, counts) in enumerate(zip(plan, want_counts)):
+        if what == "eval":  # a larger batch than any step's: the activations are taken anew (the graph's are freed)
+            big = rng.integers(0, CONFIG.vocab_size, (6, 16))
+            assert models[0].forward(big, big)[1] == models[1].forward(big, big)[1]
+            continue
+        A, B = what
+        x, y = batches(rng, A, B)
+        got = opts[0].train_step(x, y, max_norm=1.0, graph=True)
+        want = opts[1].train_step(x, y, max_norm=1.0)
+        assert (got.loss, got.norm) == (want.loss, want.norm), step
+        assert_same_state(models, opts)
+        assert opts[0].graph_counts == counts, step
+
+
+def test_a_recording_that_fails_runs_eagerly_and_says_why(rng):
+    # More classifier rows than the eager step before it used: recording the step would take a larger logits buffer,
+    # which a recording may not (the CPU's refuses, as a CUDA capture may). That step runs eagerly, the reason is
+    # kept, and the next step of the shape is recorded; the weights stay the eager twin's throughout.
+    models, opts = twins()
+    for m in models:
+        m.classifier_rows = 8
+    for step in range(4):
+        if step == 1:
+            for m in models:
+                m.classifier_rows = 16
+        x, y = batches(rng, 1)
+        got = opts[0].train_step(x, y, max_norm=1.0, graph=True)
+        want = opts[1].train_step(x, y, max_norm=1.0)
+        assert (got.loss, got.norm) == (want.loss, want.norm), step
+        assert_same_state(models, opts)
+    assert "memory inside a graph capture" in opts[0].graph_error
+    assert opts[0].graph_counts == (1, 2) and opts[1].graph_error is None
+
+
+def test_fp16_and_data_parallel_steps_are_never_recorded(rng):
+    model = fastgpt.GPT(CONFIG, precision="fp16", seed=4)
+    opt = fastgpt.AdamW(model)
+    for _ in range(3):
+        x, y = batches(rng, 1)
+        assert opt.train_step(x, y, max_norm=1.0, graph=True).step_count >= 0
+    assert opt.graph_counts == (0, 0) and not opt._step.graph_eligible
+    assert fastgpt.AdamW(fastgpt.GPT(CONFIG))._step.graph_eligible
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(lr=-1.0), "lr"), (dict(max_norm=0.0), "max_norm"), (dict(max_norm=float("nan")), "max_norm"),
     (dict(idx=np.zeros((1, 1, 2, 16), np.int64)), "idx"), (dict(targets=np.zeros((1, 2, 15), np.int64)), "targets"),
     (dict(targets=np.full((1, 2, 16), 96)), "targets"),
     (dict(idx=np.zeros((1, 2, 17), np.int64), targets=np.zeros((1, 2, 17), np.int64)), "block_size"),
     (dict(idx=np.zeros((0, 2, 16), np.int64), targets=np.zeros((0, 2, 16), np.int64)), "A >= 1"),
-    (dict(targets=np.zeros((1, 2, 16), np.float32)), "integer"),
+    (dict(targets=np.zeros((1, 2, 16), np.float32)), "integer"), (dict(graph=1), "graph"),
 ])
 def test_bad_arguments_are_named_and_change_nothing(rng, kwargs, match):
     model = fastgpt.GPT(CONFIG, seed=2)
@@ -154,18 +239,22 @@ def test_bad_arguments_are_named_and_change_nothing(rng, kwargs, match):
 
 @needs_cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_train_step_on_the_gpu_is_the_loop(rng, precision):
+@pytest.mark.parametrize("graph", [False, True])
+def test_train_step_on_the_gpu_is_the_loop(rng, precision, graph):
     # On the GPU the bias corrections come from the device's pow (one double rounding apart from the host's at
-    # worst) and the loss from a tree sum: the loop's values within float rounding, the weights within 1e-6.
+    # worst) and the loss from a tree sum: the loop's values within float rounding, the weights within 1e-6. With
+    # graph=True the step is recorded as a CUDA graph on the second step and launched from it after.
     seed = int(rng.integers(1 << 31))
     models = [fastgpt.GPT(CONFIG, device="cuda", precision=precision, seed=seed) for _ in range(2)]
     opts = [fastgpt.AdamW(m, lr=2e-3) for m in models]
-    for step in range(3):
+    for step in range(5):
         x, y = batches(rng, 2)
-        stats = opts[0].train_step(x, y, max_norm=0.5)
-        loss, norm, _ = loop_step(models[1], opts[1], x, y, 2e-3, 0.5)
-        assert abs(stats.loss - loss) <= 1e-6 * loss and abs(stats.norm - norm) <= 1e-6 * norm, step
+        lr = 2e-3 * (step + 1) / 5
+        stats = opts[0].train_step(x, y, lr=lr, max_norm=0.5, graph=graph)
+        loss, norm, _ = loop_step(models[1], opts[1], x, y, lr, 0.5)
+        assert abs(stats.loss - loss) <= 1e-6 * loss and abs(stats.norm - norm) <= 1e-5 * norm, step
         assert stats.applied and stats.step_count == step + 1
+    assert opts[0].graph_counts == ((1, 4) if graph else (0, 0)), opts[0].graph_error
     a, b = params(models[0]).astype(np.float64), params(models[1]).astype(np.float64)
     assert rel_err(a, b) < 1e-6
 

@@ -17,9 +17,10 @@ AdamWHyper adamw_hyper(float lr, float beta1, float beta2, float eps, float weig
 }
 
 template <typename S>
-void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
-                float beta1, float beta2, float eps, const StepScalars* s, RoundKey key) {
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float beta1,
+                float beta2, float eps, const StepScalars* s, RoundKey key) {
   if (!s->applied) return;
+  const float lr = s->lr;
   const float step_size = lr / s->bias_correction1, gscale = s->gscale, bc2 = s->bias_correction2_sqrt;
   key.step = (uint64_t)s->t;
   int64_t a = seg.begin;
@@ -36,23 +37,23 @@ void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, co
     }
   }
 }
-template void adamw_step<float>(float*, float*, const float*, float*, float*, const AdamWSegments&, float, float,
-                                float, float, const StepScalars*, RoundKey);
+template void adamw_step<float>(float*, float*, const float*, float*, float*, const AdamWSegments&, float, float, float,
+                                const StepScalars*, RoundKey);
 template void adamw_step<bf16>(float*, bf16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
-                               float, const StepScalars*, RoundKey);
+                               const StepScalars*, RoundKey);
 template void adamw_step<f16>(float*, f16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
-                              float, const StepScalars*, RoundKey);
+                              const StepScalars*, RoundKey);
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h) {
   StepScalars s;
   AdamWSegments seg;
   single_range_step(h, n, &s, &seg);
-  adamw_step<float>(param, nullptr, grad, m, v, seg, h.lr, h.beta1, h.beta2, h.eps, &s, RoundKey{});
+  adamw_step<float>(param, nullptr, grad, m, v, seg, h.beta1, h.beta2, h.eps, &s, RoundKey{});
 }
 
-void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                   double max_norm, bool skip, float beta1, float beta2) {
-  fastgpt::adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2) {
+  fastgpt::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
 }
 
 void sum_squares_partials(double* partial, const float* x, int64_t n) {

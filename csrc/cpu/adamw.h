@@ -18,6 +18,7 @@ struct StepScalars {
   double sumsq = 0.0;  // of the gradients over all ranks (before clipping)
   double norm = 0.0;   // sqrt(sumsq): what torch.nn.utils.clip_grad_norm_ returns
   float gscale = 1.f;  // times every gradient in the update: max_norm / (norm + 1e-6) when that is below 1
+  float lr = 0.f;      // of this step: read from memory by adamw_prepare, so a replayed graph takes each step's
   float bias_correction1 = 1.f, bias_correction2_sqrt = 1.f;  // 1 - beta1^t, sqrt(1 - beta2^t)
   int32_t applied = 0;  // the last step updated the weights; 0: skipped (told to, or a non-finite loss or norm)
   int64_t t = 0;        // updates applied: AdamW's step counter (bias corrections, bf16's rounding key)
@@ -37,11 +38,13 @@ struct AdamWSegments {
 // x - x is 0 for a finite x and NaN for inf or NaN: a finiteness test that compiles alike for host and device.
 FASTGPT_HD bool finite_double(double x) { return x - x == 0.0; }
 
-// parts: nparts partial sums of squares, added in order (nparts 0: no norm is taken, sumsq 0). losses: the step's
+// lr: this step's learning rate, in memory (null: keep s->lr). parts: nparts partial sums of squares, added in order
+// (nparts 0: no norm is taken, sumsq 0). losses: the step's
 // mean loss (nlosses 1), every rank's (data parallel: all skip together), or none. max_norm: +inf for no clipping.
 // skip: the caller skips this step (fp16's overflow).
-FASTGPT_HD void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                              double max_norm, bool skip, float beta1, float beta2) {
+FASTGPT_HD void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                              int nlosses, double max_norm, bool skip, float beta1, float beta2) {
+  if (lr) s->lr = *lr;
   double ss = 0.0;
   for (int k = 0; k < nparts; k++) ss += parts[k];
   s->sumsq = ss;

@@ -186,6 +186,7 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 inline void single_range_step(const AdamWHyper& h, int64_t n, StepScalars* s, AdamWSegments* seg) {
   *s = StepScalars{};
   s->applied = 1;
+  s->lr = h.lr;
   s->bias_correction1 = h.bias_correction1;
   s->bias_correction2_sqrt = h.bias_correction2_sqrt;
   *seg = AdamWSegments{};
@@ -194,15 +195,16 @@ inline void single_range_step(const AdamWHyper& h, int64_t n, StepScalars* s, Ad
   seg->weight_decay[0] = h.weight_decay;
 }
 // The engine's step: one pass over the flat indices of `seg`, each decayed as its segment says, every gradient
-// times s->gscale, bias corrections and the rounding key's step from s (nothing when !s->applied). param, grad and
+// times s->gscale, the learning rate, bias corrections and the rounding key's step from s (nothing when
+// !s->applied). param, grad and
 // lowp are indexed by flat index, m and v from seg.begin. lowp (S = bf16/f16; null for float): the compute weights,
 // written from the new masters as `key` says in the same pass (key.offset 0: the flat index keys the rounding).
 template <typename S>
-void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
-                float beta1, float beta2, float eps, const StepScalars* s, RoundKey key);
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float beta1,
+                float beta2, float eps, const StepScalars* s, RoundKey key);
 // cpu/adamw.h's adamw_prepare: the step's scalars from partial sums of squares (in order) and the mean loss.
-void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                   double max_norm, bool skip, float beta1, float beta2);
+void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2);
 // Sums of squares in float64 over fixed chunks of kSumChunk elements (partial: ceil(n / kSumChunk)), so the total,
 // the chunks added in order (sum_in_order), is the same for any thread count and on either device.
 constexpr int64_t kSumChunk = 1 << 16;

@@ -23,10 +23,10 @@ int grid_for(int64_t n) { return (int)std::min<int64_t>((n + kThreads - 1) / kTh
 // lowp == nullptr: the fp32 update alone; else also lowp[i] = round_weight<S>(new param) in the same pass.
 template <typename S>
 __global__ void adamw_step_kernel(float* __restrict__ param, S* __restrict__ lowp, const float* __restrict__ grad,
-                                  float* __restrict__ m, float* __restrict__ v, AdamWSegments seg, float lr,
-                                  float beta1, float beta2, float eps, const StepScalars* __restrict__ s,
-                                  RoundKey key) {
+                                  float* __restrict__ m, float* __restrict__ v, AdamWSegments seg, float beta1,
+                                  float beta2, float eps, const StepScalars* __restrict__ s, RoundKey key) {
   if (!s->applied) return;
+  const float lr = s->lr;
   const float step_size = lr / s->bias_correction1, gscale = s->gscale, bc2 = s->bias_correction2_sqrt;
   key.step = (uint64_t)s->t;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x, end = seg.end[seg.n - 1];
@@ -67,9 +67,10 @@ __global__ void sum_in_order_kernel(double* out, const double* x, int64_t n) {
   *out = total;
 }
 
-__global__ void adamw_prepare_kernel(StepScalars* s, const double* parts, int nparts, const double* losses,
-                                     int nlosses, double max_norm, bool skip, float beta1, float beta2) {
-  adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+__global__ void adamw_prepare_kernel(StepScalars* s, const float* lr, const double* parts, int nparts,
+                                     const double* losses, int nlosses, double max_norm, bool skip, float beta1,
+                                     float beta2) {
+  adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
 }
 
 // One block: a fixed tree over fixed strides, so the loss does not depend on anything but n.
@@ -98,19 +99,19 @@ __global__ void scale_kernel(float* x, int64_t n, float s) {
 }  // namespace
 
 template <typename S>
-void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
-                float beta1, float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream) {
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float beta1,
+                float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream) {
   if (seg.n < 1 || seg.n > AdamWSegments::kMax || seg.end[seg.n - 1] <= seg.begin) return;
   const int grid = grid_for(seg.end[seg.n - 1] - seg.begin);
-  adamw_step_kernel<S><<<grid, kThreads, 0, stream>>>(param, lowp, grad, m, v, seg, lr, beta1, beta2, eps, s, key);
+  adamw_step_kernel<S><<<grid, kThreads, 0, stream>>>(param, lowp, grad, m, v, seg, beta1, beta2, eps, s, key);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
-template void adamw_step<float>(float*, float*, const float*, float*, float*, const AdamWSegments&, float, float,
-                                float, float, const StepScalars*, const RoundKey&, Stream);
+template void adamw_step<float>(float*, float*, const float*, float*, float*, const AdamWSegments&, float, float, float,
+                                const StepScalars*, const RoundKey&, Stream);
 template void adamw_step<bf16>(float*, bf16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
-                               float, const StepScalars*, const RoundKey&, Stream);
+                               const StepScalars*, const RoundKey&, Stream);
 template void adamw_step<f16>(float*, f16*, const float*, float*, float*, const AdamWSegments&, float, float, float,
-                              float, const StepScalars*, const RoundKey&, Stream);
+                              const StepScalars*, const RoundKey&, Stream);
 
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
                   Stream stream) {
@@ -122,13 +123,13 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   StepScalars* dev = static_cast<StepScalars*>(pool_malloc(sizeof(StepScalars), stream));
   // From pageable memory: the copy has taken s by the time it returns.
   FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dev, &s, sizeof s, cudaMemcpyHostToDevice, stream));
-  adamw_step<float>(param, nullptr, grad, m, v, seg, h.lr, h.beta1, h.beta2, h.eps, dev, RoundKey{}, stream);
+  adamw_step<float>(param, nullptr, grad, m, v, seg, h.beta1, h.beta2, h.eps, dev, RoundKey{}, stream);
   FASTGPT_CUDA_CHECK(cudaFreeAsync(dev, stream));
 }
 
-void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                   double max_norm, bool skip, float beta1, float beta2, Stream stream) {
-  adamw_prepare_kernel<<<1, 1, 0, stream>>>(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2, Stream stream) {
+  adamw_prepare_kernel<<<1, 1, 0, stream>>>(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 

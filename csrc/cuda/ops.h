@@ -110,10 +110,10 @@ using AdamWHyper = cpu::AdamWHyper;
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWHyper& h,
                   Stream stream);
 template <typename S>
-void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float lr,
-                float beta1, float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream);
-void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                   double max_norm, bool skip, float beta1, float beta2, Stream stream);
+void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float beta1,
+                float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream);
+void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2, Stream stream);
 void sum_squares_partials(double* partial, const float* x, int64_t n, Stream stream);
 void sum_in_order(double* out, const double* x, int64_t n, Stream stream);
 void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset, Stream stream);

@@ -47,17 +47,24 @@ class Workspace {
   }
   cudaStream_t stream() const { return stream_; }
   size_t capacity() const { return cap_; }
-  // bytes from the buffer, or nullptr: the caller takes them from the pool, and tells give() which it was.
+  // Times the buffer was replaced (a graph may hold the old one), or would have been during a capture.
+  int64_t grows() const { return grows_; }
+  // bytes from the buffer, or nullptr: the caller takes them from the pool, and tells give() which it was. While
+  // the stream is being captured into a graph the buffer never moves (a recorded free and allocation would not have
+  // happened); a request that does not fit then counts as a move, so that the recording is dropped (generation).
   void* take(size_t bytes) {
     bytes = (bytes + 255) / 256 * 256;  // every piece as aligned as cudaMalloc's
     if (live_ == 0) {
       top_ = peak_ = 0;
-      if (want_ > cap_) grow();
+      if (want_ > cap_ && !capturing()) grow();
     }
     live_++;
     peak_ += bytes;  // what the window would need if everything live came from the buffer
     want_ = want_ > peak_ ? want_ : peak_;
-    if (top_ + bytes > cap_) return nullptr;
+    if (top_ + bytes > cap_) {
+      if (capturing()) grows_++;
+      return nullptr;
+    }
     void* p = base_ + top_;
     top_ += bytes;
     return p;
@@ -65,10 +72,16 @@ class Workspace {
   void give() { live_--; }
 
  private:
+  bool capturing() const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    FASTGPT_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
   void grow() {
     if (base_) FASTGPT_CUDA_CHECK(cudaFreeAsync(base_, stream_));
     base_ = nullptr;
     cap_ = 0;
+    grows_++;
     base_ = static_cast<char*>(pool_malloc(want_, stream_));
     cap_ = want_;
   }
@@ -76,6 +89,7 @@ class Workspace {
   char* base_ = nullptr;
   size_t cap_ = 0, top_ = 0, peak_ = 0, want_ = 0;
   int live_ = 0;
+  int64_t grows_ = 0;
 };
 
 // The workspace of the engine call running on this thread (the CUDA backend sets it around each kernel call); ops

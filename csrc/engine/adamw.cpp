@@ -52,6 +52,7 @@ AdamW::AdamW(GPT& model, const AdamWConfig& cfg, int zero_stage) : model_(model)
   const int64_t n = model_.comm() ? model_.shard_size() : model_.padded_size();
   partial_ = Buffer<double>(be, (n + cpu::kSumChunk - 1) / cpu::kSumChunk);
   slots_ = Buffer<double>(be, 2 * model_.world_size());
+  lr_ = Buffer<float>(be, 1);
 }
 
 StepScalars AdamW::scalars() const {
@@ -76,8 +77,7 @@ void AdamW::check_args(float lr, double max_norm) {
   if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
 }
 
-void AdamW::check_step(float lr) const {
-  check_args(lr, 1.0);
+void AdamW::check_fp16_step() const {
   if (model_.scaler().enabled && model_.stepped())
     throw std::logic_error("step() was already taken on these gradients: with fp16 loss scaling each step needs a "
                            "new backward() (after zero_grad())");
@@ -90,12 +90,12 @@ bool AdamW::unscale() {
   return found_inf;
 }
 
-void AdamW::update(float lr) {
+void AdamW::update() {
   const DType st = model_.storage();
   void* lowp = st == DType::f32 ? nullptr : model_.compute_params();
   const RoundKey key{st == DType::bf16, model_.seed(), 0, 0};  // the step comes from the scalars
-  model_.backend().adamw_step(model_.params(), lowp, st, model_.grads(), m_.data(), v_.data(), segments_, lr,
-                              cfg_.beta1, cfg_.beta2, cfg_.eps, dev_scalars(), key);
+  model_.backend().adamw_step(model_.params(), lowp, st, model_.grads(), m_.data(), v_.data(), segments_, cfg_.beta1,
+                              cfg_.beta2, cfg_.eps, dev_scalars(), key);
   if (model_.zero_stage() == 1) {  // every rank updated its shard: now everyone gets all of them
     Comm& c = model_.bound_comm();
     c.all_gather(model_.params(), model_.shard_size() * (int64_t)sizeof(float));
@@ -104,18 +104,21 @@ void AdamW::update(float lr) {
 }
 
 bool AdamW::step(float lr) {
-  check_step(lr);
+  check_args(lr, 1.0);
+  check_fp16_step();
   const bool skip = unscale();
-  model_.backend().adamw_prepare(dev_scalars(), nullptr, 0, nullptr, 0, std::numeric_limits<double>::infinity(), skip,
-                                 cfg_.beta1, cfg_.beta2);
+  Backend& be = model_.backend();
+  be.upload_async(lr_.data(), &lr, sizeof(float));
+  be.adamw_prepare(dev_scalars(), lr_.data(), nullptr, 0, nullptr, 0, std::numeric_limits<double>::infinity(), skip,
+                   cfg_.beta1, cfg_.beta2);
   if (skip) return false;  // nothing to update or gather
-  update(lr);
+  update();
   return true;
 }
 
-void AdamW::step_clipped(float lr, double max_norm, const double* loss) {
-  check_step(lr);
-  check_args(lr, max_norm);
+void AdamW::step_clipped(const float* lr, double max_norm, const double* loss) {
+  check_fp16_step();
+  if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
   const bool skip = model_.scaler().enabled ? unscale() : (model_.sync_grads(), false);
   // Each rank's part of the reduced gradients (all of them without data parallel), in fixed chunks: the same
   // partition, and so the same bits, as clip_grad_norm's.
@@ -139,8 +142,8 @@ void AdamW::step_clipped(float lr, double max_norm, const double* loss) {
     nlosses = loss ? world : 0;
     loss = slots + world;
   }
-  be.adamw_prepare(dev_scalars(), parts, nparts, loss, nlosses, max_norm, skip, cfg_.beta1, cfg_.beta2);
-  update(lr);  // skipped on the device when the scalars say so (ZeRO-1 then gathers the unchanged weights)
+  be.adamw_prepare(dev_scalars(), lr, parts, nparts, loss, nlosses, max_norm, skip, cfg_.beta1, cfg_.beta2);
+  update();  // skipped on the device when the scalars say so (ZeRO-1 then gathers the unchanged weights)
 }
 
 }  // namespace fastgpt

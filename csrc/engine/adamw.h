@@ -28,9 +28,9 @@ class AdamW {
   bool step(float lr);
   // The device step: the global norm of the (reduced) gradients, the clip to max_norm (+inf: none) folded into the
   // update, which is skipped on the device when the norm or *loss (backend memory, or null) is not finite; the
-  // gradient buffer is left unclipped. Nothing waits for the device, except fp16, whose loss scaler decides on the
-  // host. scalars() says what happened.
-  void step_clipped(float lr, double max_norm, const double* loss);
+  // gradient buffer is left unclipped. lr: the learning rate in backend memory (the caller checked it). Nothing
+  // waits for the device, except fp16, whose loss scaler decides on the host. scalars() says what happened.
+  void step_clipped(const float* lr, double max_norm, const double* loss);
   // Throws std::invalid_argument naming lr or max_norm unless lr is finite and >= 0 and max_norm > 0.
   static void check_args(float lr, double max_norm);
   // The step's scalars (norm, applied, counters), read from the device (waits for it).
@@ -41,7 +41,6 @@ class AdamW {
   int zero_stage() const { return model_.zero_stage(); }
   int64_t moments_begin() const { return lo_; }  // flat index of m()[0]
   Backend& backend() { return model_.backend(); }
-  GPT& model() { return model_; }
   float* m() { return m_.data(); }  // backend memory, parameter layout
   float* v() { return v_.data(); }
   const AdamWConfig& config() const { return cfg_; }
@@ -50,9 +49,9 @@ class AdamW {
   void load_state(const float* m, const float* v, int64_t step_count, int64_t skipped_steps);
 
  private:
-  void check_step(float lr) const;
+  void check_fp16_step() const;
   bool unscale();  // fp16: unscales the gradients, updates the loss scale; returns whether the step is skipped
-  void update(float lr);  // queues the update (as the scalars say) and ZeRO-1's all-gather
+  void update();   // queues the update (as the scalars say) and ZeRO-1's all-gather
   StepScalars* dev_scalars() { return reinterpret_cast<StepScalars*>(scalars_.data()); }
 
   GPT& model_;
@@ -63,6 +62,7 @@ class AdamW {
   Buffer<uint8_t> scalars_;  // one StepScalars, backend memory: the counters live where the update runs
   Buffer<double> partial_;   // sums of squares of this rank's gradients, per chunk
   Buffer<double> slots_;     // data parallel (2, world): each rank's sum of squares and loss in its slots, reduced
+  Buffer<float> lr_;         // step(lr)'s learning rate, staged up
 };
 
 }  // namespace fastgpt

@@ -6,6 +6,7 @@
 // the virtual boundary between them, so the interface stays one set of functions for every precision.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -14,6 +15,13 @@
 #include "cpu/kernels.h"
 
 namespace fastgpt {
+
+// Work recorded by Backend::capture, replayed by launch() with the arguments it was recorded with.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  virtual void launch() = 0;
+};
 
 class Backend {
  public:
@@ -35,9 +43,23 @@ class Backend {
   virtual void copy(void* dst, const void* src, int64_t bytes) = 0;  // within the device
   virtual void upload(void* dst, const void* host_src, int64_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, int64_t bytes) = 0;  // waits for the device
-  // As upload, without waiting for the work already queued: src is copied to the backend's staging memory before
-  // this returns (the caller may free it), then to dst in stream order. Waits only for the previous staged copy.
-  virtual void upload_async(void* dst, const void* host_src, int64_t bytes) { upload(dst, host_src, bytes); }
+  // As upload, without waiting for the work already queued: stage() copies src into the backend's staging memory
+  // (waiting only until the last copy out of it has run; the caller may free src), copy_staged() queues the copy of
+  // its first bytes to dst. A graph records copy_staged: each launch copies whatever was staged last.
+  virtual void stage(const void* host_src, int64_t bytes) = 0;
+  virtual void copy_staged(void* dst, int64_t bytes) = 0;
+  void upload_async(void* dst, const void* host_src, int64_t bytes) {
+    stage(host_src, bytes);
+    copy_staged(dst, bytes);
+  }
+  // Runs `body` without running its work: what it queues on this backend is recorded as a Graph, replayed by
+  // launch() with the same pointers and scalars (a CUDA graph on a GPU; on the CPU a recording of the calls, which
+  // holds the engine to the same rule: what changes from one launch to the next must come through memory). The body
+  // must not wait for the device (download, upload); the CPU refuses it, and memory taken or freed in the body.
+  virtual std::unique_ptr<Graph> capture(const std::function<void()>& body) = 0;
+  // Changes whenever memory a graph may have recorded is taken or freed (Buffers, staging, scratch): a graph
+  // recorded at another generation may point at freed memory.
+  virtual int64_t generation() const { return generation_; }
   int64_t bytes_in_use() const { return bytes_in_use_; }  // held by Buffers of this backend
   // Held between calls for the kernels' scratch (a GPU's workspace, sized by the largest need seen; not Buffers).
   virtual int64_t scratch_bytes() const { return 0; }
@@ -136,11 +158,11 @@ class Backend {
   // AdamW on fp32 masters over the flat indices of seg (cpu/kernels.h: adamw_step), its scalars read from s in this
   // backend's memory; with lowp (a 16-bit copy, bf16 or f16), also writes the compute weights.
   virtual void adamw_step(float* param, void* lowp, DType lowp_dtype, const float* grad, float* m, float* v,
-                          const AdamWSegments& seg, float lr, float beta1, float beta2, float eps,
-                          const StepScalars* s, const RoundKey& key) = 0;
-  // The step's scalars, where s lives (cpu/adamw.h); parts, loss: this backend's memory.
-  virtual void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                             double max_norm, bool skip, float beta1, float beta2) = 0;
+                          const AdamWSegments& seg, float beta1, float beta2, float eps, const StepScalars* s,
+                          const RoundKey& key) = 0;
+  // The step's scalars, where s lives (cpu/adamw.h); lr, parts, losses: this backend's memory.
+  virtual void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                             int nlosses, double max_norm, bool skip, float beta1, float beta2) = 0;
   // Sums of squares without the host: partial (ceil(n / cpu::kSumChunk)) and their in-order total.
   virtual void sum_squares_partials(double* partial, const float* x, int64_t n) = 0;
   virtual void sum_in_order(double* out, const double* x, int64_t n) = 0;
@@ -152,6 +174,7 @@ class Backend {
   virtual void scale_inplace(float* x, int64_t n, float s) = 0;
 
  protected:
+  int64_t generation_ = 0;  // see generation(); Buffers count here, backends add their own memory's changes
   template <typename S>
   static constexpr DType dt() {
     return std::is_same_v<S, float> ? DType::f32 : std::is_same_v<S, bf16> ? DType::bf16 : DType::f16;
@@ -217,6 +240,7 @@ class Buffer {
   Buffer() = default;
   Buffer(Backend* be, int64_t n) : be_(be), n_(n), p_(n ? static_cast<T*>(be->alloc(n * sizeof(T))) : nullptr) {
     be_->bytes_in_use_ += n * (int64_t)sizeof(T);
+    be_->generation_++;
   }
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept {
@@ -229,7 +253,10 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer() {
     if (p_) be_->release(p_);
-    if (be_) be_->bytes_in_use_ -= n_ * (int64_t)sizeof(T);
+    if (be_) {
+      be_->bytes_in_use_ -= n_ * (int64_t)sizeof(T);
+      be_->generation_++;
+    }
   }
   T* data() const { return p_; }
   int64_t size() const { return n_; }

@@ -1,9 +1,14 @@
 // The CPU backend: host memory (64-byte aligned, for the vector kernels) and the kernels of csrc/cpu/, each
 // instantiated for the storage type the DType names. Runs every precision but tf32 (the CPU has no TF32 units).
+// Its graphs record the calls (each with its arguments copied, as a CUDA graph bakes them) and replay them, so the
+// CPU tests check that a captured training step takes everything that changes per step from memory.
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <new>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "engine/backend.h"
 
@@ -11,13 +16,25 @@ namespace fastgpt {
 
 namespace {
 
-// Runs `body` with S bound to the C++ type of `d`; the pointers are cast inside with P<S>.
-#define FASTGPT_TYPED(d, ...)      \
-  with_dtype(d, [&](auto tag_) {   \
-    using S = decltype(tag_);      \
-    __VA_ARGS__;                   \
+// Runs `body` with S bound to the C++ type of `d` (the pointers are cast inside with P<S>), or records it.
+#define FASTGPT_TYPED(d, ...)          \
+  run([=] {                            \
+    with_dtype(d, [&](auto tag_) {     \
+      using S = decltype(tag_);        \
+      __VA_ARGS__;                     \
+    });                                \
   })
 
+class CpuGraph final : public Graph {
+ public:
+  explicit CpuGraph(std::vector<std::function<void()>> calls) : calls_(std::move(calls)) {}
+  void launch() override {
+    for (auto& c : calls_) c();
+  }
+
+ private:
+  std::vector<std::function<void()>> calls_;
+};
 
 class CpuBackend final : public Backend {
  public:
@@ -33,47 +50,99 @@ class CpuBackend final : public Backend {
   }
 
   void* alloc(int64_t bytes) override {
+    no_capture("taking memory");
     const size_t size = ((size_t)bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, size ? size : 64);
     if (!p) throw std::bad_alloc();
     std::memset(p, 0, size);
     return p;
   }
-  void release(void* p) override { std::free(p); }
-  void zero(void* p, int64_t bytes) override { std::memset(p, 0, bytes); }
-  void copy(void* dst, const void* src, int64_t bytes) override { std::memcpy(dst, src, bytes); }
-  void upload(void* dst, const void* src, int64_t bytes) override { std::memcpy(dst, src, bytes); }
-  void download(void* dst, const void* src, int64_t bytes) override { std::memcpy(dst, src, bytes); }
+  void release(void* p) override {
+    no_capture("freeing memory");
+    std::free(p);
+  }
+  void zero(void* p, int64_t bytes) override {
+    run([=] { std::memset(p, 0, bytes); });
+  }
+  void copy(void* dst, const void* src, int64_t bytes) override {
+    run([=] { std::memcpy(dst, src, bytes); });
+  }
+  void upload(void* dst, const void* src, int64_t bytes) override {
+    no_capture("upload");
+    std::memcpy(dst, src, bytes);
+  }
+  void download(void* dst, const void* src, int64_t bytes) override {
+    no_capture("download (waiting for the device)");
+    std::memcpy(dst, src, bytes);
+  }
+  void stage(const void* src, int64_t bytes) override {
+    no_capture("stage");
+    if ((int64_t)staging_.size() < bytes) {
+      staging_ = std::vector<uint8_t>(bytes);
+      generation_++;  // a recorded copy_staged points at the old staging memory
+    }
+    std::memcpy(staging_.data(), src, bytes);
+  }
+  void copy_staged(void* dst, int64_t bytes) override {
+    const uint8_t* src = staging_.data();
+    run([=] { std::memcpy(dst, src, bytes); });
+  }
+  std::unique_ptr<Graph> capture(const std::function<void()>& body) override {
+    if (recording_) throw std::logic_error("capture() inside a capture");
+    std::vector<std::function<void()>> calls;
+    recording_ = &calls;
+    try {
+      body();
+    } catch (...) {
+      recording_ = nullptr;
+      throw;
+    }
+    recording_ = nullptr;
+    return std::make_unique<CpuGraph>(std::move(calls));
+  }
 
   void adamw_step(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v,
-                  const AdamWSegments& seg, float lr, float beta1, float beta2, float eps, const StepScalars* s,
+                  const AdamWSegments& seg, float beta1, float beta2, float eps, const StepScalars* s,
                   const RoundKey& key) override {
-    if (!lowp) return cpu::adamw_step<float>(param, nullptr, grad, m, v, seg, lr, beta1, beta2, eps, s, key);
-    if (dtype == DType::bf16)
-      return cpu::adamw_step(param, P<bf16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key);
-    cpu::adamw_step(param, P<f16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key);
+    run([=] {
+      if (!lowp) return cpu::adamw_step<float>(param, nullptr, grad, m, v, seg, beta1, beta2, eps, s, key);
+      if (dtype == DType::bf16)
+        return cpu::adamw_step(param, P<bf16>(lowp), grad, m, v, seg, beta1, beta2, eps, s, key);
+      cpu::adamw_step(param, P<f16>(lowp), grad, m, v, seg, beta1, beta2, eps, s, key);
+    });
   }
-  void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                     double max_norm, bool skip, float beta1, float beta2) override {
-    cpu::adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+  void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                     int nlosses, double max_norm, bool skip, float beta1, float beta2) override {
+    run([=] { cpu::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2); });
   }
   void sum_squares_partials(double* partial, const float* x, int64_t n) override {
-    cpu::sum_squares_partials(partial, x, n);
+    run([=] { cpu::sum_squares_partials(partial, x, n); });
   }
-  void sum_in_order(double* out, const double* x, int64_t n) override { cpu::sum_in_order(out, x, n); }
+  void sum_in_order(double* out, const double* x, int64_t n) override {
+    run([=] { cpu::sum_in_order(out, x, n); });
+  }
   void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset) override {
-    cpu::loss_accumulate(acc, losses, n, divisor, reset);
+    run([=] { cpu::loss_accumulate(acc, losses, n, divisor, reset); });
   }
   void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) override {
-    if (dtype == DType::bf16) return cpu::narrow(P<bf16>(out), in, n, key);
-    cpu::narrow(P<f16>(out), in, n, key);
+    run([=] {
+      if (dtype == DType::bf16) return cpu::narrow(P<bf16>(out), in, n, key);
+      cpu::narrow(P<f16>(out), in, n, key);
+    });
   }
   void widen(float* out, const void* in, DType dtype, int64_t n) override {
-    if (dtype == DType::bf16) return cpu::widen(out, P<bf16>(in), n);
-    cpu::widen(out, P<f16>(in), n);
+    run([=] {
+      if (dtype == DType::bf16) return cpu::widen(out, P<bf16>(in), n);
+      cpu::widen(out, P<f16>(in), n);
+    });
   }
-  double sum_squares(const float* x, int64_t n) override { return cpu::sum_squares(x, n); }
-  void scale_inplace(float* x, int64_t n, float s) override { cpu::scale_inplace(x, n, s); }
+  double sum_squares(const float* x, int64_t n) override {
+    no_capture("sum_squares (a value for the host)");
+    return cpu::sum_squares(x, n);
+  }
+  void scale_inplace(float* x, int64_t n, float s) override {
+    run([=] { cpu::scale_inplace(x, n, s); });
+  }
 
  protected:
   void encoder_forward_(DType d, void* out, const int32_t* idx, cv* wte, cv* wpe, int B, int T, int C) override {
@@ -151,6 +220,22 @@ class CpuBackend final : public Backend {
                                        float dloss, int64_t N, int V) override {
     FASTGPT_TYPED(d, cpu::cross_entropy_forward_backward(losses, P<S>(dlogits), P<S>(logits), targets, dloss, N, V));
   }
+
+ private:
+  // The work of a call: run now, or recorded (its arguments copied) while a capture is on.
+  template <typename F>
+  void run(F&& f) {
+    if (recording_)
+      recording_->emplace_back(std::forward<F>(f));
+    else
+      f();
+  }
+  void no_capture(const char* what) const {
+    if (recording_)
+      throw std::logic_error(std::string(what) + " inside a graph capture: a graph can only replay queued work");
+  }
+  std::vector<std::function<void()>>* recording_ = nullptr;
+  std::vector<uint8_t> staging_;
 };
 
 #undef FASTGPT_TYPED

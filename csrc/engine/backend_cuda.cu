@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 
@@ -92,7 +93,7 @@ class CudaBackend final : public Backend {
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
-  void upload_async(void* dst, const void* src, int64_t bytes) override {
+  void stage(const void* src, int64_t bytes) override {
     if (bytes <= 0) return;
     const cuda::DeviceGuard guard(device_);
     // The staging memory is free once the last copy out of it ran: in a training loop that was a step ago.
@@ -102,14 +103,25 @@ class CudaBackend final : public Backend {
       if (staging_) FASTGPT_CUDA_CHECK(cudaFreeHost(staging_));
       staging_ = nullptr;
       staging_bytes_ = 0;
+      staging_grows_++;  // a graph's copy out of the old staging memory must not run again
       FASTGPT_CUDA_CHECK(cudaHostAlloc(&staging_, bytes, cudaHostAllocDefault));
       staging_bytes_ = bytes;
     }
     std::memcpy(staging_, src, bytes);
+  }
+  void copy_staged(void* dst, int64_t bytes) override {
+    if (bytes <= 0) return;
+    const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, staging_, bytes, cudaMemcpyHostToDevice, stream_));
+    // An event last recorded in a capture cannot be waited for outside it: a graph's launch records it instead.
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    FASTGPT_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
+    if (status != cudaStreamCaptureStatusNone) return;
     FASTGPT_CUDA_CHECK(cudaEventRecord(staged_, stream_));
     staged_pending_ = true;
   }
+  std::unique_ptr<Graph> capture(const std::function<void()>& body) override;
+  int64_t generation() const override { return generation_ + staging_grows_ + workspace_->grows(); }
   void download(void* dst, const void* src, int64_t bytes) override {
     const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
@@ -117,19 +129,18 @@ class CudaBackend final : public Backend {
   }
 
   void adamw_step(float* param, void* lowp, DType dtype, const float* grad, float* m, float* v,
-                  const AdamWSegments& seg, float lr, float beta1, float beta2, float eps, const StepScalars* s,
+                  const AdamWSegments& seg, float beta1, float beta2, float eps, const StepScalars* s,
                   const RoundKey& key) override {
     const cuda::DeviceGuard guard(device_);
-    if (!lowp)
-      return cuda::adamw_step<float>(param, nullptr, grad, m, v, seg, lr, beta1, beta2, eps, s, key, stream_);
+    if (!lowp) return cuda::adamw_step<float>(param, nullptr, grad, m, v, seg, beta1, beta2, eps, s, key, stream_);
     if (dtype == DType::bf16)
-      return cuda::adamw_step(param, P<bf16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key, stream_);
-    cuda::adamw_step(param, P<f16>(lowp), grad, m, v, seg, lr, beta1, beta2, eps, s, key, stream_);
+      return cuda::adamw_step(param, P<bf16>(lowp), grad, m, v, seg, beta1, beta2, eps, s, key, stream_);
+    cuda::adamw_step(param, P<f16>(lowp), grad, m, v, seg, beta1, beta2, eps, s, key, stream_);
   }
-  void adamw_prepare(StepScalars* s, const double* parts, int nparts, const double* losses, int nlosses,
-                     double max_norm, bool skip, float beta1, float beta2) override {
+  void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
+                     int nlosses, double max_norm, bool skip, float beta1, float beta2) override {
     const cuda::DeviceGuard guard(device_);
-    cuda::adamw_prepare(s, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, stream_);
+    cuda::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, stream_);
   }
   void sum_squares_partials(double* partial, const float* x, int64_t n) override {
     const cuda::DeviceGuard guard(device_);
@@ -250,14 +261,67 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   bool tf32_ = false;
   std::unique_ptr<cuda::Workspace> workspace_;  // the kernels' scratch, sized by the first step
-  // upload_async's pinned staging memory (grown only) and the event of the last copy out of it.
+  // stage()'s pinned memory (grown only) and the event of the last copy out of it.
   void* staging_ = nullptr;
-  int64_t staging_bytes_ = 0;
+  int64_t staging_bytes_ = 0, staging_grows_ = 0;
   cudaEvent_t staged_ = nullptr;
   bool staged_pending_ = false;
 };
 
 #undef FASTGPT_TYPED
+
+// A captured stream: the executable graph, launched on the backend's stream.
+class CudaGraph final : public Graph {
+ public:
+  // staged, pending: the backend's staging event and its flag (the backend outlives its graphs' owners).
+  CudaGraph(cudaGraph_t graph, cudaGraphExec_t exec, cudaStream_t stream, int device, cudaEvent_t staged,
+            bool* pending)
+      : graph_(graph), exec_(exec), stream_(stream), device_(device), staged_(staged), pending_(pending) {}
+  ~CudaGraph() override {
+    try {
+      const cuda::DeviceGuard guard(device_);
+      if (exec_) cudaGraphExecDestroy(exec_);
+      cudaGraphDestroy(graph_);
+    } catch (...) {  // no throw from a destructor
+    }
+  }
+  void launch() override {
+    const cuda::DeviceGuard guard(device_);
+    FASTGPT_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
+    // The next stage() waits for this launch, which copies out of the staging memory: recorded after the whole
+    // graph (a bubble of one host copy per step; copy_staged records nothing while captured).
+    FASTGPT_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+    *pending_ = true;
+  }
+
+ private:
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+  int device_;
+  cudaEvent_t staged_;
+  bool* pending_;
+};
+
+std::unique_ptr<Graph> CudaBackend::capture(const std::function<void()>& body) {
+  const cuda::DeviceGuard guard(device_);
+  // Thread-local mode: only this thread's unsafe calls (a synchronize, a plain cudaMalloc) break the capture.
+  FASTGPT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  cudaGraph_t graph = nullptr;
+  try {
+    body();
+  } catch (...) {
+    cudaStreamEndCapture(stream_, &graph);  // ends the capture; what it holds is dropped
+    if (graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  FASTGPT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  if (err != cudaSuccess) cudaGraphDestroy(graph);
+  FASTGPT_CUDA_CHECK(err);
+  return std::make_unique<CudaGraph>(graph, exec, stream_, device_, staged_, &staged_pending_);
+}
 
 }  // namespace
 

@@ -298,23 +298,18 @@ void GPT::check_batch(const int32_t* idx, const int32_t* targets, int B, int T, 
   if (targets) check_ids(targets, (int64_t)A * B * T, "targets");
 }
 
-void GPT::load_batch(const int32_t* idx, const int32_t* targets, int B, int T, int A) {
-  const int64_t n = (int64_t)A * B * T;
+void GPT::load_batch(const int32_t* idx, const int32_t* targets, int B, int T) {
+  const int64_t n = (int64_t)B * T;
   ensure_activations(B, T);
   ensure_tokens(targets ? 2 * n : n);
   B_ = B;
   T_ = T;
-  // One staged copy, [idx | targets]: no wait for the work already queued (a step's micro-batches all at once).
+  // One staged copy, [idx | targets]: no wait for the work already queued.
   host_tokens_.assign(idx, idx + n);
   if (targets) host_tokens_.insert(host_tokens_.end(), targets, targets + n);
   be_->upload_async(tokens_.data(), host_tokens_.data(), (int64_t)host_tokens_.size() * sizeof(int32_t));
-  select_batch(0, A);
-}
-
-void GPT::select_batch(int a, int A) {
-  const int64_t BT = (int64_t)B_ * T_;
-  ids_ = tokens_.data() + a * BT;
-  tgts_ = tokens_.data() + A * BT + a * BT;  // meaningful only when targets were loaded
+  ids_ = tokens_.data();
+  tgts_ = tokens_.data() + n;  // meaningful only when targets were loaded
 }
 
 float GPT::mean_loss() {
@@ -366,18 +361,38 @@ float GPT::forward_backward(const int32_t* idx, const int32_t* targets, int B, i
   return mean_loss();
 }
 
-void GPT::forward_backward_steps(const int32_t* idx, const int32_t* targets, int A, int B, int T) {
+void GPT::check_steps(const int32_t* idx, const int32_t* targets, int A, int B, int T) const {
   if (A < 1) throw std::invalid_argument("the number of micro-batches must be >= 1, got " + std::to_string(A));
-  if (!targets) throw std::invalid_argument("forward_backward_steps needs targets");
-  check_backward_allowed();
+  if (!targets) throw std::invalid_argument("a training step needs targets");
   check_batch(idx, targets, B, T, A);
-  load_batch(idx, targets, B, T, A);
+}
+
+void GPT::forward_backward_steps(const int32_t* ids, const int32_t* tgts, int A, int B, int T) {
+  check_backward_allowed();
+  ensure_activations(B, T);
+  B_ = B;
+  T_ = T;
+  const int64_t BT = (int64_t)B * T;
   const float grad_scale = (float)(1.0 / A);  // the mean over micro-steps, as one big batch would
   for (int a = 0; a < A; a++) {
-    select_batch(a, A);
+    ids_ = ids + a * BT;
+    tgts_ = tgts + a * BT;
     run_forward_backward(grad_scale, a == A - 1);  // data parallel: reduced once, with the last micro-step
-    be_->loss_accumulate(step_loss(), losses_.data(), (int64_t)B * T, (double)A, a == 0);
+    be_->loss_accumulate(step_loss(), losses_.data(), BT, (double)A, a == 0);
   }
+}
+
+void GPT::steps_replayed(const int32_t* ids, const int32_t* tgts, int A, int B, int T) {
+  if (comm_ || scaler_.enabled) throw std::logic_error("steps_replayed: the host takes part in this model's step");
+  // zero_grad, then each micro-step's begin/end_backward (no reduction to start or finish), fused or not.
+  B_ = B;
+  T_ = T;
+  ids_ = ids + (int64_t)(A - 1) * B * T;
+  tgts_ = tgts + (int64_t)(A - 1) * B * T;
+  logits_valid_ = have_targets_ = chunked_ = last_only_ = false;
+  grads_unscaled_ = found_inf_ = stepped_ = false;
+  grads_synced_ = overlap_ = false;
+  grads_dirty_ = true;
 }
 
 void GPT::run_forward_backward(float grad_scale, bool sync) {

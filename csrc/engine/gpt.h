@@ -105,10 +105,15 @@ class GPT {
   // chunk's gradient going straight into lm_head's backward, so the (B, T, V) logits never exist and nothing is
   // recomputed. Unfused: forward() then backward(). Leaves no logits.
   float forward_backward(const int32_t* idx, const int32_t* targets, int B, int T, float grad_scale, bool sync = true);
-  // The micro-steps of one optimizer step, queued without waiting for the device: idx, targets (A, B, T) host ids,
-  // uploaded in one staged copy; micro-step a runs as forward_backward(grad_scale 1/A, sync on the last), and
-  // step_loss() becomes the sum of their mean losses over A (build-nanogpt's loss_accum), on the device.
-  void forward_backward_steps(const int32_t* idx, const int32_t* targets, int A, int B, int T);
+  // Throws std::invalid_argument naming the problem unless idx and targets ((A, B, T) host ids) are a valid batch.
+  void check_steps(const int32_t* idx, const int32_t* targets, int A, int B, int T) const;
+  // The micro-steps of one optimizer step, queued without waiting for the device: ids, tgts (A, B, T) in backend
+  // memory, checked by the caller (check_steps); micro-step a runs as forward_backward(grad_scale 1/A, sync on the
+  // last), and step_loss() becomes the sum of their mean losses over A (build-nanogpt's loss_accum), on the device.
+  void forward_backward_steps(const int32_t* ids, const int32_t* tgts, int A, int B, int T);
+  // The host's state as forward_backward_steps leaves it, after a graph of it was replayed (a graph runs only the
+  // device's work). Only for models without a communicator or fp16 loss scaling (which the host takes part in).
+  void steps_replayed(const int32_t* ids, const int32_t* tgts, int A, int B, int T);
   // Backend memory: one double, the loss of the last forward_backward_steps; step_loss_value() waits and reads it.
   double* step_loss() const { return loss_sums_.data() + 1; }
   double step_loss_value();
@@ -192,9 +197,8 @@ class GPT {
   void check_ids(const int32_t* ids, int64_t n, const char* what) const;  // in [0, vocab_size)
   // A batches (A, B, T) of ids: shapes and ids in range.
   void check_batch(const int32_t* idx, const int32_t* targets, int B, int T, int A = 1) const;
-  // Sizes the buffers, uploads A batches (one staged copy, no wait) and selects the first.
-  void load_batch(const int32_t* idx, const int32_t* targets, int B, int T, int A = 1);
-  void select_batch(int a, int A);  // ids_, tgts_ <- batch a of the A loaded
+  // Sizes the buffers, uploads the batch (one staged copy, no wait) and points ids_, tgts_ at it.
+  void load_batch(const int32_t* idx, const int32_t* targets, int B, int T);
   void ensure_tokens(int64_t n);
   void ensure_logits(int64_t rows);
   float mean_loss();  // of the last forward's losses (waits for the device)
@@ -256,7 +260,8 @@ class GPT {
   bool fused_ = true;
   int64_t classifier_rows_ = 256;
   // Buffer<uint8_t> holds the storage type (A<S>), Buffer<float> is float in every precision.
-  // Token ids of the loaded batches: [idx (A, B, T) | targets (A, B, T)]; ids_, tgts_ point at the current batch.
+  // Token ids of the loaded batch: [idx (B, T) | targets (B, T)]; ids_, tgts_ point at the current batch (here, or
+  // a micro-batch of forward_backward_steps' input).
   Buffer<int32_t> tokens_;
   std::vector<int32_t> host_tokens_;
   const int32_t* ids_ = nullptr;

@@ -30,7 +30,7 @@ class StepStats:
             if self._opt._serial != self._serial:
                 raise RuntimeError("this train_step's statistics were overwritten by a later step of the optimizer: "
                                    "read loss/norm/applied before the next step (or keep the values)")
-            loss, norm, applied, steps, skipped = self._opt._opt.step_stats()
+            loss, norm, applied, steps, skipped = self._opt._step.stats()
             self._values = (float(loss), float(norm), bool(applied), int(steps), int(skipped))
         return self._values
 
@@ -71,6 +71,7 @@ class AdamW:
         self.zero_stage = zero_stage
         self._opt = _C.AdamW(model._engine, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
                              zero_stage)
+        self._step = _C.TrainStep(model._engine, self._opt)
         self._serial = 0  # counts what rewrites the step's scalars on the device (StepStats checks it)
 
     def step(self, lr=None):
@@ -81,14 +82,20 @@ class AdamW:
         self._serial += 1
         return bool(self._opt.step(lr))
 
-    def train_step(self, idx, targets, lr=None, max_norm=None):
+    def train_step(self, idx, targets, lr=None, max_norm=None, graph=False):
         """The whole optimizer step in one call: zero_grad, then for each of the A micro-batches of idx, targets
         ((A, B, T) int arrays; (B, T) is one) forward_backward with grad_scale 1/A (data parallel: the gradients are
         averaged over ranks with the last), the global gradient norm, and the update with the clip to max_norm
         (None: no clipping) folded in. The same weights as that loop with clip_grad_norm and step() (bit for bit on
         the CPU), but nothing waits for the device: the loss and the norm stay there until the returned StepStats
         is read. A step whose loss or norm is not finite is skipped (weights, moments, step_count unchanged). The
-        gradient buffer keeps this step's unclipped gradients; lr overrides the default for this step."""
+        gradient buffer keeps this step's unclipped gradients; lr overrides the default for this step.
+
+        graph=True records the step the second time its shape (A, B, T, max_norm) comes in a row and replays the
+        recording while the shape holds: one launch for the whole step on a GPU (a CUDA graph), the same bits.
+        Other shapes, or memory freed since (a larger eval batch), run eagerly and are recorded anew; fp16 and data
+        parallel models always run eagerly; so does a shape whose recording failed (graph_error says why).
+        graph_counts says how many steps were recorded and replayed."""
         lr = self.lr if lr is None else check_float(lr, "lr", low=0.0)
         max_norm = math.inf if max_norm is None else check_float(max_norm, "max_norm", low=0.0, low_open=True)
         ids, tgt = as_ids(idx, "idx"), as_ids(targets, "targets")
@@ -105,9 +112,21 @@ class AdamW:
         block = self.model.config.block_size
         if ids.shape[2] > block:
             raise ValueError(f"idx has sequence length T={ids.shape[2]} > block_size={block}")
+        if not isinstance(graph, bool):
+            raise ValueError(f"graph must be True or False, got {graph!r}")
         self._serial += 1
-        self._opt.train_step(ids, tgt, lr, max_norm)
+        self._step.run(ids, tgt, lr, max_norm, graph)
         return StepStats(self, self._serial)
+
+    @property
+    def graph_counts(self):
+        """(recorded, replayed): train_step(graph=True) steps recorded as a graph, and launched from one."""
+        return int(self._step.captures), int(self._step.replays)
+
+    @property
+    def graph_error(self):
+        """Why the last recording of a step failed (that shape then runs eagerly), or None."""
+        return self._step.capture_error or None
 
     @property
     def skipped_steps(self):

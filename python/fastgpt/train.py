@@ -41,7 +41,7 @@ PRESETS = {"tiny": (4, 4, 128), "small": (6, 6, 384), "gpt2": (12, 12, 768)}  # 
 # Flags --resume takes from the command line over the checkpoint's: none of them changes what is trained.
 RESUME_OVERRIDES = {"resume", "input", "shards", "encoder", "device", "no_progress", "save_every", "keep",
                     "skip_nonfinite", "peak_tflops", "hellaswag", "hellaswag_examples", "eval_interval",
-                    "eval_steps", "sample_interval", "sample_tokens"}
+                    "eval_steps", "sample_interval", "sample_tokens", "graph"}
 
 
 class NonFiniteError(RuntimeError):
@@ -124,6 +124,9 @@ def build_parser():
                                                       "GPUs by name and precision; no MFU on the CPU)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient norm is inf/NaN instead of stopping the run")
+    p.add_argument("--graph", action="store_true",
+                   help="record the training step once and replay it (a CUDA graph on a GPU: one launch per step; "
+                        "the same weights); fp16 and data parallel runs step eagerly anyway")
     return p
 
 
@@ -406,7 +409,7 @@ def main(argv=None):
                 # The whole step in one call (the micro-steps' mean loss, gradients reduced over ranks with the last,
                 # the clip folded into AdamW); a non-finite loss or norm leaves the weights as they were.
                 stats = opt.train_step(np.stack([x for x, _ in batch]), np.stack([y for _, y in batch]), lr=lr,
-                                       max_norm=args.grad_clip)
+                                       max_norm=args.grad_clip, graph=args.graph)
                 loss, norm, applied = stats.loss, stats.norm, stats.applied
                 stop = stop_signal.signum is not None
                 if world_size > 1:  # one collective: the mean loss, and whether a signal reached any rank
@@ -491,7 +494,8 @@ def main(argv=None):
               "grad_accum": grad_accum, "steps": args.max_steps, "num_parameters": model.num_parameters(),
               "precision": args.precision, "skipped_steps": opt.skipped_steps, "world_size": world_size,
               "rank": rank, "grad_syncs": model.grad_sync_count, "resumed_from": ckpt_dir, "last_checkpoint": last_ckpt,
-              "samples": samples, "checkpoint": ckpt, "out_dir": out_dir, "model": model}
+              "graph_counts": list(opt.graph_counts), "samples": samples, "checkpoint": ckpt, "out_dir": out_dir,
+              "model": model}
     record({"summary": {k: v for k, v in result.items() if k != "model"}})
     # Everyone leaves together, after rank 0's checkpoint: a rank that exits alone waits at most
     # FASTGPT_DIST_TIMEOUT for the others before it aborts the job (fastgpt.distributed), and the final

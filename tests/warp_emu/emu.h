@@ -219,6 +219,10 @@ inline cudaError_t MemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyK
   return cudaSuccess;
 }
 inline cudaError_t StreamSynchronize(void*) { return cudaSuccess; }
+inline cudaError_t StreamIsCapturing(void*, cudaStreamCaptureStatus* status) {
+  *status = cudaStreamCaptureStatusNone;  // the emulator has no graphs
+  return cudaSuccess;
+}
 inline cudaError_t MemsetAsync(void* p, int v, size_t n, void*) {
   memset(p, v, n);
   return cudaSuccess;
@@ -311,6 +315,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define __shfl_down_sync emu::shfl_down
 #define cudaMemcpyAsync emu::MemcpyAsync
 #define cudaStreamSynchronize emu::StreamSynchronize
+#define cudaStreamIsCapturing emu::StreamIsCapturing
 #define atomicAdd emu::atomic_add
 #define cudaFuncSetAttribute emu::FuncSetAttribute
 #define cudaMemsetAsync emu::MemsetAsync

@@ -399,7 +399,8 @@ void run_adamw_step(unsigned seed) {
   StepScalars s;
   s.t = 4;
   const double parts[2] = {0.5, 1.5}, loss = 2.0;
-  cpu::adamw_prepare(&s, parts, 2, &loss, 1, 1.0, false, 0.9f, 0.95f);  // norm sqrt(2) > 1: clips
+  const float lr = 3e-3f;
+  cpu::adamw_prepare(&s, &lr, parts, 2, &loss, 1, 1.0, false, 0.9f, 0.95f);  // norm sqrt(2) > 1: clips
   const RoundKey key{std::is_same_v<S, bf16>, 77, 0, 0};
   bool same = true;
   for (int applied : {1, 0}) {
@@ -409,8 +410,8 @@ void run_adamw_step(unsigned seed) {
     std::vector<S> l1(begin + n, nan), l2(begin + n, nan);
     S* lp1 = std::is_same_v<S, float> ? nullptr : l1.data();
     S* lp2 = std::is_same_v<S, float> ? nullptr : l2.data();
-    cpu::adamw_step<S>(p1.data(), lp1, grad.data(), m1.data(), v1.data(), seg, 3e-3f, 0.9f, 0.95f, 1e-8f, &s, key);
-    cuda::adamw_step<S>(p2.data(), lp2, grad.data(), m2.data(), v2.data(), seg, 3e-3f, 0.9f, 0.95f, 1e-8f, &s, key,
+    cpu::adamw_step<S>(p1.data(), lp1, grad.data(), m1.data(), v1.data(), seg, 0.9f, 0.95f, 1e-8f, &s, key);
+    cuda::adamw_step<S>(p2.data(), lp2, grad.data(), m2.data(), v2.data(), seg, 0.9f, 0.95f, 1e-8f, &s, key,
                         nullptr);
     same = same && p1 == p2 && m1 == m2 && v1 == v2 && memcmp(l1.data(), l2.data(), l1.size() * sizeof(S)) == 0;
     if (applied) same = same && p1 != param && p1[begin - 1] == param[begin - 1];  // moved, but not before begin
@@ -443,9 +444,10 @@ void run_adamw_cases(unsigned& seed) {
   for (double loss : {3.0, (double)NAN}) {
     StepScalars a, b;
     a.t = b.t = 9;
-    cpu::adamw_prepare(&a, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f);
-    cuda::adamw_prepare(&b, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, nullptr);
-    ok = ok && a.sumsq == b.sumsq && a.norm == b.norm && a.gscale == b.gscale && a.applied == b.applied &&
+    const float lr = 6e-4f;
+    cpu::adamw_prepare(&a, &lr, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f);
+    cuda::adamw_prepare(&b, &lr, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, nullptr);
+    ok = ok && a.lr == lr && b.lr == lr && a.sumsq == b.sumsq && a.norm == b.norm && a.gscale == b.gscale && a.applied == b.applied &&
          a.t == b.t && a.skipped == b.skipped && a.bias_correction1 == b.bias_correction1 &&
          a.bias_correction2_sqrt == b.bias_correction2_sqrt && a.applied == (loss == loss) && a.gscale < 1.f;
   }
