@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from fastgpt import ops
 from devices import DEVICES, host, on
-from reference_gpt import rel_err
 
 TOL = 1e-5
 
@@ -22,5 +21,10 @@ def test_gelu_forward_backward(rng, shape, device):
     ref = F.gelu(xt, approximate="tanh")
     ref.backward(torch.tensor(dout, dtype=torch.float64))
     assert out.shape == shape
-    assert rel_err(out, ref.detach()) < TOL
-    assert rel_err(dx, xt.grad) < TOL
+    # Relative to the reference, with a floor of 1e-9 per element: below x ~ -7 GELU and its gradient are ~1e-13 and
+    # fp32's 1 + tanh(u) cancels to a few ulps of 1 (torch's fp32 GELU too), so a lone such element (shape (1,))
+    # has a relative error of 1e-3 that says nothing of the kernel.
+    floor = 1e-9 * np.sqrt(x.size)
+    for got, want in ((out, ref.detach()), (dx, xt.grad)):
+        want = want.numpy()
+        assert np.linalg.norm(np.asarray(got, np.float64) - want) <= TOL * np.linalg.norm(want) + floor
