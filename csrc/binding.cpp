@@ -300,6 +300,28 @@ void shape_is(const View& a, std::vector<int64_t> shape, const std::string& name
   need(a.shape == shape, name + " must have shape " + shape_str(shape) + ", got " + shape_str(a.shape));
 }
 
+// The product x (N rows of C) times weight (OC, C) transposed, as the matmul ops take it: checks weight, x and the
+// bias (OC, when given) and returns the dimensions.
+struct MatmulDims {
+  int64_t N;
+  int C, OC;
+};
+MatmulDims matmul_dims(const View& x, const View& w, const View* bias) {
+  need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
+  const MatmulDims d{rows_of(x, w.shape[1], "x"), (int)w.shape[1], (int)w.shape[0]};
+  if (bias) shape_is(*bias, {d.OC}, "bias");
+  return d;
+}
+// Its backward's arrays: dout (N, OC), the input's gradient (named dinp_name) shaped as x, dweight as weight,
+// dbias (OC) when given.
+void check_matmul_grads(const MatmulDims& d, const View& dout, const View& dinp, const char* dinp_name, const View& x,
+                        const View& dw, const View& w, const View* db) {
+  need(rows_of(dout, d.OC, "dout") == d.N, "dout must have as many rows as x");
+  same_shape(dinp, x, dinp_name, "x");
+  same_shape(dw, w, "dweight", "weight");
+  if (db) shape_is(*db, {d.OC}, "dbias");
+}
+
 // The storage-type arrays of one op share one dtype, the first one's.
 void same_dtype(std::initializer_list<std::pair<const View*, const char*>> views) {
   const auto& [first, first_name] = *views.begin();
@@ -415,10 +437,7 @@ void bind_ops(py::module_& m) {
     View out = view_of(out_, "out", 'a'), x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a');
     View bias = bias_ ? view_of(*bias_, "bias", 'a') : x;
     same_dtype({{&x, "x"}, {&w, "weight"}, {&bias, "bias"}, {&out, "out"}});
-    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
-    const int OC = w.shape[0], C = w.shape[1];
-    const int64_t N = rows_of(x, C, "x");
-    if (bias_) shape_is(bias, {OC}, "bias");
+    const auto [N, C, OC] = matmul_dims(x, w, bias_ ? &bias : nullptr);
     need(rows_of(out, OC, "out") == N, "out must have as many rows as x");
     Ctx c = context({&out, &x, &w, &bias}, stream);
     const bool has_bias = bool(bias_);
@@ -431,13 +450,9 @@ void bind_ops(py::module_& m) {
          x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a');
     same_dtype({{&x, "x"}, {&w, "weight"}, {&dout, "dout"}, {&dx, "dx"}});
     View db = db_ ? view_of(*db_, "dbias", 'f') : x;
-    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
-    const int OC = w.shape[0], C = w.shape[1];
-    const int64_t N = rows_of(x, C, "x");
-    need(rows_of(dout, OC, "dout") == N, "dout must have as many rows as x");
-    same_shape(dx, x, "dx", "x");
-    same_shape(dw, w, "dweight", "weight");
-    if (db_) shape_is(db, {OC}, "dbias");
+    const MatmulDims d = matmul_dims(x, w, nullptr);
+    const auto [N, C, OC] = d;
+    check_matmul_grads(d, dout, dx, "dx", x, dw, w, db_ ? &db : nullptr);
     Ctx c = context({&dx, &dw, &db, &dout, &x, &w}, stream);
     float* dbp = db_ ? db.f() : nullptr;
     py::gil_scoped_release nogil;
@@ -449,10 +464,7 @@ void bind_ops(py::module_& m) {
          w = view_of(w_, "weight", 'a');
     View bias = bias_ ? view_of(*bias_, "bias", 'a') : x;
     same_dtype({{&x, "x"}, {&w, "weight"}, {&bias, "bias"}, {&out, "out"}, {&pre, "pre"}});
-    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
-    const int OC = w.shape[0], C = w.shape[1];
-    const int64_t N = rows_of(x, C, "x");
-    if (bias_) shape_is(bias, {OC}, "bias");
+    const auto [N, C, OC] = matmul_dims(x, w, bias_ ? &bias : nullptr);
     need(rows_of(out, OC, "out") == N, "out must have as many rows as x");
     same_shape(pre, out, "pre", "out");
     Ctx c = context({&out, &pre, &x, &w, &bias}, stream);
@@ -467,14 +479,10 @@ void bind_ops(py::module_& m) {
          x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a'), pre = view_of(pre_, "pre", 'a');
     same_dtype({{&x, "x"}, {&w, "weight"}, {&dout, "dout"}, {&pre, "pre"}, {&dpre, "dpre"}});
     View db = db_ ? view_of(*db_, "dbias", 'f') : x;
-    need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
-    const int OC = w.shape[0], C = w.shape[1];
-    const int64_t N = rows_of(x, C, "x");
-    need(rows_of(dout, OC, "dout") == N, "dout must have as many rows as x");
+    const MatmulDims d = matmul_dims(x, w, nullptr);
+    const auto [N, C, OC] = d;
     same_shape(pre, x, "pre", "x");
-    same_shape(dpre, x, "dpre", "x");
-    same_shape(dw, w, "dweight", "weight");
-    if (db_) shape_is(db, {OC}, "dbias");
+    check_matmul_grads(d, dout, dpre, "dpre", x, dw, w, db_ ? &db : nullptr);
     Ctx c = context({&dpre, &dw, &db, &dout, &x, &w, &pre}, stream);
     float* dbp = db_ ? db.f() : nullptr;
     py::gil_scoped_release nogil;

@@ -5,7 +5,6 @@
 #include "cpu/adamw.h"
 
 #include <cmath>
-#include <vector>
 
 #include "cpu/kernels.h"
 
@@ -72,14 +71,6 @@ void sum_in_order(double* out, const double* x, int64_t n) {
   double total = 0.0;
   for (int64_t i = 0; i < n; i++) total += x[i];
   *out = total;
-}
-
-double sum_squares(const float* x, int64_t n) {
-  std::vector<double> partial((n + kSumChunk - 1) / kSumChunk);
-  sum_squares_partials(partial.data(), x, n);
-  double total = 0.0;
-  sum_in_order(&total, partial.data(), (int64_t)partial.size());
-  return total;
 }
 
 void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset) {

@@ -210,7 +210,6 @@ void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int npa
 constexpr int64_t kSumChunk = 1 << 16;
 void sum_squares_partials(double* partial, const float* x, int64_t n);
 void sum_in_order(double* out, const double* x, int64_t n);  // *out = x[0] + x[1] + ... in that order
-double sum_squares(const float* x, int64_t n);               // the two, on the host
 // acc (one double) += (double)(float)(mean of the n losses) / divisor; reset: acc = that. The mean is the float a
 // forward returns; a training step's loss is the sum over its micro-steps, divided by their count.
 void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset);

@@ -7,7 +7,6 @@
 // dtype.h's round_weight<S> (nearest even, or bf16 stochastic rounding keyed on (seed, step, flat index): the CPU's
 // bits exactly).
 #include <algorithm>
-#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
@@ -143,20 +142,6 @@ void sum_squares_partials(double* partial, const float* x, int64_t n, Stream str
 void sum_in_order(double* out, const double* x, int64_t n, Stream stream) {
   sum_in_order_kernel<<<1, 1, 0, stream>>>(out, x, n);
   FASTGPT_CUDA_CHECK_LAUNCH();
-}
-
-double sum_squares(const float* x, int64_t n, Stream stream) {
-  if (n <= 0) return 0.0;
-  const int64_t chunks = (n + cpu::kSumChunk - 1) / cpu::kSumChunk;
-  double* partial = static_cast<double*>(pool_malloc(chunks * sizeof(double), stream));
-  sum_squares_partials(partial, x, n, stream);
-  std::vector<double> host(chunks);
-  FASTGPT_CUDA_CHECK(cudaMemcpyAsync(host.data(), partial, chunks * sizeof(double), cudaMemcpyDeviceToHost, stream));
-  FASTGPT_CUDA_CHECK(cudaFreeAsync(partial, stream));
-  FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream));
-  double total = 0.0;
-  cpu::sum_in_order(&total, host.data(), chunks);  // in chunk order, as the CPU does
-  return total;
 }
 
 void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset, Stream stream) {

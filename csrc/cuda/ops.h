@@ -122,8 +122,6 @@ template <typename S>
 void widen(float* out, const S* in, int64_t n, Stream stream);
 template <typename S>
 void narrow(S* out, const float* in, int64_t n, const RoundKey& key, Stream stream);
-// Sum of squares over fixed chunks, combined in order in double (deterministic); waits for the stream.
-double sum_squares(const float* x, int64_t n, Stream stream);
 void scale_inplace(float* x, int64_t n, float s, Stream stream);
 
 }  // namespace fastgpt::cuda

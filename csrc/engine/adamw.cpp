@@ -49,9 +49,6 @@ AdamW::AdamW(GPT& model, const AdamWConfig& cfg, int zero_stage) : model_(model)
   m_ = Buffer<float>(be, hi_ - lo_);
   v_ = Buffer<float>(be, hi_ - lo_);
   scalars_ = Buffer<uint8_t>(be, sizeof(StepScalars));  // zeroed: t = skipped = 0
-  const int64_t n = model_.comm() ? model_.shard_size() : model_.padded_size();
-  partial_ = Buffer<double>(be, (n + cpu::kSumChunk - 1) / cpu::kSumChunk);
-  slots_ = Buffer<double>(be, 2 * model_.world_size());
   lr_ = Buffer<float>(be, 1);
 }
 
@@ -120,29 +117,11 @@ void AdamW::step_clipped(const float* lr, double max_norm, const double* loss) {
   check_fp16_step();
   if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
   const bool skip = model_.scaler().enabled ? unscale() : (model_.sync_grads(), false);
-  // Each rank's part of the reduced gradients (all of them without data parallel), in fixed chunks: the same
-  // partition, and so the same bits, as clip_grad_norm's.
-  Backend& be = model_.backend();
-  const int64_t b = model_.comm() ? model_.shard_begin() : 0;
-  const int64_t n = model_.comm() ? model_.shard_size() : model_.padded_size();
-  be.sum_squares_partials(partial_.data(), model_.grads() + b, n);
-  const double* parts = partial_.data();
-  int nparts = (int)partial_.size(), nlosses = loss ? 1 : 0;
-  if (model_.comm()) {
-    // A slot per rank for its sum of squares (adding the zeros of the others is exact; the slots are then added in
-    // rank order) and one for its loss, so that every rank sees every loss and all skip, or step, together.
-    const int world = model_.world_size(), r = model_.rank();
-    double* slots = slots_.data();  // (2, world)
-    be.zero(slots, slots_.size() * (int64_t)sizeof(double));
-    be.sum_in_order(slots + r, partial_.data(), partial_.size());
-    if (loss) be.copy(slots + world + r, loss, sizeof(double));
-    model_.bound_comm().all_reduce_doubles(slots, 2 * world);
-    parts = slots;
-    nparts = world;
-    nlosses = loss ? world : 0;
-    loss = slots + world;
-  }
-  be.adamw_prepare(dev_scalars(), lr, parts, nparts, loss, nlosses, max_norm, skip, cfg_.beta1, cfg_.beta2);
+  // Each rank's part of the reduced gradients in fixed chunks, data parallel ranks' parts and losses all-reduced:
+  // the same bits as clip_grad_norm's norm, and every rank skips, or steps, together.
+  const GPT::NormParts p = model_.queue_grad_sumsq(loss);
+  model_.backend().adamw_prepare(dev_scalars(), lr, p.parts, p.nparts, p.losses, p.nlosses, max_norm, skip,
+                                 cfg_.beta1, cfg_.beta2);
   update();  // skipped on the device when the scalars say so (ZeRO-1 then gathers the unchanged weights)
 }
 

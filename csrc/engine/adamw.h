@@ -60,8 +60,6 @@ class AdamW {
   AdamWSegments segments_;   // [lo, hi) by weight decay
   Buffer<float> m_, v_;  // same layout as the parameters, zero at the start
   Buffer<uint8_t> scalars_;  // one StepScalars, backend memory: the counters live where the update runs
-  Buffer<double> partial_;   // sums of squares of this rank's gradients, per chunk
-  Buffer<double> slots_;     // data parallel (2, world): each rank's sum of squares and loss in its slots, reduced
   Buffer<float> lr_;         // step(lr)'s learning rate, staged up
 };
 

@@ -6,6 +6,7 @@
 // the virtual boundary between them, so the interface stays one set of functions for every precision.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -43,13 +44,13 @@ class Backend {
   virtual void copy(void* dst, const void* src, int64_t bytes) = 0;  // within the device
   virtual void upload(void* dst, const void* host_src, int64_t bytes) = 0;
   virtual void download(void* host_dst, const void* src, int64_t bytes) = 0;  // waits for the device
-  // As upload, without waiting for the work already queued: stage() copies src into the backend's staging memory
-  // (waiting only until the last copy out of it has run; the caller may free src), copy_staged() queues the copy of
-  // its first bytes to dst. A graph records copy_staged: each launch copies whatever was staged last.
-  virtual void stage(const void* host_src, int64_t bytes) = 0;
+  // As upload, without waiting for the work already queued: staging() hands out the backend's host staging memory
+  // (pinned on a GPU), at least `bytes` of it, once the last copy out of it has run; the caller writes there what
+  // copy_staged() then queues to dst. A graph records copy_staged: each launch copies whatever was staged last.
+  virtual void* staging(int64_t bytes) = 0;
   virtual void copy_staged(void* dst, int64_t bytes) = 0;
   void upload_async(void* dst, const void* host_src, int64_t bytes) {
-    stage(host_src, bytes);
+    std::memcpy(staging(bytes), host_src, bytes);
     copy_staged(dst, bytes);
   }
   // Runs `body` without running its work: what it queues on this backend is recorded as a Graph, replayed by
@@ -170,7 +171,6 @@ class Backend {
   // Masters to compute weights as `key` says, and 16-bit memory widened to float: dtype bf16 or f16 only.
   virtual void narrow(void* out, DType dtype, const float* in, int64_t n, const RoundKey& key) = 0;
   virtual void widen(float* out, const void* in, DType dtype, int64_t n) = 0;
-  virtual double sum_squares(const float* x, int64_t n) = 0;  // deterministic; waits for the device
   virtual void scale_inplace(float* x, int64_t n, float s) = 0;
 
  protected:

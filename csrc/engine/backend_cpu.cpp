@@ -75,13 +75,13 @@ class CpuBackend final : public Backend {
     no_capture("download (waiting for the device)");
     std::memcpy(dst, src, bytes);
   }
-  void stage(const void* src, int64_t bytes) override {
-    no_capture("stage");
+  void* staging(int64_t bytes) override {
+    no_capture("staging");
     if ((int64_t)staging_.size() < bytes) {
       staging_ = std::vector<uint8_t>(bytes);
       generation_++;  // a recorded copy_staged points at the old staging memory
     }
-    std::memcpy(staging_.data(), src, bytes);
+    return staging_.data();
   }
   void copy_staged(void* dst, int64_t bytes) override {
     const uint8_t* src = staging_.data();
@@ -135,10 +135,6 @@ class CpuBackend final : public Backend {
       if (dtype == DType::bf16) return cpu::widen(out, P<bf16>(in), n);
       cpu::widen(out, P<f16>(in), n);
     });
-  }
-  double sum_squares(const float* x, int64_t n) override {
-    no_capture("sum_squares (a value for the host)");
-    return cpu::sum_squares(x, n);
   }
   void scale_inplace(float* x, int64_t n, float s) override {
     run([=] { cpu::scale_inplace(x, n, s); });

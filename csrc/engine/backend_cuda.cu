@@ -93,21 +93,20 @@ class CudaBackend final : public Backend {
     FASTGPT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
-  void stage(const void* src, int64_t bytes) override {
-    if (bytes <= 0) return;
+  void* staging(int64_t bytes) override {
     const cuda::DeviceGuard guard(device_);
     // The staging memory is free once the last copy out of it ran: in a training loop that was a step ago.
     if (staged_pending_) FASTGPT_CUDA_CHECK(cudaEventSynchronize(staged_));
     staged_pending_ = false;
-    if (bytes > staging_bytes_) {
+    if (bytes > staging_bytes_ || !staging_) {
       if (staging_) FASTGPT_CUDA_CHECK(cudaFreeHost(staging_));
       staging_ = nullptr;
       staging_bytes_ = 0;
       staging_grows_++;  // a graph's copy out of the old staging memory must not run again
-      FASTGPT_CUDA_CHECK(cudaHostAlloc(&staging_, bytes, cudaHostAllocDefault));
+      FASTGPT_CUDA_CHECK(cudaHostAlloc(&staging_, bytes > 0 ? bytes : 1, cudaHostAllocDefault));
       staging_bytes_ = bytes;
     }
-    std::memcpy(staging_, src, bytes);
+    return staging_;
   }
   void copy_staged(void* dst, int64_t bytes) override {
     if (bytes <= 0) return;
@@ -163,10 +162,6 @@ class CudaBackend final : public Backend {
     const cuda::DeviceGuard guard(device_);
     if (dtype == DType::bf16) return cuda::widen(out, P<bf16>(in), n, stream_);
     cuda::widen(out, P<f16>(in), n, stream_);
-  }
-  double sum_squares(const float* x, int64_t n) override {
-    const cuda::DeviceGuard guard(device_);
-    return cuda::sum_squares(x, n, stream_);
   }
   void scale_inplace(float* x, int64_t n, float s) override {
     const cuda::DeviceGuard guard(device_);
@@ -261,7 +256,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   bool tf32_ = false;
   std::unique_ptr<cuda::Workspace> workspace_;  // the kernels' scratch, sized by the first step
-  // stage()'s pinned memory (grown only) and the event of the last copy out of it.
+  // staging()'s pinned memory (grown only) and the event of the last copy out of it.
   void* staging_ = nullptr;
   int64_t staging_bytes_ = 0, staging_grows_ = 0;
   cudaEvent_t staged_ = nullptr;
@@ -288,7 +283,7 @@ class CudaGraph final : public Graph {
   void launch() override {
     const cuda::DeviceGuard guard(device_);
     FASTGPT_CUDA_CHECK(cudaGraphLaunch(exec_, stream_));
-    // The next stage() waits for this launch, which copies out of the staging memory: recorded after the whole
+    // The next staging() waits for this launch, which copies out of the staging memory: recorded after the whole
     // graph (a bubble of one host copy per step; copy_staged records nothing while captured).
     FASTGPT_CUDA_CHECK(cudaEventRecord(staged_, stream_));
     *pending_ = true;

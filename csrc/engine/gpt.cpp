@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -142,6 +143,9 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
   grads_ = Buffer<float>(be_.get(), offset);
   if (storage_ != DType::f32) cparams_ = Buffer<uint8_t>(be_.get(), offset * dtype_size(storage_));
   loss_sums_ = Buffer<double>(be_.get(), 2);
+  const int64_t norm_n = comm_ ? shard_size() : (int64_t)grads_.size();
+  norm_partials_ = Buffer<double>(be_.get(), (norm_n + cpu::kSumChunk - 1) / cpu::kSumChunk);
+  norm_slots_ = Buffer<double>(be_.get(), 2 * world_size());
   init_params(seed);
   if (comm_) {  // every replica starts from rank 0's weights, whatever seed each was given
     bound_comm().broadcast(params_.data(), params_.size() * (int64_t)sizeof(float), 0);
@@ -305,9 +309,11 @@ void GPT::load_batch(const int32_t* idx, const int32_t* targets, int B, int T) {
   B_ = B;
   T_ = T;
   // One staged copy, [idx | targets]: no wait for the work already queued.
-  host_tokens_.assign(idx, idx + n);
-  if (targets) host_tokens_.insert(host_tokens_.end(), targets, targets + n);
-  be_->upload_async(tokens_.data(), host_tokens_.data(), (int64_t)host_tokens_.size() * sizeof(int32_t));
+  const int64_t bytes = (targets ? 2 : 1) * n * (int64_t)sizeof(int32_t);
+  int32_t* staged = static_cast<int32_t*>(be_->staging(bytes));
+  std::memcpy(staged, idx, n * sizeof(int32_t));
+  if (targets) std::memcpy(staged + n, targets, n * sizeof(int32_t));
+  be_->copy_staged(tokens_.data(), bytes);
   ids_ = tokens_.data();
   tgts_ = tokens_.data() + n;  // meaningful only when targets were loaded
 }
@@ -627,13 +633,26 @@ void GPT::sync_grads() {
   grad_syncs_++;
 }
 
+GPT::NormParts GPT::queue_grad_sumsq(const double* loss) {
+  const int64_t b = comm_ ? shard_begin() : 0, n = comm_ ? shard_size() : (int64_t)grads_.size();
+  be_->sum_squares_partials(norm_partials_.data(), grads_.data() + b, n);
+  if (!comm_) return {norm_partials_.data(), (int)norm_partials_.size(), loss, loss ? 1 : 0};
+  // A slot per rank (adding the zeros of the others is exact) and one for its loss: one collective for both.
+  const int world = world_size(), r = rank();
+  double* slots = norm_slots_.data();
+  be_->zero(slots, norm_slots_.size() * (int64_t)sizeof(double));
+  be_->sum_in_order(slots + r, norm_partials_.data(), norm_partials_.size());
+  if (loss) be_->copy(slots + world + r, loss, sizeof(double));
+  bound_comm().all_reduce_doubles(slots, 2 * world);
+  return {slots, world, loss ? slots + world : nullptr, loss ? world : 0};
+}
+
 double GPT::grad_sumsq() {
-  if (!comm_) return be_->sum_squares(grads_.data(), grads_.size());
-  std::vector<double> parts(world_size(), 0.0);  // a slot per rank: adding zeros to it is exact
-  parts[rank()] = be_->sum_squares(grads_.data() + shard_begin(), shard_size());
-  bound_comm().all_reduce_host(parts.data(), (int)parts.size());
+  const NormParts p = queue_grad_sumsq();
+  std::vector<double> parts(p.nparts);
+  be_->download(parts.data(), p.parts, p.nparts * (int64_t)sizeof(double));
   double ss = 0.0;
-  for (double p : parts) ss += p;
+  cpu::sum_in_order(&ss, parts.data(), p.nparts);
   return ss;
 }
 

@@ -150,6 +150,18 @@ class GPT {
   // with the rest of the backward where the communicator can; sync=false only accumulates locally (DDP's no_sync).
   void backward(float grad_scale, bool sync = true);
   void zero_grad();
+  // The global sum of squares of the gradients, queued on the device (nothing waits): this rank's part of the
+  // reduced gradients (all of them without data parallel) in fixed chunks of cpu::kSumChunk; data parallel: each
+  // rank's in-order total in its slot and `loss` (one double, or null) beside it, all slots all-reduced, so that
+  // every rank sees every rank's part and loss. The sum is `parts` added in order (chunks, or slots in rank order),
+  // the same bits for plain data parallel and ZeRO-1; `losses` are the losses to check (one per rank, or loss).
+  struct NormParts {
+    const double* parts;
+    int nparts;
+    const double* losses;
+    int nlosses;
+  };
+  NormParts queue_grad_sumsq(const double* loss = nullptr);
 
   // ---- data parallel (no-ops without a communicator)
   Comm* comm() const { return comm_.get(); }
@@ -189,8 +201,8 @@ class GPT {
 
  private:
   void init_params(uint64_t seed);
-  // Sum of squares of the (reduced) gradients over all ranks: each rank measures its shard, the host sums the
-  // shards in rank order, so plain data parallel and ZeRO-1 get the same bits.
+  // Sum of squares of the (reduced) gradients over all ranks, read back: the parts of queue_grad_sumsq added in
+  // order on the host, as adamw_prepare adds them on the device (the same bits).
   double grad_sumsq();
   void reduce_layer_async(int l);  // overlap: layer l's gradients are final
   void ensure_activations(int B, int T);
@@ -263,7 +275,6 @@ class GPT {
   // Token ids of the loaded batch: [idx (B, T) | targets (B, T)]; ids_, tgts_ point at the current batch (here, or
   // a micro-batch of forward_backward_steps' input).
   Buffer<int32_t> tokens_;
-  std::vector<int32_t> host_tokens_;
   const int32_t* ids_ = nullptr;
   const int32_t* tgts_ = nullptr;
   Buffer<uint8_t> encoded_;         // (B, T, C)
@@ -284,6 +295,8 @@ class GPT {
   Buffer<uint8_t> logits_;
   Buffer<float> losses_, ce_lse_;   // (B, T)
   Buffer<double> loss_sums_;        // (2): the last forward's mean loss; the last optimizer step's (step_loss)
+  Buffer<double> norm_partials_;    // (chunks of this rank's part of the gradients): sums of squares
+  Buffer<double> norm_slots_;       // data parallel (2, world): each rank's sum of squares, then its loss
   // KV cache of decode(): keys and values of positions [0, cache_len_) of cache_B_ rows, per layer
   // (L, B, NH, block_size, hs) each, in the storage type.
   Buffer<uint8_t> kcache_, vcache_;

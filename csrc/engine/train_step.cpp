@@ -23,11 +23,11 @@ void TrainStep::run(const int32_t* idx, const int32_t* targets, int A, int B, in
     inputs_ = Buffer<uint8_t>();
     inputs_ = Buffer<uint8_t>(&be, bytes);
   }
-  host_.assign(bytes, 0);
-  std::memcpy(host_.data(), &lr, sizeof lr);
-  std::memcpy(host_.data() + kHeader, idx, n * sizeof(int32_t));
-  std::memcpy(host_.data() + kHeader + n * sizeof(int32_t), targets, n * sizeof(int32_t));
-  be.stage(host_.data(), bytes);  // waits only for the last step's copy out of the staging memory
+  // Waits only for the last step's copy out of the staging memory.
+  uint8_t* staged = static_cast<uint8_t*>(be.staging(bytes));
+  std::memcpy(staged, &lr, sizeof lr);
+  std::memcpy(staged + kHeader, idx, n * sizeof(int32_t));
+  std::memcpy(staged + kHeader + n * sizeof(int32_t), targets, n * sizeof(int32_t));
   if (graph && graph_eligible()) {
     const bool replayable = graph_ && graph_shape_ == shape && graph_generation_ == be.generation();
     const bool failed_here = failed_shape_ == shape && failed_generation_ == be.generation();

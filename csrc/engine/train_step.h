@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "engine/adamw.h"
 #include "engine/gpt.h"
@@ -54,8 +53,7 @@ class TrainStep {
   GPT& model_;
   AdamW& opt_;
   static constexpr int64_t kHeader = 16;  // bytes before the ids: the learning rate (a float), padding
-  std::vector<uint8_t> host_;  // [lr | idx | targets], staged
-  Buffer<uint8_t> inputs_;     // its device copy
+  Buffer<uint8_t> inputs_;  // [lr | idx | targets], the device copy of what run() staged
   std::unique_ptr<Graph> graph_;
   Shape graph_shape_, eager_shape_;  // of the recorded step; of the last eager step
   int64_t graph_generation_ = -1, eager_generation_ = -1;  // Backend::generation() when they ran
