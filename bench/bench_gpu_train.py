@@ -4,7 +4,9 @@ classifier) and unfused (GPT(fused=False): one kernel per op, the full logits ke
 torch eager TF32; torch compiled bf16 (build-nanogpt's set-up: TF32 matmuls, bf16 autocast, torch.compile, SDPA
 attention, fused AdamW). fastgpt's fused step is one AdamW.train_step call (the norm, clip and counters on the
 device, one-launch AdamW), recorded as a CUDA graph and replayed in "fastgpt bf16 graph"; unfused it is
-forward_backward, clip_grad_norm, step.
+forward_backward, clip_grad_norm, step. The fused model recomputes GELU in backward (GPT(recompute=1), its default);
+"fastgpt bf16 recompute=0" keeps every activation and "recompute=2" also recomputes the LayerNorms: the time and
+memory of each setting.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -13,7 +15,7 @@ build-nanogpt actually trains with, and fastgpt bf16 fused against compiled bf16
 start from the same weights and see the same batches, so their step-0 losses must agree (closely for fp32, less for
 TF32/bf16): a sanity line, not a test.
 
-    python3 bench/bench_gpu_train.py                      # GPT-2 124M, T 1024, B 8, all six variants
+    python3 bench/bench_gpu_train.py                      # GPT-2 124M, T 1024, B 8, every variant
     python3 bench/bench_gpu_train.py --B 16 --json /tmp/gpu_train.json
     python3 bench/bench_gpu_train.py --B max              # each variant at the largest of B 64/32/16/8 that fits
     python3 bench/bench_gpu_train.py --no-compile         # skip torch.compile (about a minute of compiling)
@@ -34,8 +36,9 @@ from _common import environment, write_json
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
-VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 unfused", "torch eager fp32",
-            "torch eager tf32", "torch compiled bf16")
+VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 recompute=0",
+            "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32", "torch eager tf32",
+            "torch compiled bf16")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 
 
@@ -167,7 +170,9 @@ def main(argv=None):
         # (weights, gradients, moments, activations) are exact: model.memory()["total"].
         precision = name.split()[1]
         free0 = torch.cuda.mem_get_info(dev)[0]
-        model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=args.seed, fused=not name.endswith("unfused"))
+        recompute = int(name[-1]) if "recompute=" in name else None
+        model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=args.seed, fused=not name.endswith("unfused"),
+                            recompute=recompute)
         model.load_state_dict(weights)
         opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         free_min = [torch.cuda.mem_get_info(dev)[0]]
@@ -187,6 +192,7 @@ def main(argv=None):
         return times, losses, {"peak_mem_bytes": free0 - free_min[-1], "engine_bytes": model.memory()["total"],
                                "activation_bytes": model.memory()["activations"],
                                "classifier_rows": model.classifier_rows if model.fused else None,
+                               "recompute": model.recompute,
                                "graph_counts": opt.graph_counts, "graph_error": opt.graph_error,
                                "peak_mem_how": "torch.cuda.mem_get_info: free before model creation minus lowest "
                                                "free after creation/steps (rough, driver-level)"}
@@ -296,20 +302,23 @@ def main(argv=None):
               f"|difference| from it: {'; '.join(parts) or 'no other variant ran'}. Expect ~1e-5 fp32, ~1e-3 tf32, "
               f"~1e-2 bf16 at step 0")
 
-    print(f"\n{'variant':<20} {'B':>3} {'median ms':>10} {'tok/s':>9} {'MFU':>6} {'peak mem':>9} {'first loss':>10} "
-          f"{'last loss':>10} {'tok/s vs base':>14}")
+    print(f"\n{'variant':<24} {'B':>3} {'median ms':>10} {'tok/s':>9} {'MFU':>6} {'peak mem':>9} {'first loss':>10} "
+          f"{'last loss':>10} {'tok/s vs base':>14} {'mem vs base':>12}")
     for k in VARIANTS:
         r = res[k]
         if r["status"] != "ok":
-            print(f"{k:<20} {r.get('B', '-'):>3} {r['status'].upper()}: "
+            print(f"{k:<24} {r.get('B', '-'):>3} {r['status'].upper()}: "
                   f"{r['error'].splitlines()[0][:90] if r['error'] else ''}")
             continue
         ratio = r["tok_per_s"] / res[base]["tok_per_s"] if base is not None else None
         r["tok_per_s_vs_base"] = ratio
+        mem_ratio = r["peak_mem_bytes"] / res[base]["peak_mem_bytes"] if base is not None else None
+        r["peak_mem_vs_base"] = mem_ratio  # issue 10 asks fastgpt bf16 fused for <= 0.7 of torch compiled's
         mem = f"{r['peak_mem_bytes'] / 2**30:.2f}G" + ("*" if k.startswith("fastgpt") else "")
-        print(f"{k:<20} {r['B']:>3} {r['step_ms_median']:>10.1f} {r['tok_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% "
+        print(f"{k:<24} {r['B']:>3} {r['step_ms_median']:>10.1f} {r['tok_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% "
               f"{mem:>9} "
-              f"{r['first_loss']:>10.4f} {r['last_loss']:>10.4f} {f'{ratio:.2f}x' if ratio is not None else '-':>14}")
+              f"{r['first_loss']:>10.4f} {r['last_loss']:>10.4f} {f'{ratio:.2f}x' if ratio is not None else '-':>14} "
+              f"{f'{mem_ratio:.2f}x' if mem_ratio is not None else '-':>12}")
     if base is not None:
         print(f"base: {base} (tok/s ratio above 1: faster than it). MFU against {args.peak_tflops:g} TFLOPS bf16 "
               f"dense for every variant. Peak mem: torch.cuda.max_memory_allocated; *fastgpt: rough, from "

@@ -749,7 +749,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<GPT>(m, "GPT")
       .def(py::init([](int block_size, int vocab_size, int n_layer, int n_head, int n_embd, uint64_t seed,
                        const std::string& device, const std::string& precision, std::shared_ptr<Comm> comm,
-                       bool fused) {
+                       bool fused, std::optional<int> recompute) {
              GPTConfig c{block_size, vocab_size, n_layer, n_head, n_embd};
              const Precision p = parse_precision(precision);
              auto be = backend_for(device);
@@ -757,13 +757,16 @@ PYBIND11_MODULE(_C, m) {
              if (comm && comm->name() == "nccl") need(be->is_cuda(), "the NCCL communicator serves CUDA models only");
              py::gil_scoped_release nogil;  // the broadcast of the initial weights is a collective: other threads may run
              auto* g = new GPT(c, seed, std::move(be), p, std::move(comm));
+             std::unique_ptr<GPT> owned(g);
              g->set_fused(fused);
-             return g;
+             g->set_recompute(recompute.value_or(fused ? 1 : 0));  // torch.compile recomputes GELU; eager does not
+             return owned.release();
            }),
            py::arg("block_size"), py::arg("vocab_size"), py::arg("n_layer"), py::arg("n_head"), py::arg("n_embd"),
            py::arg("seed"), py::arg("device") = "cpu", py::arg("precision") = "fp32", py::arg("comm") = nullptr,
-           py::arg("fused") = true)
+           py::arg("fused") = true, py::arg("recompute") = py::none())
       .def_property_readonly("fused", &GPT::fused)
+      .def_property_readonly("recompute", &GPT::recompute)
       .def_property("classifier_rows", &GPT::classifier_rows, &GPT::set_classifier_rows)
       .def_property_readonly("rank", &GPT::rank)
       .def_property_readonly("world_size", &GPT::world_size)

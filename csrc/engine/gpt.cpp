@@ -186,12 +186,19 @@ void GPT::load_compute_params(const float* host) {
 int64_t GPT::activation_bytes() const {
   int64_t n = 0;
   for (const auto* b : {&encoded_, &ln1_, &qkv_, &atty_, &residual2_, &ln2_, &fch_, &fch_gelu_, &residual3_, &lnf_,
-                        &last_rows_, &logits_, &dresidual_, &dbtc_, &dbt4c_, &dqkv_})
+                        &logits_, &dresidual_, &dbtc_, &dbt4c_, &dqkv_})
     n += b->size();
   for (const auto* b : {&ln1_mean_, &ln1_rstd_, &att_lse_, &ln2_mean_, &ln2_rstd_, &lnf_mean_, &lnf_rstd_, &losses_,
                         &ce_lse_})
     n += b->size() * 4;
   return n + tokens_.size() * 4 + loss_sums_.size() * 8;
+}
+
+void GPT::set_recompute(int level) {
+  if (level < 0 || level > 2) throw std::invalid_argument("recompute must be 0, 1 or 2, got " + std::to_string(level));
+  if (act_bt_ > 0 && level != recompute_)
+    throw std::logic_error("recompute is set before the first forward (it sizes the activation buffers)");
+  recompute_ = level;
 }
 
 void GPT::init_params(uint64_t seed) {
@@ -254,16 +261,17 @@ void GPT::ensure_activations(int B, int T) {
   auto act = [&](int64_t n) { return Buffer<uint8_t>(be, n * es); };
   act_bt_ = BT;
   encoded_ = act(BT * C);
-  for (auto* b : {&ln1_, &atty_, &residual2_, &ln2_, &residual3_}) *b = act(L * BT * C);
+  for (auto* b : {&atty_, &residual2_, &residual3_}) *b = act(L * BT * C);
+  const int64_t ln_layers = ln_slot(L - 1) + 1, gelu_layers = gelu_slot(L - 1) + 1;  // L, or 1 when recomputed
+  for (auto* b : {&ln1_, &ln2_}) *b = act(ln_layers * BT * C);
   for (auto* b : {&ln1_mean_, &ln1_rstd_, &ln2_mean_, &ln2_rstd_}) *b = Buffer<float>(be, L * BT);
   qkv_ = act(L * BT * 3 * C);
   att_lse_ = Buffer<float>(be, L * BT * NH);
   fch_ = act(L * BT * 4 * C);
-  fch_gelu_ = act(L * BT * 4 * C);
+  fch_gelu_ = act(gelu_layers * BT * 4 * C);
   lnf_ = act(BT * C);
   lnf_mean_ = Buffer<float>(be, BT);
   lnf_rstd_ = Buffer<float>(be, BT);
-  last_rows_ = act(BT * C);
   losses_ = Buffer<float>(be, BT);
   ce_lse_ = Buffer<float>(be, BT);
   dresidual_ = act(BT * C);
@@ -464,13 +472,13 @@ void GPT::forward_t(int B, int T, int pos, bool cached) {
   k.encoder_forward(A<S>(encoded_), ids_, P<S>(WTE), P<S>(WPE) + (int64_t)pos * C, B, T, C);
   for (int l = 0; l < L; l++) {
     const S* residual = l == 0 ? A<S>(encoded_) : A<S>(residual3_, (l - 1) * BT * C);
-    S* ln1 = A<S>(ln1_, l * BT * C);
+    S* ln1 = A<S>(ln1_, ln_slot(l) * BT * C);
     S* qkv = A<S>(qkv_, l * BT * 3 * C);
     S* atty = A<S>(atty_, l * BT * C);
     S* res2 = A<S>(residual2_, l * BT * C);
-    S* ln2 = A<S>(ln2_, l * BT * C);
+    S* ln2 = A<S>(ln2_, ln_slot(l) * BT * C);
     S* fch = A<S>(fch_, l * BT * 4 * C);
-    S* fch_gelu = A<S>(fch_gelu_, l * BT * 4 * C);
+    S* fch_gelu = A<S>(fch_gelu_, gelu_slot(l) * BT * 4 * C);
     S* res3 = A<S>(residual3_, l * BT * C);
     // Fused: ln_1 of every block but the first was taken with the residual add that ended the block before.
     if (l == 0 || !fused_)
@@ -507,7 +515,7 @@ void GPT::forward_t(int B, int T, int pos, bool cached) {
     }
     // Fused: the add that ends this block goes with the LayerNorm that reads it, the next block's ln_1 or ln_f.
     const bool last = l == L - 1;
-    S* next_ln = last ? A<S>(lnf_) : A<S>(ln1_, (l + 1) * BT * C);
+    S* next_ln = last ? A<S>(lnf_) : A<S>(ln1_, ln_slot(l + 1) * BT * C);
     float* next_mean = last ? lnf_mean_.data() : ln1_mean_.data() + (l + 1) * BT;
     float* next_rstd = last ? lnf_rstd_.data() : ln1_rstd_.data() + (l + 1) * BT;
     const S* next_w = last ? P<S>(LNFW) : P<S>(LN1W, l + 1);
@@ -525,10 +533,10 @@ void GPT::head_t(int B, int T, bool last_only, bool with_targets) {
   const int C = cfg_.n_embd, V = cfg_.vocab_size;
   const int64_t BT = (int64_t)B * T;
   Backend& k = *be_;
-  if (last_only) {
-    for (int b = 0; b < B; b++)
-      k.copy(A<S>(last_rows_, (int64_t)b * C), A<S>(lnf_, ((int64_t)b * T + T - 1) * C), C * sizeof(S));
-    k.matmul_forward(A<S>(logits_), A<S>(last_rows_), P<S>(WTE), (const S*)nullptr, B, C, V);  // lm_head = wte
+  if (last_only) {  // the last rows gathered into backward's scratch (no backward follows a last_only forward)
+    S* rows = A<S>(dbtc_);
+    for (int b = 0; b < B; b++) k.copy(rows + (int64_t)b * C, A<S>(lnf_, ((int64_t)b * T + T - 1) * C), C * sizeof(S));
+    k.matmul_forward(A<S>(logits_), (const S*)rows, P<S>(WTE), (const S*)nullptr, B, C, V);  // lm_head = wte
     return;
   }
   k.matmul_forward(A<S>(logits_), A<S>(lnf_), P<S>(WTE), (const S*)nullptr, BT, C, V);
@@ -678,16 +686,24 @@ void GPT::backward_t() {
                        lnf_mean_.data(), lnf_rstd_.data(), BT, C);
   for (int l = L - 1; l >= 0; l--) {
     const S* residual = l == 0 ? A<S>(encoded_) : A<S>(residual3_, (l - 1) * BT * C);
-    const S* ln1 = A<S>(ln1_, l * BT * C);
+    S* ln1 = A<S>(ln1_, ln_slot(l) * BT * C);
     const S* qkv = A<S>(qkv_, l * BT * 3 * C);
     const S* atty = A<S>(atty_, l * BT * C);
     const S* res2 = A<S>(residual2_, l * BT * C);
-    const S* ln2 = A<S>(ln2_, l * BT * C);
+    S* ln2 = A<S>(ln2_, ln_slot(l) * BT * C);
     const S* fch = A<S>(fch_, l * BT * 4 * C);
-    const S* fch_gelu = A<S>(fch_gelu_, l * BT * 4 * C);
+    S* fch_gelu = A<S>(fch_gelu_, gelu_slot(l) * BT * 4 * C);
     S* d4c = A<S>(dbt4c_);
     S* dc = A<S>(dbtc_);
     S* dqkv = A<S>(dqkv_);
+    float* ln1_mean = ln1_mean_.data() + l * BT;
+    float* ln1_rstd = ln1_rstd_.data() + l * BT;
+    float* ln2_mean = ln2_mean_.data() + l * BT;
+    float* ln2_rstd = ln2_rstd_.data() + l * BT;
+    // Recomputed activations, each made again just before its one reader, by the op that made it in forward (the
+    // LayerNorms rewrite their statistics with the same values).
+    if (recompute_ >= 1) k.gelu_forward(fch_gelu, fch, BT * 4 * C);
+    if (recompute_ >= 2) k.layernorm_forward(ln2, ln2_mean, ln2_rstd, res2, P<S>(LN2W, l), P<S>(LN2B, l), BT, C);
     // residual3 = residual2 + mlp(ln2(residual2)): dres flows to both, the MLP branch adds through ln_2.
     if (fused_) {  // GELU's backward as the epilogue of the product that makes its input's gradient
       k.matmul_backward_dgelu(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P<S>(FCPROJW, l), fch, BT, 4 * C, C);
@@ -696,14 +712,13 @@ void GPT::backward_t() {
       k.gelu_backward(d4c, fch, d4c, BT * 4 * C);
     }
     k.matmul_backward(dc, G(FCW, l), G(FCB, l), d4c, ln2, P<S>(FCW, l), BT, C, 4 * C);
-    k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P<S>(LN2W, l), ln2_mean_.data() + l * BT,
-                         ln2_rstd_.data() + l * BT, BT, C);
+    k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P<S>(LN2W, l), ln2_mean, ln2_rstd, BT, C);
     // residual2 = residual + attn(ln1(residual)).
     k.matmul_backward(dc, G(ATTPROJW, l), G(ATTPROJB, l), dres, atty, P<S>(ATTPROJW, l), BT, C, C);
     k.attention_backward(dqkv, dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true);
+    if (recompute_ >= 2) k.layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, P<S>(LN1W, l), P<S>(LN1B, l), BT, C);
     k.matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv, ln1, P<S>(QKVW, l), BT, C, 3 * C);
-    k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P<S>(LN1W, l), ln1_mean_.data() + l * BT,
-                         ln1_rstd_.data() + l * BT, BT, C);
+    k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P<S>(LN1W, l), ln1_mean, ln1_rstd, BT, C);
     if (overlap_) reduce_layer_async(l);  // nothing below this layer writes its gradients again
   }
   k.encoder_backward(G(WTE), G(WPE), (const S*)dres, ids_, B, T, C, V);

@@ -123,6 +123,15 @@ class GPT {
   // torch.compile" model. On the CPU the two give the same forward bits.
   void set_fused(bool on) { fused_ = on; }
   bool fused() const { return fused_; }
+  // What the forward keeps for backward and what backward makes again instead (llm.c's recompute, what
+  // torch.compile's partitioner does to pointwise ops): 0 keeps every activation of every layer; 1 keeps fc's
+  // pre-activation but not its GELU, which backward recomputes per layer into a one-layer buffer (4C of the 16C per
+  // token and layer); 2 also recomputes ln_1 and ln_2 from the kept residuals and statistics (2C more). Every level
+  // gives the same bits where the recomputation uses the forward's own kernel (always on the CPU; on a GPU the
+  // LayerNorms, and GELU but for the 16-bit fused model, whose forward GELU is cuBLASLt's epilogue). Only before
+  // the first forward: it sets the sizes of the activation buffers.
+  void set_recompute(int level);
+  int recompute() const { return recompute_; }
   // Rows of logits per classifier chunk (fused model): 4096 on a GPU, 256 on the CPU by default.
   void set_classifier_rows(int64_t rows) {
     if (rows < 1) throw std::invalid_argument("classifier_rows must be >= 1, got " + std::to_string(rows));
@@ -239,6 +248,9 @@ class GPT {
   template <typename S>
   const S* P(int i, int l = 0) const;  // compute weights of parameter tensor i (its layer l slice)
   float* G(int i, int l = 0);          // gradient tensor i
+  // The layer whose slot of ln1_/ln2_ (and of fch_gelu_) layer l uses: its own, or the one slot recompute keeps.
+  int ln_slot(int l) const { return recompute_ >= 2 ? 0 : l; }
+  int gelu_slot(int l) const { return recompute_ >= 1 ? 0 : l; }
   // Activation buffer a as the storage type, from element `off`.
   template <typename S>
   static S* A(const Buffer<uint8_t>& a, int64_t off = 0) {
@@ -270,6 +282,7 @@ class GPT {
   bool have_targets_ = false, last_only_ = false, logits_valid_ = false;
   bool chunked_ = false;  // the last forward kept no logits: backward recomputes them chunk by chunk
   bool fused_ = true;
+  int recompute_ = 0;
   int64_t classifier_rows_ = 256;
   // Buffer<uint8_t> holds the storage type (A<S>), Buffer<float> is float in every precision.
   // Token ids of the loaded batch: [idx (B, T) | targets (B, T)]; ids_, tgts_ point at the current batch (here, or
@@ -278,7 +291,7 @@ class GPT {
   const int32_t* ids_ = nullptr;
   const int32_t* tgts_ = nullptr;
   Buffer<uint8_t> encoded_;         // (B, T, C)
-  Buffer<uint8_t> ln1_;             // (L, B, T, C)
+  Buffer<uint8_t> ln1_;             // (L, B, T, C); recompute 2: (B, T, C), the current layer's, as ln2_
   Buffer<float> ln1_mean_, ln1_rstd_;  // (L, B, T) x2
   Buffer<uint8_t> qkv_;             // (L, B, T, 3C)
   Buffer<uint8_t> atty_;            // (L, B, T, C)
@@ -286,9 +299,9 @@ class GPT {
   Buffer<uint8_t> residual2_;       // (L, B, T, C)
   Buffer<uint8_t> ln2_;
   Buffer<float> ln2_mean_, ln2_rstd_;
-  Buffer<uint8_t> fch_, fch_gelu_;  // (L, B, T, 4C)
+  Buffer<uint8_t> fch_, fch_gelu_;  // (L, B, T, 4C); recompute >= 1: fch_gelu_ (B, T, 4C), the current layer's
   Buffer<uint8_t> residual3_;       // (L, B, T, C)
-  Buffer<uint8_t> lnf_, last_rows_; // (B, T, C)
+  Buffer<uint8_t> lnf_;             // (B, T, C)
   Buffer<float> lnf_mean_, lnf_rstd_;
   // (B, T, V) when kept, else (classifier_rows, V): one chunk of the fused classifier at a time. Backward (and the
   // fused classifier) write the logit gradients over the logits.
@@ -301,7 +314,7 @@ class GPT {
   // (L, B, NH, block_size, hs) each, in the storage type.
   Buffer<uint8_t> kcache_, vcache_;
   int cache_B_ = 0, cache_len_ = 0;
-  // Backward scratch, reused across layers.
+  // Backward scratch, reused across layers (dbtc_ also holds the last rows of a last_only forward).
   Buffer<uint8_t> dresidual_, dbtc_, dbt4c_, dqkv_;
 };
 

@@ -65,12 +65,20 @@ class GPT:
     optimizer step: on the backward with `require_backward_grad_sync` True (DDP's attribute; build-nanogpt sets it
     on the last micro-step), or at the latest in clip_grad_norm/step. device='cuda' means cuda:LOCAL_RANK then.
 
-    fused (the default): the hand-fused model. Today that is the classifier: in forward_backward (the training
-    step's call) lm_head, softmax, cross-entropy and their gradients run over chunks of rows, so the (B, T, V)
-    logits never exist; forward(..., return_logits=False) keeps none either. fused=False is the model before
-    torch.compile: one kernel per op, the full logits kept (the progression notebook's early rungs)."""
+    fused (the default): the hand-fused model. In forward_backward (the training step's call) lm_head, softmax,
+    cross-entropy and their gradients run over chunks of rows, so the (B, T, V) logits never exist
+    (forward(..., return_logits=False) keeps none either); each residual add runs with the LayerNorm after it; on a
+    GPU in 16-bit, GELU and its gradient run in the epilogues of the matmuls around them. fused=False is the model
+    before torch.compile: one kernel per op, the full logits kept (the progression notebook's early rungs).
 
-    def __init__(self, config=None, device="cpu", precision="fp32", seed=0, data_parallel=None, fused=True):
+    recompute: what backward makes again instead of forward keeping it (llm.c's setting of that name; what
+    torch.compile's partitioner does to pointwise ops). 0 keeps every activation; 1 recomputes each layer's GELU
+    from fc's kept pre-activation (a quarter of the per-layer activations); 2 also each LayerNorm's output from its
+    kept input and statistics (another eighth). The gradients are the same bits on the CPU. None (the default):
+    1 when fused, 0 when not (eager PyTorch keeps everything)."""
+
+    def __init__(self, config=None, device="cpu", precision="fp32", seed=0, data_parallel=None, fused=True,
+                 recompute=None):
         self.config = (GPTConfig() if config is None else config).validate()
         _check_device(device, precision)
         if data_parallel not in (None, True, False):
@@ -87,9 +95,12 @@ class GPT:
         c = self.config
         if fused not in (True, False):
             raise ValueError(f"fused must be True or False, got {fused!r}")
+        if recompute is not None:
+            recompute = check_int(recompute, "recompute", low=0, high=2)
         self._engine = _C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, seed, device, precision,
-                              comm, fused=fused)
+                              comm, fused=fused, recompute=recompute)
         self.fused = fused
+        self.recompute = int(self._engine.recompute)
         self.data_parallel = bool(data_parallel)
         self.require_backward_grad_sync = True
         self._layout = [(name, tuple(shape), offset) for name, shape, offset in self._engine.named_views()]
@@ -366,7 +377,7 @@ class GPT:
     def __repr__(self):
         dp = f", rank {self.rank} of {self.world_size}" if self.data_parallel else ""
         return (f"fastgpt.GPT({asdict(self.config)}, device={self.device!r}, precision={self.precision!r}, "
-                f"fused={self.fused}, "
+                f"fused={self.fused}, recompute={self.recompute}, "
                 f"{self.num_parameters():,} parameters{dp})")
 
 

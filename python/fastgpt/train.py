@@ -124,6 +124,9 @@ def build_parser():
                                                       "GPUs by name and precision; no MFU on the CPU)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient norm is inf/NaN instead of stopping the run")
+    p.add_argument("--recompute", type=int, choices=(0, 1, 2), default=None,
+                   help="activations backward makes again instead of keeping: 0 none, 1 GELU (the default), 2 GELU "
+                        "and the LayerNorms (least memory)")
     p.add_argument("--graph", action="store_true",
                    help="record the training step once and replay it (a CUDA graph on a GPU: one launch per step; "
                         "the same weights); fp16 and data parallel runs step eagerly anyway")
@@ -303,7 +306,7 @@ def main(argv=None):
     config = GPTConfig(block_size=block_size, vocab_size=args.vocab_size, n_layer=n_layer, n_head=n_head,
                        n_embd=n_embd)
     try:
-        model = GPT(config, device=args.device, precision=args.precision, seed=args.seed)
+        model = GPT(config, device=args.device, precision=args.precision, seed=args.seed, recompute=args.recompute)
     except (ValueError, RuntimeError, NotImplementedError) as e:
         parser.error(f"--device/--precision: {e}")
     if args.zero_stage and world_size == 1:
