@@ -670,7 +670,7 @@ void bind_ops(py::module_& m) {
     Ctx c = context({&dlogits, &logits, &targets, &lse}, stream);
     py::gil_scoped_release nogil;
     TYPED(logits, FASTGPT_DISPATCH(c, cross_entropy_backward<S>, dlogits.as<S>(), logits.as<S>(), lse.f(), targets.i(),
-                                   dloss, N, V));
+                                   dloss, (const float*)nullptr, N, V));
   });
   m.def("cross_entropy_forward_backward", [](H losses_, H dlogits_, H logits_, H targets_, float dloss,
                                              uintptr_t stream) {
@@ -686,7 +686,7 @@ void bind_ops(py::module_& m) {
     Ctx c = context({&losses, &dlogits, &logits, &targets}, stream);
     py::gil_scoped_release nogil;
     TYPED(logits, FASTGPT_DISPATCH(c, cross_entropy_forward_backward<S>, losses.f(), dlogits.as<S>(), logits.as<S>(),
-                                   targets.i(), dloss, N, V));
+                                   targets.i(), dloss, (const float*)nullptr, N, V));
   });
   // Conversions: float32 -> bf16/fp16 (to nearest, or stochastically keyed by seed/step/index as the optimizer
   // writes bf16 weights), and back.
@@ -812,24 +812,33 @@ PYBIND11_MODULE(_C, m) {
              d["scratch"] = g.backend().scratch_bytes();
              return d;
            })
-      // fp16 loss scaling (GradScaler's rules): the state, and its settings.
-      .def_property_readonly("loss_scale", [](GPT& g) { return g.scaler().scale; })
-      .def_property_readonly("loss_scale_growth_tracker", [](GPT& g) { return g.scaler().growth_tracker; })
+      // fp16 loss scaling (GradScaler's rules): the state (read from the device: waits for it), and its settings.
+      .def_property_readonly("loss_scale", [](GPT& g) {
+        py::gil_scoped_release nogil;
+        return (double)g.loss_scale().scale;
+      })
+      .def_property_readonly("loss_scale_growth_tracker", [](GPT& g) {
+        py::gil_scoped_release nogil;
+        return g.loss_scale().growth_tracker;
+      })
       .def("set_loss_scaler",
            [](GPT& g, double scale, double growth_factor, double backoff_factor, int64_t growth_interval,
               int64_t growth_tracker) {
-             need(g.scaler().enabled, "loss scaling is used by precision='fp16' only");
-             need(std::isfinite(scale) && scale > 0, "init_scale must be a finite number > 0");
-             need(std::isfinite(growth_factor) && growth_factor > 1, "growth_factor must be > 1");
+             need(g.loss_scaling(), "loss scaling is used by precision='fp16' only");
+             auto f32 = [](double x) { return std::isfinite(x) && std::isfinite((float)x); };  // kept as float32
+             need(f32(scale) && scale > 0, "init_scale must be a finite float32 number > 0");
+             need(f32(growth_factor) && growth_factor > 1, "growth_factor must be a finite float32 number > 1");
              need(backoff_factor > 0 && backoff_factor < 1, "backoff_factor must be in (0, 1)");
              need(growth_interval >= 1, "growth_interval must be >= 1");
              need(growth_tracker >= 0 && growth_tracker < growth_interval, "growth_tracker must be in [0, growth_interval)");
-             LossScaler& s = g.scaler();
-             s.scale = scale;
-             s.growth_factor = growth_factor;
-             s.backoff_factor = backoff_factor;
+             LossScale s;
+             s.scale = (float)scale;
+             s.growth_factor = (float)growth_factor;
+             s.backoff_factor = (float)backoff_factor;
              s.growth_interval = growth_interval;
              s.growth_tracker = growth_tracker;
+             py::gil_scoped_release nogil;
+             g.set_loss_scale(s);
            },
            py::arg("init_scale"), py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
            py::arg("growth_tracker") = 0)

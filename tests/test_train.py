@@ -301,11 +301,13 @@ def test_a_nonfinite_step_is_stopped_or_skipped(skip, shakespeare_txt, encoder_j
     assert all(np.isfinite(v).all() for v in result["model"].state_dict().values())
 
 
-def test_graph_and_recompute_flags_train_the_same_weights(shakespeare_txt, encoder_json, tmp_path):
-    # --graph records the step and replays it (the CPU's recording here), --recompute 2 remakes the LayerNorms and
-    # GELU in backward: the same losses and weights as without either.
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_graph_and_recompute_flags_train_the_same_weights(shakespeare_txt, encoder_json, tmp_path, precision):
+    # --graph records the step and replays it (the CPU's recording here; fp16's loss scale read from memory at each
+    # replay), --recompute 2 remakes the LayerNorms and GELU in backward: the same losses and weights as without.
     common = ["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "4",
-              "--eval-interval", "2", "--eval-steps", "1", "--sample-tokens", "0", "--total-batch-size", "256"]
+              "--eval-interval", "2", "--eval-steps", "1", "--sample-tokens", "0", "--total-batch-size", "256",
+              "--precision", precision]
     runs = [main(common + ["--out-dir", str(tmp_path / name)] + flags)
             for name, flags in (("eager", ["--recompute", "0"]), ("graph", ["--graph", "--recompute", "2"]))]
     assert (runs[0]["model"].recompute, runs[1]["model"].recompute) == (0, 2)

@@ -148,7 +148,7 @@ def assert_same_state(models, opts):
         np.testing.assert_array_equal(m0, m1)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_replayed_graph_is_the_eager_step_bit_for_bit(rng, precision, fused):
     # The CPU's graphs replay the recorded calls with their recorded arguments, as a CUDA graph does: a learning
@@ -207,14 +207,43 @@ def test_a_recording_that_fails_runs_eagerly_and_says_why(rng):
     assert opts[0].graph_counts == (1, 2) and opts[1].graph_error is None
 
 
-def test_fp16_and_data_parallel_steps_are_never_recorded(rng):
-    model = fastgpt.GPT(CONFIG, precision="fp16", seed=4)
-    opt = fastgpt.AdamW(model)
-    for _ in range(3):
-        x, y = batches(rng, 1)
-        assert opt.train_step(x, y, max_norm=1.0, graph=True).step_count >= 0
-    assert opt.graph_counts == (0, 0) and not opt._step.graph_eligible
-    assert fastgpt.AdamW(fastgpt.GPT(CONFIG))._step.graph_eligible
+def test_fp16_loss_scale_moves_on_the_device_inside_replays(rng):
+    # fp16's loss scale lives in device memory: the cross-entropy kernels read it and the step divides it out and
+    # updates it there. Started far too high (2^24: the scaled logit gradients overflow fp16), it backs off step by
+    # step, skipping those steps, and then grows every second step: the recorded step (recorded once, its scale read
+    # from memory at each replay) must follow the eager twin bit for bit, and both the loop (unscale on the host,
+    # GradScaler's update there) in what they decide.
+    models = [fastgpt.GPT(CONFIG, precision="fp16", seed=5) for _ in range(3)]
+    opts = [fastgpt.AdamW(m, lr=2e-3, weight_decay=0.1) for m in models]
+    for m in models:
+        m.set_loss_scaler(init_scale=2.0**24, growth_interval=2)
+    x, y = batches(rng, 2)
+    scales, applied = [], []
+    for step in range(10):
+        got = opts[0].train_step(x, y, max_norm=1.0, graph=True)
+        want = opts[1].train_step(x, y, max_norm=1.0)
+        loss, norm, loop_applied = loop_step(models[2], opts[2], x, y, opts[2].lr, 1.0)
+        assert (got.loss, got.applied, got.step_count, got.skipped_steps) == (
+            want.loss, want.applied, want.step_count, want.skipped_steps), step
+        assert got.norm == want.norm or (math.isnan(got.norm) and math.isnan(want.norm)), step
+        assert models[0].loss_scale == models[1].loss_scale == models[2].loss_scale, step
+        assert got.applied == loop_applied and got.loss == loss, step
+        if got.applied:
+            assert got.norm == norm, step
+        assert_same_state(models[:2], opts[:2])
+        np.testing.assert_array_equal(params(models[0]), params(models[2]))
+        scales.append(models[0].loss_scale)
+        applied.append(got.applied)
+    first = applied.index(True)  # it overflowed first (backing off each time), and then trained, growing the scale
+    assert first > 0 and sum(applied) >= 3 and scales[0] == 2.0**23, (applied, scales)
+    assert max(scales[first:]) > scales[first], scales
+    assert opts[0]._step.graph_eligible and opts[0].graph_counts[1] >= 7, opts[0].graph_counts
+    # The device step leaves the gradients scaled by the scale it stepped with, which has moved on since: unscaling
+    # them now would be wrong, so it is refused (as is a second step on them).
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        opts[0].clip_grad_norm(1.0)
+    with pytest.raises(RuntimeError, match="zero_grad|new backward"):
+        opts[0].step()
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -238,7 +267,7 @@ def test_bad_arguments_are_named_and_change_nothing(rng, kwargs, match):
 
 
 @needs_cuda
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("graph", [False, True])
 def test_train_step_on_the_gpu_is_the_loop(rng, precision, graph):
     # On the GPU the bias corrections come from the device's pow (one double rounding apart from the host's at

@@ -51,8 +51,8 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 }
 
 void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                   int nlosses, double max_norm, bool skip, float beta1, float beta2) {
-  fastgpt::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2, LossScale* ls) {
+  fastgpt::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, ls);
 }
 
 void sum_squares_partials(double* partial, const float* x, int64_t n) {

@@ -25,6 +25,27 @@ struct StepScalars {
   int64_t skipped = 0;  // steps skipped
 };
 
+// fp16's dynamic loss scale, torch.amp.GradScaler's rules, kept in the memory of the gradients it scales: the loss
+// gradient is multiplied by `scale` (the cross-entropy kernels read it from there, so a recorded step reads each
+// step's), and the step divides it back out, skipping a step whose gradients overflowed (inf/NaN): then the scale
+// is multiplied by backoff_factor; after growth_interval finite steps in a row, by growth_factor.
+struct LossScale {
+  float scale = 65536.f;
+  float growth_factor = 2.f, backoff_factor = 0.5f;
+  int64_t growth_interval = 2000;
+  int64_t growth_tracker = 0;  // finite steps since the last change
+};
+
+FASTGPT_HD void loss_scale_update(LossScale* ls, bool found_inf) {
+  if (found_inf) {
+    ls->scale *= ls->backoff_factor;
+    ls->growth_tracker = 0;
+  } else if (++ls->growth_tracker == ls->growth_interval) {
+    ls->scale *= ls->growth_factor;
+    ls->growth_tracker = 0;
+  }
+}
+
 // Where weight decay switches on and off in the flat parameter buffer: segment j is [end[j-1], end[j]) (the first
 // starts at `begin`), decayed by weight_decay[j]. 2-D weights decay, biases and LayerNorm parameters do not.
 struct AdamWSegments {
@@ -41,17 +62,24 @@ FASTGPT_HD bool finite_double(double x) { return x - x == 0.0; }
 // lr: this step's learning rate, in memory (null: keep s->lr). parts: nparts partial sums of squares, added in order
 // (nparts 0: no norm is taken, sumsq 0). losses: the step's
 // mean loss (nlosses 1), every rank's (data parallel: all skip together), or none. max_norm: +inf for no clipping.
-// skip: the caller skips this step (fp16's overflow).
+// skip: the caller skips this step (fp16's overflow, found by the host). ls: fp16's loss scale when the gradients
+// still carry it (null otherwise): the norm and the update divide it out (exact for a power-of-two scale, so the
+// bits of unscaling the gradients first), and the scale takes this step's overflow (a non-finite sum of squares).
 FASTGPT_HD void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                              int nlosses, double max_norm, bool skip, float beta1, float beta2) {
+                              int nlosses, double max_norm, bool skip, float beta1, float beta2,
+                              LossScale* ls = nullptr) {
   if (lr) s->lr = *lr;
   double ss = 0.0;
   for (int k = 0; k < nparts; k++) ss += parts[k];
+  const bool grads_finite = finite_double(ss);
+  const float unscale = ls ? 1.f / ls->scale : 1.f;
+  if (ls && grads_finite) ss *= (double)unscale * (double)unscale;
   s->sumsq = ss;
   s->norm = sqrt(ss);
   const double coef = max_norm / (s->norm + 1e-6);  // torch's clip_grad_norm_ rule
-  s->gscale = coef < 1.0 ? (float)coef : 1.f;
-  bool ok = !skip && finite_double(ss);
+  s->gscale = (coef < 1.0 ? (float)coef : 1.f) * unscale;
+  if (ls) loss_scale_update(ls, !grads_finite);
+  bool ok = !skip && grads_finite;
   for (int k = 0; k < nlosses; k++) ok = ok && finite_double(losses[k]);
   s->applied = ok ? 1 : 0;
   if (!ok) {

@@ -53,14 +53,16 @@ void cross_entropy_forward(float* losses, float* lse, const S* logits, const int
 
 template <typename S>
 void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
-                            int64_t N, int V) {
+                            const float* dloss_scale, int64_t N, int V) {
+  if (dloss_scale) dloss *= *dloss_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) row_grad(dlogits + n * V, logits + n * V, lse[n], targets[n], dloss, V);
 }
 
 template <typename S>
 void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
-                                    int64_t N, int V) {
+                                    const float* dloss_scale, int64_t N, int V) {
+  if (dloss_scale) dloss *= *dloss_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     const S* x = logits + n * V;
@@ -72,8 +74,10 @@ void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, 
 
 #define FASTGPT_INSTANTIATE(S)                                                                              \
   template void cross_entropy_forward<S>(float*, float*, const S*, const int32_t*, int64_t, int);           \
-  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, int64_t, int); \
-  template void cross_entropy_forward_backward<S>(float*, S*, const S*, const int32_t*, float, int64_t, int);
+  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, const float*, int64_t, \
+                                         int);                                                                \
+  template void cross_entropy_forward_backward<S>(float*, S*, const S*, const int32_t*, float, const float*, \
+                                                  int64_t, int);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

@@ -160,17 +160,19 @@ void cross_entropy_forward(float* losses,        // (N)
                            float* lse,           // (N) log-sum-exp of each row, for backward
                            const S* logits,      // (N, V)
                            const int32_t* targets, int64_t N, int V);
-// dlogits = dloss * (softmax(logits) - onehot(target)); dlogits may alias logits (written in place).
+// dlogits = dloss * (softmax(logits) - onehot(target)); dlogits may alias logits (written in place). dloss_scale:
+// null, or a float in memory that multiplies dloss (fp16's loss scale, read when the kernel runs: a recorded step
+// reads each step's).
 template <typename S>
 void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets,
-                            float dloss, int64_t N, int V);
+                            float dloss, const float* dloss_scale, int64_t N, int V);
 // Both in one pass over each row (the training step's classifier, where the loss and its gradient are wanted
 // together): losses as forward, dlogits as backward with the row's own lse; dlogits may alias logits.
 template <typename S>
 void cross_entropy_forward_backward(float* losses,    // (N)
                                     S* dlogits,       // (N, V)
                                     const S* logits,  // (N, V)
-                                    const int32_t* targets, float dloss, int64_t N, int V);
+                                    const int32_t* targets, float dloss, const float* dloss_scale, int64_t N, int V);
 
 // ---- AdamW as torch.optim.AdamW (adamw.cpp; the shared arithmetic and StepScalars in cpu/adamw.h)
 // One contiguous range; bias corrections precomputed by the caller (they depend only on the step).
@@ -204,7 +206,7 @@ void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, co
                 float beta2, float eps, const StepScalars* s, RoundKey key);
 // cpu/adamw.h's adamw_prepare: the step's scalars from partial sums of squares (in order) and the mean loss.
 void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                   int nlosses, double max_norm, bool skip, float beta1, float beta2);
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2, LossScale* ls);
 // Sums of squares in float64 over fixed chunks of kSumChunk elements (partial: ceil(n / kSumChunk)), so the total,
 // the chunks added in order (sum_in_order), is the same for any thread count and on either device.
 constexpr int64_t kSumChunk = 1 << 16;

@@ -68,8 +68,8 @@ __global__ void sum_in_order_kernel(double* out, const double* x, int64_t n) {
 
 __global__ void adamw_prepare_kernel(StepScalars* s, const float* lr, const double* parts, int nparts,
                                      const double* losses, int nlosses, double max_norm, bool skip, float beta1,
-                                     float beta2) {
-  adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+                                     float beta2, LossScale* ls) {
+  adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, ls);
 }
 
 // One block: a fixed tree over fixed strides, so the loss does not depend on anything but n.
@@ -127,8 +127,8 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 }
 
 void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                   int nlosses, double max_norm, bool skip, float beta1, float beta2, Stream stream) {
-  adamw_prepare_kernel<<<1, 1, 0, stream>>>(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2);
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2, LossScale* ls, Stream stream) {
+  adamw_prepare_kernel<<<1, 1, 0, stream>>>(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, ls);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 

@@ -60,7 +60,9 @@ __global__ void cross_entropy_forward_kernel(float* __restrict__ losses, float* 
 
 template <typename S>
 __global__ void cross_entropy_backward_kernel(S* dlogits, const S* logits, const float* __restrict__ lse,
-                                              const int32_t* __restrict__ targets, float dloss, int V) {
+                                              const int32_t* __restrict__ targets, float dloss,
+                                              const float* __restrict__ dloss_scale, int V) {
+  if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
   const int64_t n = blockIdx.x;
   const S* x = logits + n * V;
   S* dx = dlogits + n * V;
@@ -102,7 +104,9 @@ __device__ MaxSum block_reduce(MaxSum v) {
 
 template <typename S>
 __global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
-                                                      const int32_t* __restrict__ targets, float dloss, int V) {
+                                                      const int32_t* __restrict__ targets, float dloss,
+                                                      const float* __restrict__ dloss_scale, int V) {
+  if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
   const int64_t n = blockIdx.x;
   const S* x = logits + n * V;
   S* dx = dlogits + n * V;
@@ -139,25 +143,28 @@ void cross_entropy_forward(float* losses, float* lse, const S* logits, const int
 
 template <typename S>
 void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
-                            int64_t N, int V, Stream stream) {
+                            const float* dloss_scale, int64_t N, int V, Stream stream) {
   if (N <= 0 || V <= 0) return;
-  cross_entropy_backward_kernel<S><<<(unsigned)N, kThreads, 0, stream>>>(dlogits, logits, lse, targets, dloss, V);
+  auto* kernel = cross_entropy_backward_kernel<S>;  // (a launch on one line: tests/warp_emu rewrites it)
+  kernel<<<(unsigned)N, kThreads, 0, stream>>>(dlogits, logits, lse, targets, dloss, dloss_scale, V);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
 template <typename S>
 void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
-                                    int64_t N, int V, Stream stream) {
+                                    const float* dloss_scale, int64_t N, int V, Stream stream) {
   if (N <= 0 || V <= 0) return;
   auto* kernel = cross_entropy_forward_backward_kernel<S>;  // (a launch on one line: tests/warp_emu rewrites it)
-  kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, V);
+  kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, dloss_scale, V);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                                 \
   template void cross_entropy_forward<S>(float*, float*, const S*, const int32_t*, int64_t, int, Stream);      \
-  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, int64_t, int, Stream); \
-  template void cross_entropy_forward_backward<S>(float*, S*, const S*, const int32_t*, float, int64_t, int, Stream);
+  template void cross_entropy_backward<S>(S*, const S*, const float*, const int32_t*, float, const float*, int64_t, \
+                                         int, Stream);                                                        \
+  template void cross_entropy_forward_backward<S>(float*, S*, const S*, const int32_t*, float, const float*,  \
+                                                  int64_t, int, Stream);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

@@ -100,10 +100,10 @@ void cross_entropy_forward(float* losses, float* lse, const S* logits, const int
                            Stream stream);
 template <typename S>
 void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
-                            int64_t N, int V, Stream stream);
+                            const float* dloss_scale, int64_t N, int V, Stream stream);
 template <typename S>
 void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
-                                    int64_t N, int V, Stream stream);
+                                    const float* dloss_scale, int64_t N, int V, Stream stream);
 
 using AdamWHyper = cpu::AdamWHyper;
 // CUDA twins of cpu/kernels.h's AdamW functions (adamw.cu); scalars and partial sums live in device memory.
@@ -113,7 +113,7 @@ template <typename S>
 void adamw_step(float* param, S* lowp, const float* grad, float* m, float* v, const AdamWSegments& seg, float beta1,
                 float beta2, float eps, const StepScalars* s, const RoundKey& key, Stream stream);
 void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                   int nlosses, double max_norm, bool skip, float beta1, float beta2, Stream stream);
+                   int nlosses, double max_norm, bool skip, float beta1, float beta2, LossScale* ls, Stream stream);
 void sum_squares_partials(double* partial, const float* x, int64_t n, Stream stream);
 void sum_in_order(double* out, const double* x, int64_t n, Stream stream);
 void loss_accumulate(double* acc, const float* losses, int64_t n, double divisor, bool reset, Stream stream);

@@ -75,15 +75,15 @@ void AdamW::check_args(float lr, double max_norm) {
 }
 
 void AdamW::check_fp16_step() const {
-  if (model_.scaler().enabled && model_.stepped())
+  if (model_.loss_scaling() && model_.stepped())
     throw std::logic_error("step() was already taken on these gradients: with fp16 loss scaling each step needs a "
                            "new backward() (after zero_grad())");
 }
 
 bool AdamW::unscale() {
   const bool found_inf = model_.unscale_grads();  // reduces first, if a backward left that to the step
-  model_.scaler().update(found_inf);
-  if (model_.scaler().enabled) model_.mark_stepped();
+  model_.update_loss_scale(found_inf);
+  if (model_.loss_scaling()) model_.mark_stepped();
   return found_inf;
 }
 
@@ -107,7 +107,7 @@ bool AdamW::step(float lr) {
   Backend& be = model_.backend();
   be.upload_async(lr_.data(), &lr, sizeof(float));
   be.adamw_prepare(dev_scalars(), lr_.data(), nullptr, 0, nullptr, 0, std::numeric_limits<double>::infinity(), skip,
-                   cfg_.beta1, cfg_.beta2);
+                   cfg_.beta1, cfg_.beta2, nullptr);
   if (skip) return false;  // nothing to update or gather
   update();
   return true;
@@ -116,13 +116,15 @@ bool AdamW::step(float lr) {
 void AdamW::step_clipped(const float* lr, double max_norm, const double* loss) {
   check_fp16_step();
   if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
-  const bool skip = model_.scaler().enabled ? unscale() : (model_.sync_grads(), false);
+  model_.sync_grads();
   // Each rank's part of the reduced gradients in fixed chunks, data parallel ranks' parts and losses all-reduced:
-  // the same bits as clip_grad_norm's norm, and every rank skips, or steps, together.
+  // the same bits as clip_grad_norm's norm, and every rank skips, or steps, together. fp16: the gradients still
+  // carry the loss scale, which adamw_prepare divides out of the norm and the update and updates on the device.
   const GPT::NormParts p = model_.queue_grad_sumsq(loss);
-  model_.backend().adamw_prepare(dev_scalars(), lr, p.parts, p.nparts, p.losses, p.nlosses, max_norm, skip,
-                                 cfg_.beta1, cfg_.beta2);
+  model_.backend().adamw_prepare(dev_scalars(), lr, p.parts, p.nparts, p.losses, p.nlosses, max_norm, false,
+                                 cfg_.beta1, cfg_.beta2, model_.loss_scale_ptr());
   update();  // skipped on the device when the scalars say so (ZeRO-1 then gathers the unchanged weights)
+  if (model_.loss_scaling()) model_.mark_stepped();
 }
 
 }  // namespace fastgpt

@@ -28,8 +28,8 @@ class AdamW {
   bool step(float lr);
   // The device step: the global norm of the (reduced) gradients, the clip to max_norm (+inf: none) folded into the
   // update, which is skipped on the device when the norm or *loss (backend memory, or null) is not finite; the
-  // gradient buffer is left unclipped. lr: the learning rate in backend memory (the caller checked it). Nothing
-  // waits for the device, except fp16, whose loss scaler decides on the host. scalars() says what happened.
+  // gradient buffer is left unclipped (fp16: and scaled; the loss scale is updated on the device). lr: the learning
+  // rate in backend memory (the caller checked it). Nothing waits for the device. scalars() says what happened.
   void step_clipped(const float* lr, double max_norm, const double* loss);
   // Throws std::invalid_argument naming lr or max_norm unless lr is finite and >= 0 and max_norm > 0.
   static void check_args(float lr, double max_norm);

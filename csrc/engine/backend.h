@@ -148,22 +148,22 @@ class Backend {
   }
   template <typename S>
   void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
-                              int64_t N, int V) {
-    cross_entropy_backward_(dt<S>(), dlogits, logits, lse, targets, dloss, N, V);
+                              const float* dloss_scale, int64_t N, int V) {
+    cross_entropy_backward_(dt<S>(), dlogits, logits, lse, targets, dloss, dloss_scale, N, V);
   }
   template <typename S>
   void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
-                                      int64_t N, int V) {
-    cross_entropy_forward_backward_(dt<S>(), losses, dlogits, logits, targets, dloss, N, V);
+                                      const float* dloss_scale, int64_t N, int V) {
+    cross_entropy_forward_backward_(dt<S>(), losses, dlogits, logits, targets, dloss, dloss_scale, N, V);
   }
   // AdamW on fp32 masters over the flat indices of seg (cpu/kernels.h: adamw_step), its scalars read from s in this
   // backend's memory; with lowp (a 16-bit copy, bf16 or f16), also writes the compute weights.
   virtual void adamw_step(float* param, void* lowp, DType lowp_dtype, const float* grad, float* m, float* v,
                           const AdamWSegments& seg, float beta1, float beta2, float eps, const StepScalars* s,
                           const RoundKey& key) = 0;
-  // The step's scalars, where s lives (cpu/adamw.h); lr, parts, losses: this backend's memory.
+  // The step's scalars, where s lives (cpu/adamw.h); lr, parts, losses, ls: this backend's memory.
   virtual void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                             int nlosses, double max_norm, bool skip, float beta1, float beta2) = 0;
+                             int nlosses, double max_norm, bool skip, float beta1, float beta2, LossScale* ls) = 0;
   // Sums of squares without the host: partial (ceil(n / cpu::kSumChunk)) and their in-order total.
   virtual void sum_squares_partials(double* partial, const float* x, int64_t n) = 0;
   virtual void sum_in_order(double* out, const double* x, int64_t n) = 0;
@@ -219,9 +219,10 @@ class Backend {
   virtual void cross_entropy_forward_(DType, float* losses, float* lse, cv* logits, const int32_t* targets,
                                       int64_t N, int V) = 0;
   virtual void cross_entropy_backward_(DType, void* dlogits, cv* logits, const float* lse, const int32_t* targets,
-                                       float dloss, int64_t N, int V) = 0;
+                                       float dloss, const float* dloss_scale, int64_t N, int V) = 0;
   virtual void cross_entropy_forward_backward_(DType, float* losses, void* dlogits, cv* logits,
-                                               const int32_t* targets, float dloss, int64_t N, int V) = 0;
+                                               const int32_t* targets, float dloss, const float* dloss_scale,
+                                               int64_t N, int V) = 0;
 
  private:
   template <typename T>

@@ -112,8 +112,8 @@ class CpuBackend final : public Backend {
     });
   }
   void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                     int nlosses, double max_norm, bool skip, float beta1, float beta2) override {
-    run([=] { cpu::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2); });
+                     int nlosses, double max_norm, bool skip, float beta1, float beta2, LossScale* ls) override {
+    run([=] { cpu::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, ls); });
   }
   void sum_squares_partials(double* partial, const float* x, int64_t n) override {
     run([=] { cpu::sum_squares_partials(partial, x, n); });
@@ -209,12 +209,13 @@ class CpuBackend final : public Backend {
     FASTGPT_TYPED(d, cpu::cross_entropy_forward(losses, lse, P<S>(logits), targets, N, V));
   }
   void cross_entropy_backward_(DType d, void* dlogits, cv* logits, const float* lse, const int32_t* targets,
-                               float dloss, int64_t N, int V) override {
-    FASTGPT_TYPED(d, cpu::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, N, V));
+                               float dloss, const float* dloss_scale, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cpu::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, dloss_scale, N, V));
   }
   void cross_entropy_forward_backward_(DType d, float* losses, void* dlogits, cv* logits, const int32_t* targets,
-                                       float dloss, int64_t N, int V) override {
-    FASTGPT_TYPED(d, cpu::cross_entropy_forward_backward(losses, P<S>(dlogits), P<S>(logits), targets, dloss, N, V));
+                                       float dloss, const float* dloss_scale, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cpu::cross_entropy_forward_backward(losses, P<S>(dlogits), P<S>(logits), targets, dloss,
+                                                         dloss_scale, N, V));
   }
 
  private:

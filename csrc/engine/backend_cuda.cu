@@ -137,9 +137,9 @@ class CudaBackend final : public Backend {
     cuda::adamw_step(param, P<f16>(lowp), grad, m, v, seg, beta1, beta2, eps, s, key, stream_);
   }
   void adamw_prepare(StepScalars* s, const float* lr, const double* parts, int nparts, const double* losses,
-                     int nlosses, double max_norm, bool skip, float beta1, float beta2) override {
+                     int nlosses, double max_norm, bool skip, float beta1, float beta2, LossScale* ls) override {
     const cuda::DeviceGuard guard(device_);
-    cuda::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, stream_);
+    cuda::adamw_prepare(s, lr, parts, nparts, losses, nlosses, max_norm, skip, beta1, beta2, ls, stream_);
   }
   void sum_squares_partials(double* partial, const float* x, int64_t n) override {
     const cuda::DeviceGuard guard(device_);
@@ -242,13 +242,14 @@ class CudaBackend final : public Backend {
     FASTGPT_TYPED(d, cuda::cross_entropy_forward(losses, lse, P<S>(logits), targets, N, V, stream_));
   }
   void cross_entropy_backward_(DType d, void* dlogits, cv* logits, const float* lse, const int32_t* targets,
-                               float dloss, int64_t N, int V) override {
-    FASTGPT_TYPED(d, cuda::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, N, V, stream_));
+                               float dloss, const float* dloss_scale, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cuda::cross_entropy_backward(P<S>(dlogits), P<S>(logits), lse, targets, dloss, dloss_scale, N,
+                                                  V, stream_));
   }
   void cross_entropy_forward_backward_(DType d, float* losses, void* dlogits, cv* logits, const int32_t* targets,
-                                       float dloss, int64_t N, int V) override {
-    FASTGPT_TYPED(d, cuda::cross_entropy_forward_backward(losses, P<S>(dlogits), P<S>(logits), targets, dloss, N, V,
-                                                          stream_));
+                                       float dloss, const float* dloss_scale, int64_t N, int V) override {
+    FASTGPT_TYPED(d, cuda::cross_entropy_forward_backward(losses, P<S>(dlogits), P<S>(logits), targets, dloss,
+                                                          dloss_scale, N, V, stream_));
   }
 
  private:

@@ -62,17 +62,6 @@ const char* precision_name(Precision p) {
   return "?";
 }
 
-void LossScaler::update(bool found_inf) {
-  if (!enabled) return;
-  if (found_inf) {
-    scale *= backoff_factor;
-    growth_tracker = 0;
-  } else if (++growth_tracker == growth_interval) {
-    scale *= growth_factor;
-    growth_tracker = 0;
-  }
-}
-
 void GPTConfig::validate() const {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
@@ -100,10 +89,6 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
   // Chunks of the classifier: on a GPU large enough that lm_head's GEMMs stay efficient and wte's gradient (read
   // and written once per chunk) costs little; on the CPU small, for the memory (the GEMM is as fast).
   classifier_rows_ = be_->is_cuda() ? 4096 : 256;
-  if (precision == Precision::fp16) {  // GradScaler's defaults
-    scaler_.enabled = true;
-    scaler_.scale = 65536.0;
-  }
   const int64_t V = cfg.vocab_size, maxT = cfg.block_size, C = cfg.n_embd, L = cfg.n_layer;
   const float std0 = 0.02f, std_proj = 0.02f / std::sqrt(2.f * (float)L);  // residual projections, GPT-2 style
   struct Spec { const char* name; std::vector<int64_t> shape; bool per_layer, decay; float std, value; };
@@ -143,6 +128,10 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
   grads_ = Buffer<float>(be_.get(), offset);
   if (storage_ != DType::f32) cparams_ = Buffer<uint8_t>(be_.get(), offset * dtype_size(storage_));
   loss_sums_ = Buffer<double>(be_.get(), 2);
+  if (loss_scaling()) {
+    loss_scale_ = Buffer<uint8_t>(be_.get(), sizeof(LossScale));
+    set_loss_scale(LossScale{});  // GradScaler's defaults
+  }
   const int64_t norm_n = comm_ ? shard_size() : (int64_t)grads_.size();
   norm_partials_ = Buffer<double>(be_.get(), (norm_n + cpu::kSumChunk - 1) / cpu::kSumChunk);
   norm_slots_ = Buffer<double>(be_.get(), 2 * world_size());
@@ -158,6 +147,28 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
     seed_ = 0;
     for (int i = 0; i < 4; i++) seed_ |= (uint64_t)parts[i] << (16 * i);
   }
+}
+
+LossScale GPT::loss_scale() const {
+  LossScale s;
+  if (!loss_scaling()) {
+    s.scale = 1.f;
+    return s;
+  }
+  be_->download(&s, loss_scale_.data(), sizeof s);
+  return s;
+}
+
+void GPT::set_loss_scale(const LossScale& s) {
+  if (!loss_scaling()) throw std::logic_error("loss scaling is used by precision='fp16' only");
+  be_->upload(loss_scale_.data(), &s, sizeof s);
+}
+
+void GPT::update_loss_scale(bool found_inf) {
+  if (!loss_scaling()) return;
+  LossScale s = loss_scale();
+  loss_scale_update(&s, found_inf);
+  set_loss_scale(s);
 }
 
 GPT::~GPT() {
@@ -397,7 +408,7 @@ void GPT::forward_backward_steps(const int32_t* ids, const int32_t* tgts, int A,
 }
 
 void GPT::steps_replayed(const int32_t* ids, const int32_t* tgts, int A, int B, int T) {
-  if (comm_ || scaler_.enabled) throw std::logic_error("steps_replayed: the host takes part in this model's step");
+  if (comm_) throw std::logic_error("steps_replayed: the host takes part in this model's step");
   // zero_grad, then each micro-step's begin/end_backward (no reduction to start or finish), fused or not.
   B_ = B;
   T_ = T;
@@ -565,9 +576,9 @@ void GPT::classifier_t(Pass pass, float dloss) {
       continue;
     }
     if (pass == Pass::grad)  // backward() after a chunked forward: the lse it kept
-      k.cross_entropy_backward(z, (const S*)z, lse, tgt, dloss, n, V);
+      k.cross_entropy_backward(z, (const S*)z, lse, tgt, dloss, dloss_scale(), n, V);
     else
-      k.cross_entropy_forward_backward(losses, z, (const S*)z, tgt, dloss, n, V);
+      k.cross_entropy_forward_backward(losses, z, (const S*)z, tgt, dloss, dloss_scale(), n, V);
     k.matmul_backward(A<S>(dbtc_, r0 * C), G(WTE), nullptr, (const S*)z, x, P<S>(WTE), n, C, V);
   }
 }
@@ -586,7 +597,7 @@ float GPT::begin_backward(float grad_scale, bool sync) {
   have_targets_ = false;  // one backward per forward
   stepped_ = false;
   overlap_ = comm_ && sync && zero_stage_ == 0 && comm_->overlaps();
-  return (float)(grad_scale * scaler_.scale / ((double)B_ * T_));
+  return (float)(grad_scale / ((double)B_ * T_));  // fp16: the kernels multiply by the loss scale in memory
 }
 
 void GPT::end_backward(bool sync) {
@@ -670,7 +681,7 @@ void GPT::head_backward_t(float dloss) {
   const int64_t BT = (int64_t)B_ * T_;
   Backend& k = *be_;
   S* dlogits = A<S>(logits_);
-  k.cross_entropy_backward(dlogits, A<S>(logits_), ce_lse_.data(), tgts_, dloss, BT, V);
+  k.cross_entropy_backward(dlogits, A<S>(logits_), ce_lse_.data(), tgts_, dloss, dloss_scale(), BT, V);
   k.matmul_backward(A<S>(dbtc_), G(WTE), nullptr, dlogits, A<S>(lnf_), P<S>(WTE), BT, C, V);
 }
 
@@ -732,13 +743,17 @@ void GPT::zero_grad() {
 
 bool GPT::unscale_grads() {
   sync_grads();
-  if (!scaler_.enabled || grads_unscaled_) return found_inf_;
+  if (!loss_scaling() || grads_unscaled_) return found_inf_;
+  if (stepped_)  // by the device step, which divides the scale out inside the update and leaves them scaled
+    throw std::logic_error("these gradients were already stepped on, and the loss scale has moved on since: call "
+                           "zero_grad() and run a new backward()");
   // One pass finds a non-finite gradient (its square sums to inf/NaN in double) before anything is scaled; with
   // data parallel it is the global sum, so every rank skips (or takes) the step together.
   const double ss = grad_sumsq();
+  const double scale = loss_scale().scale;
   found_inf_ = !std::isfinite(ss);
-  if (!found_inf_) be_->scale_inplace(grads_.data(), grads_.size(), (float)(1.0 / scaler_.scale));
-  unscaled_sumsq_ = ss / (scaler_.scale * scaler_.scale);
+  if (!found_inf_) be_->scale_inplace(grads_.data(), grads_.size(), 1.f / (float)scale);
+  unscaled_sumsq_ = ss / (scale * scale);
   grads_unscaled_ = true;
   return found_inf_;
 }
@@ -746,7 +761,7 @@ bool GPT::unscale_grads() {
 double GPT::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0.0)) throw std::invalid_argument("max_norm must be > 0, got " + std::to_string(max_norm));
   // fp16's first call unscales, and the norm comes from that same pass: one reduction (and one sync), not two.
-  const bool unscales_now = scaler_.enabled && !grads_unscaled_;
+  const bool unscales_now = loss_scaling() && !grads_unscaled_;
   if (unscale_grads()) return std::numeric_limits<double>::infinity();
   const double norm = std::sqrt(unscales_now ? unscaled_sumsq_ : grad_sumsq());
   const double coef = max_norm / (norm + 1e-6);

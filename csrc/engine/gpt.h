@@ -6,7 +6,7 @@
 // Precision (llm.c's recipe): activations and the compute weights the kernels read are stored in the storage type
 // of the precision (float for fp32/tf32, bf16, f16); the fp32 masters, the gradients (fp32, so micro-batches
 // accumulate exactly) and the optimizer moments stay fp32. The order of operations is written once, as member
-// templates over the storage type, instantiated for all three. fp16 scales the loss (LossScaler, GradScaler's rules).
+// templates over the storage type, instantiated for all three. fp16 scales the loss (LossScale, GradScaler's rules).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -52,18 +52,6 @@ enum class Precision { fp32, tf32, bf16, fp16 };
 // "fp32" | "tf32" | "bf16" | "fp16"; throws std::invalid_argument naming the choices otherwise.
 Precision parse_precision(const std::string& name);
 const char* precision_name(Precision p);
-
-// Dynamic loss scaling as torch.amp.GradScaler: the loss gradient is multiplied by `scale`; a step whose gradients
-// hold an inf/NaN is skipped and the scale multiplied by backoff_factor; after growth_interval finite steps in a
-// row the scale is multiplied by growth_factor. Used by fp16 only (other precisions keep scale 1, never skip).
-struct LossScaler {
-  bool enabled = false;
-  double scale = 1.0;
-  double growth_factor = 2.0, backoff_factor = 0.5;
-  int64_t growth_interval = 2000;
-  int64_t growth_tracker = 0;  // finite steps since the last change
-  void update(bool found_inf);
-};
 
 class GPT {
  public:
@@ -112,7 +100,7 @@ class GPT {
   // last), and step_loss() becomes the sum of their mean losses over A (build-nanogpt's loss_accum), on the device.
   void forward_backward_steps(const int32_t* ids, const int32_t* tgts, int A, int B, int T);
   // The host's state as forward_backward_steps leaves it, after a graph of it was replayed (a graph runs only the
-  // device's work). Only for models without a communicator or fp16 loss scaling (which the host takes part in).
+  // device's work). Only for models without a communicator (the host takes part in its reductions).
   void steps_replayed(const int32_t* ids, const int32_t* tgts, int A, int B, int T);
   // Backend memory: one double, the loss of the last forward_backward_steps; step_loss_value() waits and reads it.
   double* step_loss() const { return loss_sums_.data() + 1; }
@@ -198,8 +186,16 @@ class GPT {
   // fp16: divides the gradients by the loss scale once per step (a no-op after the first call until zero_grad or
   // backward) and returns whether they hold an inf/NaN. Other precisions: false, without touching the gradients.
   bool unscale_grads();
-  LossScaler& scaler() { return scaler_; }
+  // Dynamic loss scaling (fp16 only; cpu/adamw.h's LossScale, GradScaler's rules), its state in backend memory
+  // where the cross-entropy kernels and the device step read and update it; other precisions have none.
+  bool loss_scaling() const { return precision_ == Precision::fp16; }
+  LossScale loss_scale() const;              // a copy (waits for the device)
+  void set_loss_scale(const LossScale& s);  // fp16 only
+  LossScale* loss_scale_ptr() { return loss_scaling() ? reinterpret_cast<LossScale*>(loss_scale_.data()) : nullptr; }
+  void update_loss_scale(bool found_inf);   // on the host: the eager step's, after unscale_grads()
+  const float* dloss_scale() { return loss_scaling() ? &loss_scale_ptr()->scale : nullptr; }  // for the kernels
   // fp16: the optimizer took (or skipped) its step on the current gradients; cleared by backward and zero_grad.
+  // (The device step leaves them scaled: unscale_grads() refuses them then.)
   // A second step on the same gradients would update the loss scale twice (GradScaler refuses it too).
   bool stepped() const { return stepped_; }
   void mark_stepped() { stepped_ = true; }
@@ -269,7 +265,7 @@ class GPT {
   Precision precision_;
   DType storage_;
   uint64_t seed_;
-  LossScaler scaler_;
+  Buffer<uint8_t> loss_scale_;  // one LossScale (fp16), backend memory
   bool grads_unscaled_ = false, found_inf_ = false, stepped_ = false;
   double unscaled_sumsq_ = 0.0;  // sum of squares of the gradients, measured by unscale_grads before it scaled
   std::vector<ParamTensor> tensors_;

@@ -6,7 +6,7 @@
 
 namespace fastgpt {
 
-bool TrainStep::graph_eligible() const { return !model_.scaler().enabled && model_.comm() == nullptr; }
+bool TrainStep::graph_eligible() const { return model_.comm() == nullptr; }
 
 const int32_t* TrainStep::ids() const { return reinterpret_cast<const int32_t*>(inputs_.data() + kHeader); }
 
@@ -56,6 +56,7 @@ void TrainStep::run(const int32_t* idx, const int32_t* targets, int A, int B, in
     if (graph_ && graph_shape_ == shape && graph_generation_ == be.generation()) {
       graph_->launch();
       model_.steps_replayed(ids(), tgts(shape), A, B, T);
+      if (model_.loss_scaling()) model_.mark_stepped();  // as step_clipped does
       replays_++;
       return;
     }

@@ -9,7 +9,8 @@
 // step before it ran eagerly with the same shape (A, B, T, max_norm) and no memory was taken or freed since (that
 // step sized every buffer, plan and scratch), and replayed while the shape holds and no memory it recorded was freed
 // or moved (Backend::generation); anything else runs eagerly, as does a shape whose recording failed (the error is
-// kept). fp16 (its loss scaler decides on the host) and data parallel models always run eagerly.
+// kept). Data parallel models always run eagerly (the host takes part in their reductions); fp16's loss scale is
+// read and updated in device memory, so its steps are recorded too.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -37,7 +38,7 @@ class TrainStep {
   StepStats stats();  // of the last step; waits for the device
   int64_t captures() const { return captures_; }
   int64_t replays() const { return replays_; }
-  bool graph_eligible() const;  // the model's step can be recorded (no fp16, no communicator)
+  bool graph_eligible() const;  // the model's step can be recorded (no communicator)
   const std::string& capture_error() const { return capture_error_; }  // why the last failed recording failed
 
  private:

@@ -217,7 +217,8 @@ class GPT:
 
     def grads(self):
         """Like state_dict(), for the gradient buffer (float32 in every precision; in fp16 multiplied by
-        loss_scale until AdamW.clip_grad_norm or AdamW.step unscales them)."""
+        loss_scale until AdamW.clip_grad_norm or AdamW.step unscales them; AdamW.train_step leaves them scaled by
+        the scale it stepped with)."""
         return dict(self._grads) if self._on_cpu else self._views(self._engine.grads)
 
     def compute_weights(self):
@@ -238,7 +239,8 @@ class GPT:
     # ---- fp16 loss scaling (torch.amp.GradScaler's rules)
     @property
     def loss_scale(self):
-        """The factor the loss gradient is multiplied by: 1.0 except in fp16 (initially 2**16)."""
+        """The factor the loss gradient is multiplied by: 1.0 except in fp16 (initially 2**16). It lives in device
+        memory, where train_step updates it: reading it waits for the device."""
         return float(self._engine.loss_scale)
 
     def set_loss_scaler(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,

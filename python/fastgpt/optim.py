@@ -89,12 +89,13 @@ class AdamW:
         (None: no clipping) folded in. The same weights as that loop with clip_grad_norm and step() (bit for bit on
         the CPU), but nothing waits for the device: the loss and the norm stay there until the returned StepStats
         is read. A step whose loss or norm is not finite is skipped (weights, moments, step_count unchanged). The
-        gradient buffer keeps this step's unclipped gradients; lr overrides the default for this step.
+        gradient buffer keeps this step's unclipped gradients (fp16: still scaled; the loss scale is updated on the
+        device, read model.loss_scale when needed); lr overrides the default for this step.
 
         graph=True records the step the second time its shape (A, B, T, max_norm) comes in a row and replays the
         recording while the shape holds: one launch for the whole step on a GPU (a CUDA graph), the same bits.
-        Other shapes, or memory freed since (a larger eval batch), run eagerly and are recorded anew; fp16 and data
-        parallel models always run eagerly; so does a shape whose recording failed (graph_error says why).
+        Other shapes, or memory freed since (a larger eval batch), run eagerly and are recorded anew; data parallel
+        models always run eagerly; so does a shape whose recording failed (graph_error says why).
         graph_counts says how many steps were recorded and replayed."""
         lr = self.lr if lr is None else check_float(lr, "lr", low=0.0)
         max_norm = math.inf if max_norm is None else check_float(max_norm, "max_norm", low=0.0, low_open=True)

@@ -129,7 +129,7 @@ def build_parser():
                         "and the LayerNorms (least memory)")
     p.add_argument("--graph", action="store_true",
                    help="record the training step once and replay it (a CUDA graph on a GPU: one launch per step; "
-                        "the same weights); fp16 and data parallel runs step eagerly anyway")
+                        "the same weights); data parallel runs step eagerly anyway")
     return p
 
 

@@ -266,15 +266,21 @@ void run_cross_entropy(int N, int V, float amp, double tol, unsigned seed) {
     return o;
   };
   std::vector<float> l1(N, NAN), lse(N, NAN), l2(N, NAN), l3(N, NAN);
-  std::vector<S> g1(x.size(), from_float<S>(NAN)), g2(x.size(), from_float<S>(NAN)), g3 = x;
+  std::vector<S> g1(x.size(), from_float<S>(NAN)), g2(x.size(), from_float<S>(NAN)), g3 = x,
+      g4(x.size(), from_float<S>(NAN));
+  // g3 and g4 take dloss as fp16's loss scaling does, a power of two read from memory times the rest: the same bits.
+  const float scale = 8.f;
   cuda::cross_entropy_forward(l1.data(), lse.data(), x.data(), tgt.data(), N, V, nullptr);
-  cuda::cross_entropy_backward(g1.data(), x.data(), lse.data(), tgt.data(), dloss, N, V, nullptr);
-  cuda::cross_entropy_forward_backward(l2.data(), g2.data(), x.data(), tgt.data(), dloss, N, V, nullptr);
-  cuda::cross_entropy_forward_backward(l3.data(), g3.data(), g3.data(), tgt.data(), dloss, N, V, nullptr);
+  cuda::cross_entropy_backward(g1.data(), x.data(), lse.data(), tgt.data(), dloss, nullptr, N, V, nullptr);
+  cuda::cross_entropy_backward(g4.data(), x.data(), lse.data(), tgt.data(), dloss / scale, &scale, N, V, nullptr);
+  cuda::cross_entropy_forward_backward(l2.data(), g2.data(), x.data(), tgt.data(), dloss, nullptr, N, V, nullptr);
+  cuda::cross_entropy_forward_backward(l3.data(), g3.data(), g3.data(), tgt.data(), dloss / scale, &scale, N, V,
+                                       nullptr);
   auto dbl = [](const std::vector<float>& a) { return std::vector<double>(a.begin(), a.end()); };
   const double e1 = relerr(dbl(l1), rloss), e2 = relerr(dbl(l2), rloss), d1 = relerr(wide(g1), rgrad),
                d2 = relerr(wide(g2), rgrad);
-  const bool same = l2 == l3 && memcmp(g2.data(), g3.data(), g2.size() * sizeof(S)) == 0;
+  const bool same = l2 == l3 && memcmp(g2.data(), g3.data(), g2.size() * sizeof(S)) == 0 &&
+                    memcmp(g1.data(), g4.data(), g1.size() * sizeof(S)) == 0;
   const bool ok = e1 < 1e-5 && e2 < 1e-5 && d1 < tol && d2 < tol && same;
   if (!ok) failures++;
   printf("%s cross_entropy %zu-byte N=%d V=%d amp=%g: loss %.2e / %.2e, dlogits %.2e / %.2e, in place %s\n",
@@ -400,7 +406,7 @@ void run_adamw_step(unsigned seed) {
   s.t = 4;
   const double parts[2] = {0.5, 1.5}, loss = 2.0;
   const float lr = 3e-3f;
-  cpu::adamw_prepare(&s, &lr, parts, 2, &loss, 1, 1.0, false, 0.9f, 0.95f);  // norm sqrt(2) > 1: clips
+  cpu::adamw_prepare(&s, &lr, parts, 2, &loss, 1, 1.0, false, 0.9f, 0.95f, nullptr);  // norm sqrt(2) > 1: clips
   const RoundKey key{std::is_same_v<S, bf16>, 77, 0, 0};
   bool same = true;
   for (int applied : {1, 0}) {
@@ -445,11 +451,25 @@ void run_adamw_cases(unsigned& seed) {
     StepScalars a, b;
     a.t = b.t = 9;
     const float lr = 6e-4f;
-    cpu::adamw_prepare(&a, &lr, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f);
-    cuda::adamw_prepare(&b, &lr, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, nullptr);
+    cpu::adamw_prepare(&a, &lr, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, nullptr);
+    cuda::adamw_prepare(&b, &lr, pg.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, nullptr, nullptr);
     ok = ok && a.lr == lr && b.lr == lr && a.sumsq == b.sumsq && a.norm == b.norm && a.gscale == b.gscale && a.applied == b.applied &&
          a.t == b.t && a.skipped == b.skipped && a.bias_correction1 == b.bias_correction1 &&
          a.bias_correction2_sqrt == b.bias_correction2_sqrt && a.applied == (loss == loss) && a.gscale < 1.f;
+    // fp16: the same sums of squares as gradients scaled by 2^10 squared, the scale divided out in the prepare
+    // (exactly: the same norm and clip, gscale carrying the 2^-10), and the scale grows (growth_interval 1).
+    std::vector<double> scaled(pg);
+    for (double& e : scaled) e *= 1024.0 * 1024.0;
+    StepScalars c, d;
+    c.t = d.t = 9;
+    LossScale lc, ld;
+    lc.scale = ld.scale = 1024.f;
+    lc.growth_interval = ld.growth_interval = 1;
+    cpu::adamw_prepare(&c, &lr, scaled.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, &lc);
+    cuda::adamw_prepare(&d, &lr, scaled.data(), 3, &loss, 1, 1.0, false, 0.9f, 0.95f, &ld, nullptr);
+    ok = ok && c.norm == a.norm && d.norm == a.norm && c.gscale == a.gscale / 1024.f && d.gscale == c.gscale &&
+         c.applied == a.applied && d.applied == a.applied && lc.scale == 2048.f && ld.scale == 2048.f &&
+         lc.growth_tracker == 0 && ld.growth_tracker == 0;
   }
   // The loss: a tree over 1024 threads against the CPU's sum in order, to rounding; reset, then accumulate.
   std::vector<float> losses(3001);
