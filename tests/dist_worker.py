@@ -63,7 +63,10 @@ for step in range(args.steps):
         os.kill(os.getpid(), signal.SIGKILL)
     if args.train_step:
         batches = [loader.next_batch() for _ in range(args.accum)]
-        stats = opt.train_step(np.stack([b[0] for b in batches]), np.stack([b[1] for b in batches]), max_norm=1.0)
+        # graph=True: a data-parallel step is never recorded (the host takes part in its reductions); it must run
+        # eagerly, and graph_counts stays (0, 0).
+        stats = opt.train_step(np.stack([b[0] for b in batches]), np.stack([b[1] for b in batches]), max_norm=1.0,
+                               graph=True)
         losses.append(distributed.all_reduce(stats.loss, "avg"))
         norms.append(stats.norm)
         identical = same_everywhere() and identical
@@ -84,4 +87,5 @@ if rank == 0:
     m, v = opt.moments()
     np.savez(args.out, losses=np.array(losses), norms=np.array(norms), params=np.array(model._engine.params),
              identical=identical, syncs=model.grad_sync_count, world=world, moments=m.size,
-             padded=model._engine.shard[1] * world)
+             padded=model._engine.shard[1] * world, graph_counts=np.array(opt.graph_counts),
+             loss_scale=model.loss_scale)

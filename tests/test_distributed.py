@@ -108,17 +108,20 @@ def test_zero1_gives_the_same_weights_as_plain_data_parallel(precision, tmp_path
     assert int(plain["moments"]) == plain["params"].size
 
 
-@pytest.mark.parametrize("zero,precision", [(0, "fp32"), (1, "bf16")])
+@pytest.mark.parametrize("zero,precision", [(0, "fp32"), (1, "bf16"), (0, "fp16")])
 def test_train_step_gives_the_loop_s_weights(zero, precision, tmp_path, shard):
-    # AdamW.train_step (the norm's per-rank slots reduced on the device, the clip folded into the update) against
-    # the loop of forward/backward, clip_grad_norm and step: the same bits, and every rank the same weights.
+    # AdamW.train_step (the norm's per-rank slots reduced on the device, the clip folded into the update; fp16: the
+    # loss scale divided out and updated there, alike on every rank) against the loop of forward/backward,
+    # clip_grad_norm and step (fp16: unscaled on the host): the same bits, and every rank the same weights.
     extra = ("--steps", "3", "--zero", str(zero), "--precision", precision)
     loop = _train(tmp_path, shard, 2, 2, "loop", *extra)
     fused = _train(tmp_path, shard, 2, 2, "step", *extra, "--train-step")
     assert bool(fused["identical"]) and int(fused["syncs"]) == 3
+    assert list(fused["graph_counts"]) == [0, 0], "a data-parallel step asked for graph=True must run eagerly"
     np.testing.assert_array_equal(fused["params"], loop["params"])
     np.testing.assert_array_equal(fused["losses"], loop["losses"])
     np.testing.assert_array_equal(fused["norms"], loop["norms"])
+    assert float(fused["loss_scale"]) == float(loop["loss_scale"]) == (2.0**16 if precision == "fp16" else 1.0)
 
 
 def test_layer_by_layer_reduction_reduces_every_gradient_once(tmp_path, shard):

@@ -244,6 +244,8 @@ def test_fp16_loss_scale_moves_on_the_device_inside_replays(rng):
         opts[0].clip_grad_norm(1.0)
     with pytest.raises(RuntimeError, match="zero_grad|new backward"):
         opts[0].step()
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        models[0].forward_backward(x[0], y[0])
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -587,6 +587,9 @@ void GPT::check_backward_allowed() const {
   if (grads_unscaled_)
     throw std::logic_error("backward() after the gradients were unscaled (clip_grad_norm or a skipped step) adds "
                            "scaled gradients to unscaled ones: call zero_grad() first");
+  if (loss_scaling() && stepped_)  // train_step's: still scaled, but by a scale that may have moved on since
+    throw std::logic_error("backward() onto gradients an fp16 step already used adds gradients of another loss "
+                           "scale to them: call zero_grad() first");
   if (comm_ && zero_stage_ == 1 && grads_synced_)
     throw std::logic_error("backward() onto gradients already reduced for ZeRO-1 (each rank holds only its shard "
                            "reduced): call zero_grad() first, and sync only the last micro-step of an accumulation");
