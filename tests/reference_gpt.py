@@ -6,6 +6,7 @@ flash-attention step (the (T, T) scores written out), the speed-up ladder's earl
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -121,6 +122,17 @@ def ref_from_fastgpt(model, dtype=torch.float32, flash=True):
     sd = {k: torch.from_numpy(v.copy()).to(dtype) for k, v in model.state_dict().items()}
     ref.load_state_dict(sd)
     return ref
+
+
+def random_layernorms(models, rng):
+    """Loads models (fastgpt.GPTs of one config) with the first one's weights, its LayerNorms made random: they start
+    as weight 1, bias 0 in every layer, which would let an op that reached another layer's LayerNorm pass."""
+    state = {k: np.array(v) for k, v in models[0].state_dict().items()}
+    for name, v in state.items():
+        if ".ln_" in name:
+            state[name] = (v + rng.standard_normal(v.shape) * 0.5).astype(np.float32)
+    for m in models:
+        m.load_state_dict(state)
 
 
 def rel_err(out, ref):

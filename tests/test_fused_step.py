@@ -10,7 +10,7 @@ import torch
 
 import fastgpt
 from devices import DEVICES, needs_cuda
-from reference_gpt import ref_from_fastgpt, rel_err
+from reference_gpt import random_layernorms, ref_from_fastgpt, rel_err
 
 TOL = 1e-5
 SMALL = fastgpt.GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=64)
@@ -106,14 +106,7 @@ def test_fused_residual_layernorm_keeps_the_unfused_forward_bits(rng, precision,
     seed = int(rng.integers(1 << 31))
     fused = fastgpt.GPT(ODD, seed=seed, precision=precision, device=device)
     unfused = fastgpt.GPT(ODD, seed=seed, precision=precision, device=device, fused=False)
-    # LayerNorms start as weight 1, bias 0 in every layer: random ones, so a fused add that reached the wrong
-    # layer's LayerNorm would show.
-    state = {k: np.array(v) for k, v in fused.state_dict().items()}
-    for name, v in state.items():
-        if ".ln_" in name:
-            state[name] = (v + rng.standard_normal(v.shape) * 0.5).astype(np.float32)
-    fused.load_state_dict(state)
-    unfused.load_state_dict(state)
+    random_layernorms([fused, unfused], rng)  # a fused add that reached the wrong layer's LayerNorm would show
     x, y = batch(rng, 3, 16, ODD.vocab_size)
     (lf, loss_f), (lu, loss_u) = fused(x, y), unfused(x, y)
     assert loss_f == loss_u

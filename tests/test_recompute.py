@@ -10,7 +10,7 @@ import torch
 
 import fastgpt
 from devices import needs_cuda
-from reference_gpt import ref_from_fastgpt, rel_err
+from reference_gpt import random_layernorms, ref_from_fastgpt, rel_err
 
 # Three layers: a recomputed buffer that still held another layer's values would show in the layers below the top.
 CONFIG = fastgpt.GPTConfig(block_size=32, vocab_size=97, n_layer=3, n_head=4, n_embd=32)
@@ -21,15 +21,10 @@ def batch(rng, B, T, V=CONFIG.vocab_size):
 
 
 def models(rng, levels, **kw):
-    """One model per recompute level from the same weights, LayerNorms random (weight 1 and bias 0 would let a
-    LayerNorm recomputed with another layer's parameters pass)."""
+    """One model per recompute level from the same weights, LayerNorms random (a LayerNorm recomputed with another
+    layer's parameters would show)."""
     out = [fastgpt.GPT(CONFIG, recompute=r, **kw) for r in levels]
-    state = {k: np.array(v) for k, v in out[0].state_dict().items()}
-    for name, v in state.items():
-        if ".ln_" in name:
-            state[name] = (v + rng.standard_normal(v.shape) * 0.5).astype(np.float32)
-    for m in out:
-        m.load_state_dict(state)
+    random_layernorms(out, rng)
     return out
 
 
