@@ -13,11 +13,15 @@ timed with CUDA events; the median is reported. torch runs under sdpa_kernel([ba
 EFFICIENT_ATTENTION and CUDNN_ATTENTION (a backend that refuses the case is listed as skipped), and once with no
 restriction ("default", with the backend torch._fused_sdp_choice says it picks). The ratio compares fastgpt with the
 fastest torch backend: torch ms / fastgpt ms, above 1 means fastgpt is faster. --deterministic adds fastgpt's
-deterministic backward. Without a GPU: one small CPU case (fp32, B 2, H 4, T 512, d 64, causal) against torch SDPA
+deterministic backward. --tiles adds, at d 64, a forward row for each other tile shape of the tensor-core kernels
+and a deterministic backward row for each (dkdv, dq) pair (fastgpt.ops.flash_attention_tiles; the default shapes
+are the plain rows), and prints the fastest of each; the engine's GPT-2 attention is d 64 with this backward.
+Without a GPU: one small CPU case (fp32, B 2, H 4, T 512, d 64, causal) against torch SDPA
 on the CPU, reported as ratios only (absolute CPU times are not recorded in this project; see bench/README.md).
 
     python3 bench/bench_flash_attention.py
     python3 bench/bench_flash_attention.py --d 64 --T 2048 --deterministic --json /tmp/flash.json
+    python3 bench/bench_flash_attention.py --d 64 --T 1024 --causal yes --tiles
 """
 import argparse
 import contextlib
@@ -45,12 +49,14 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=16384, help="B*T per case: B = tokens // T (GPU)")
     p.add_argument("--dim", type=int, default=2048, help="model width H*d: H = dim // d (GPU)")
     p.add_argument("--deterministic", action="store_true", help="also time fastgpt's deterministic backward")
+    p.add_argument("--tiles", action="store_true", help="also time every tile shape at d 64 (implies --deterministic)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls of each implementation first")
     p.add_argument("--repeats", type=int, default=20, help="timed calls; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="CPU case: threads for fastgpt and torch")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    args.deterministic = args.deterministic or args.tiles
     if min(args.d + args.T + [args.tokens, args.dim, args.repeats]) < 1 or args.warmup < 0:
         p.error("sizes and --repeats must be >= 1, --warmup >= 0")
     return args
@@ -109,6 +115,8 @@ def gpu_rows(args):
                 record("fastgpt deterministic", None,
                        lambda: ops.flash_attention_backward(dout, q, k, v, fg_out, fg_lse, causal=causal,
                                                             deterministic=True))
+            if args.tiles and d == 64:
+                tile_rows(record, q, k, v, dout, causal)
         for name in (None,) + BACKENDS:
             ctx = sdpa_kernel([getattr(SDPBackend, name)]) if name else contextlib.nullcontext()
             # A backend that cannot take the case warns why, then raises: the row says so, once.
@@ -141,6 +149,30 @@ def gpu_rows(args):
     return rows
 
 
+def tile_rows(record, q, k, v, dout, causal):
+    """fastgpt's other tile shapes: a forward row per fwd option, a deterministic backward row per (dkdv, dq) pair
+    (its forward from the default tiles: every option reads the same out and lse), the default shapes put back."""
+    from fastgpt import ops
+
+    options = ops.flash_attention_tile_options()
+    first = dict(fwd=options["fwd"][0], dkdv=options["dkdv"][0], dq=options["dq"][0])
+    out, lse = ops.flash_attention_forward(q, k, v, causal=causal)
+    try:
+        for fwd in options["fwd"][1:]:
+            ops.flash_attention_tiles(**dict(first, fwd=fwd))
+            record(f"fastgpt tiles fwd {fwd}", lambda: ops.flash_attention_forward(q, k, v, causal=causal), tiles=fwd)
+        for dkdv in options["dkdv"]:
+            for dq in options["dq"]:
+                if (dkdv, dq) == (first["dkdv"], first["dq"]):
+                    continue  # the "fastgpt deterministic" row
+                ops.flash_attention_tiles(**dict(first, dkdv=dkdv, dq=dq))
+                record(f"fastgpt tiles bwd {dkdv}/{dq}",
+                       None, lambda: ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                  deterministic=True), tiles=f"{dkdv}/{dq}")
+    finally:
+        ops.flash_attention_tiles(**first)
+
+
 def summarize(rows, case):
     """The ratio line of one case: fastgpt against the fastest torch backend (by forward + backward time)."""
     same = [r for r in rows if all(r.get(k) == case[k] for k in case) and r["status"] == "ok"]
@@ -155,6 +187,14 @@ def summarize(rows, case):
           f"{fg['fwd_tflops']:.0f}/{fg['bwd_tflops']:.0f} TFLOP/s fwd/bwd; vs fastest torch ({best['impl'][6:]}): "
           f"fwd {fg['fwd_ratio']:.2f}x, bwd {fg['bwd_ratio']:.2f}x (torch ms / fastgpt ms; above 1: fastgpt is "
           f"faster)", flush=True)
+    fwd = [r for r in same if r["impl"] == "fastgpt" or r["impl"].startswith("fastgpt tiles fwd")]
+    bwd = [r for r in same if r["impl"] == "fastgpt deterministic" or r["impl"].startswith("fastgpt tiles bwd")]
+    if len(fwd) > 1 and len(bwd) > 1:
+        f, b = min(fwd, key=lambda r: r["fwd_ms"]), min(bwd, key=lambda r: r["bwd_ms"])
+        print(f"  tiles: fastest forward {f.get('tiles', 'default')} ({f['fwd_tflops']:.0f} TFLOP/s, "
+              f"{fg['fwd_ms'] / f['fwd_ms']:.2f}x the default), fastest deterministic backward dkdv/dq "
+              f"{b.get('tiles', 'default')} ({b['bwd_tflops']:.0f} TFLOP/s, "
+              f"{bwd[0]['bwd_ms'] / b['bwd_ms']:.2f}x the default)", flush=True)
 
 
 HEADER = (f"{'d':>4} {'T':>5} {'B':>3} {'H':>3} {'causal':>6}  {'impl':<33} {'fwd ms':>8} {'TFLOP/s':>8} "
@@ -244,7 +284,7 @@ def main(argv=None):
         report_other_load(env["other_cpu_share"])
     if args.json:
         config = {k: getattr(args, k) for k in ("d", "T", "causal", "dtype", "tokens", "dim", "deterministic",
-                                                "warmup", "repeats", "seed")}
+                                                "tiles", "warmup", "repeats", "seed")}
         write_json(args.json, {"benchmark": "bench_flash_attention", "case": "flash_attention", "device":
                                "cuda" if on_gpu else "cpu", "env": env, "config": config, "results": rows})
     return 0

@@ -11,6 +11,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "cpu/kernels.h"
 #include "cuda/ops.h"
@@ -642,6 +643,27 @@ void bind_ops(py::module_& m) {
     (void)deterministic;  // the CPU kernel is always deterministic
     cpu::flash_attention_backward(dq.f(), dk.f(), dv.f(), f.strides, dout.f(), out.f(), f.strides, q.f(), k.f(),
                                   v.f(), lse.f(), f.shape);
+  });
+  // The CUDA tensor-core kernels' tile choice (cuda/ops.h FlashTiles): a (fwd, dkdv, dq) tuple of option indices.
+  m.def("flash_attention_tiles", [](std::optional<std::tuple<int, int, int>> tiles) {
+#ifdef FASTGPT_WITH_CUDA
+    cuda::FlashTiles t = cuda::flash_tiles();
+    if (tiles) t = cuda::set_flash_tiles({std::get<0>(*tiles), std::get<1>(*tiles), std::get<2>(*tiles)});
+    return std::make_tuple(t.fwd, t.dkdv, t.dq);
+#else
+    (void)tiles;
+    throw std::runtime_error("flash attention tiles choose between CUDA kernels; this build of fastgpt has no CUDA");
+    return std::make_tuple(0, 0, 0);
+#endif
+  }, py::arg("tiles") = py::none());
+  m.def("flash_attention_tile_options", []() {
+#ifdef FASTGPT_WITH_CUDA
+    const cuda::FlashTileOptions o = cuda::flash_tile_options();
+    return std::make_tuple(o.fwd, o.dkdv, o.dq);
+#else
+    throw std::runtime_error("flash attention tiles choose between CUDA kernels; this build of fastgpt has no CUDA");
+    return std::make_tuple(std::vector<std::string>{}, std::vector<std::string>{}, std::vector<std::string>{});
+#endif
   });
   m.def("cross_entropy_forward", [](H losses_, H lse_, H logits_, H targets_, uintptr_t stream) {
     View losses = view_of(losses_, "losses", 'f'), lse = view_of(lse_, "lse", 'f'),

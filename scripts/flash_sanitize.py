@@ -1,7 +1,8 @@
 """Runs every flash attention kernel variant once on small shapes, for compute-sanitizer (memcheck, racecheck):
 bf16 and fp16 at d 64 and 128, fp32 at odd d, causal and not, T that is and is not a multiple of the tiles, both
-layouts, atomic and deterministic backward. It checks nothing numerically (the tests do); it exits non-zero only if
-a call raises. Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/flash_sanitize.py"""
+layouts, atomic and deterministic backward; and every tile option of the tensor-core kernels (bf16, d 64, T 130).
+It checks nothing numerically (the tests do); it exits non-zero only if a call raises.
+Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/flash_sanitize.py"""
 import itertools
 
 import torch
@@ -26,6 +27,17 @@ def main():
                 continue  # fp32 has one (deterministic) backward
             run(dtype, d, T, causal, layout, det)
             n += 1
+    # The tensor-core kernels' other tile shapes (d 64; ops.flash_attention_tiles), deterministic backward.
+    options = ops.flash_attention_tile_options()
+    try:
+        for fwd, dkdv, dq in itertools.product(range(len(options["fwd"])), range(len(options["dkdv"])),
+                                               range(len(options["dq"]))):
+            ops.flash_attention_tiles(fwd, dkdv, dq)
+            for causal in (True, False):
+                run(torch.bfloat16, 64, 130, causal, "bthd" if causal else "bhtd", True)
+                n += 1
+    finally:
+        ops.flash_attention_tiles(0, 0, 0)
     torch.cuda.synchronize()
     print(f"flash_sanitize: {n} forward+backward calls ran")
 

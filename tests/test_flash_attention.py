@@ -7,7 +7,8 @@ multiple of the 64-row blocks, head dims 12/64/128.
 GPU (skipped without one): float32 the same way; bfloat16/float16 by flash-attention's rule, since half precision has
 no fixed tolerance: fastgpt's error against a float64 reference may be at most twice torch's own half-precision SDPA
 error against that reference, plus a slack of 1e-5 * max(1, max|ref|) for results torch gets exactly. The
-deterministic backward must repeat bit for bit, and the ops must run on the caller's stream.
+deterministic backward must repeat bit for bit, and the ops must run on the caller's stream. The tensor-core
+kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the first options' bits.
 """
 import math
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastgpt import ops
+from fastgpt import _C, ops
 from devices import host, needs_cuda
 from reference_gpt import lse_err, rel_err
 
@@ -270,6 +271,71 @@ def test_cuda_deterministic_backward_repeats_bitwise(rng, d):
     ref, pt = reference(q, k, v, dout, True, "bhtd"), torch_sdpa(q, k, v, dout, True, "bhtd")
     for name, got, yardstick, want in zip(("dq", "dk", "dv"), runs[0], pt[1:], ref[2:]):
         check_rule(name, got, yardstick, want)
+
+
+# The tile options of the tensor-core kernels (ops.flash_attention_tiles): every one against the first.
+TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") for k in ("16x64", "32x32")
+                for q in ("16x64", "32x64", "32x32")]
+
+
+@pytest.fixture
+def default_tiles():
+    """Runs the test from the default tiles and puts back whatever it changed, even when it fails."""
+    before = ops.flash_attention_tiles("16x64", "16x64", "16x64")
+    yield
+    ops.flash_attention_tiles(**before)
+
+
+@pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
+def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
+    options = ops.flash_attention_tile_options()
+    assert options == {"fwd": ["16x64", "32x64", "16x128"], "dkdv": ["16x64", "32x32"],
+                       "dq": ["16x64", "32x64", "32x32"]}
+    assert ops.flash_attention_tiles(fwd="32x64", dq=2) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
+    assert ops.flash_attention_tiles(dkdv=1) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
+    assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # None keeps each
+    for bad in (dict(fwd="64x64"), dict(dkdv=2), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"flash_attention_tiles: {name} must be one of"):
+            ops.flash_attention_tiles(**bad)
+    assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # a refusal changes nothing
+    with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 2\), got 5"):  # the engine's own check
+        _C.ops.flash_attention_tiles((0, 5, 0))
+
+
+@pytest.mark.skipif(_C.built_with_cuda, reason="a build with CUDA has the tile choice")
+def test_tile_choice_without_cuda_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        ops.flash_attention_tiles(fwd="32x64")
+
+
+@needs_cuda
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_tile_options_give_the_first_options_bits(rng, default_tiles, causal, dtype):
+    """Every dkdv/dq option, and the 32x64 forward, gives the bits of the first options (the same sums in the same
+    order); the 16x128 forward (another online-softmax block) the bits of its own first dkdv/dq options, within
+    flash-attention's rule of torch. T 1000: the tiles overhang; the deterministic backward, as the engine runs it."""
+    q, k, v, dout = cuda_inputs(2, 3, 1000, 64, "bthd", dtype, rng)
+
+    def once(tiles):
+        ops.flash_attention_tiles(**tiles)
+        out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout="bthd")
+        grads = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout="bthd",
+                                             deterministic=True)
+        return (out, lse) + tuple(grads)
+
+    first = {kb: once(dict(fwd=f, dkdv="16x64", dq="16x64")) for kb, f in ((64, "16x64"), (128, "16x128"))}
+    for tiles in TILE_CHOICES:
+        got = once(tiles)
+        want = first[128 if tiles["fwd"] == "16x128" else 64]
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{tiles}: {name} differs from the first options'"
+    ref, pt = reference(q, k, v, dout, causal, "bthd"), torch_sdpa(q, k, v, dout, causal, "bthd")
+    out, lse, *grads = first[128]
+    for name, got, yardstick, want in zip(("out", "dq", "dk", "dv"), [out] + grads, pt, ref[:1] + ref[2:]):
+        check_rule(name, got, yardstick, want)
+    assert lse_err(lse, ref[1]) < 1e-3
 
 
 @needs_cuda

@@ -9,6 +9,7 @@
 // or dO broadcast one lane's probability at a time (shuffles) while lanes own d / 32 output columns each. Every sum
 // runs in a fixed order and nothing uses atomics: the fp32 path is deterministic.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <stdexcept>
@@ -276,6 +277,10 @@ void compute_delta(const Params& p, Stream stream) {
 
 namespace {
 
+// The tile choice (set_flash_tiles): read by every call, set by benchmarks between calls.
+std::atomic<int> g_fwd_tiles{0}, g_dkdv_tiles{0}, g_dq_tiles{0};
+const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128"}, {"16x64", "32x32"}, {"16x64", "32x64", "32x32"}};
+
 flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s) {
   flash::Params p{};
   p.is = is;
@@ -283,6 +288,7 @@ flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const At
   p.B = s.B, p.H = s.H, p.T = s.T, p.d = s.d;
   p.causal = s.causal;
   p.scale = 1.f / std::sqrt((float)s.d);
+  p.tiles = flash_tiles();
   return p;
 }
 
@@ -321,6 +327,24 @@ void check_args(const AttentionShape& s, DType dtype, bool tc, const HeadStrides
 }
 
 }  // namespace
+
+FlashTiles flash_tiles() { return {g_fwd_tiles.load(), g_dkdv_tiles.load(), g_dq_tiles.load()}; }
+
+FlashTileOptions flash_tile_options() { return kTileOptions; }
+
+FlashTiles set_flash_tiles(const FlashTiles& tiles) {
+  const auto need = [](int option, const std::vector<std::string>& names, const char* kernel) {
+    if (option < 0 || option >= (int)names.size())
+      throw std::invalid_argument(std::string("flash attention tiles: ") + kernel + " takes an option in [0, " +
+                                  std::to_string(names.size()) + "), got " + std::to_string(option));
+  };
+  need(tiles.fwd, kTileOptions.fwd, "fwd");
+  need(tiles.dkdv, kTileOptions.dkdv, "dkdv");
+  need(tiles.dq, kTileOptions.dq, "dq");
+  const FlashTiles before = flash_tiles();
+  g_fwd_tiles = tiles.fwd, g_dkdv_tiles = tiles.dkdv, g_dq_tiles = tiles.dq;
+  return before;
+}
 
 void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
                              const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,

@@ -18,6 +18,15 @@ namespace fastgpt::cuda::flash {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The tile shapes of the tensor-core kernels at head dim 64 (d 128 has only option 0 of each), by option:
+//   fwd:  rows per warp x keys per block       16x64, 32x64, 16x128
+//   dkdv: keys per warp x queries per step      16x64, 32x32
+//   dq:   queries per warp x keys per block     16x64, 32x64, 32x32  (the deterministic backward's dq pass)
+// 32 rows per warp read each fragment of the other operand from shared memory once for two mma tiles. Every dkdv
+// and dq option gives the same bits (the same sums in the same order; a warp skips only products that add zeros),
+// and so do the fwd options with the same key block.
+using Tiles = FlashTiles;
+
 struct Params {
   const void *q, *k, *v;  // (B, H, T, d) views with strides `is`
   void* out;               // strides `os`: written by forward, read by backward
@@ -30,6 +39,7 @@ struct Params {
   int B, H, T, d;
   bool causal;
   float scale;  // 1 / sqrt(d)
+  Tiles tiles;
 };
 
 // Tensor-core launchers (one per file), instantiated for __nv_bfloat16 and __half; sm_80 and newer only.

@@ -1,13 +1,17 @@
 // Flash attention backward on tensor cores (bf16 / fp16 in, fp32 accumulate), head dim 64 or 128. Nothing of size
 // T x T is stored: P is recomputed from the saved lse, and delta_i = dout_i . out_i (computed beforehand) stands in
 // for sum_j P_ij dP_ij.
-// dkdv_kernel: one CTA of 4 warps owns 64 keys of one (b, h) (16 per warp) and walks the query blocks that can see
-// them (double-buffered Q and dO via cp.async). Each warp forms the transposed products S^T = K Q^T and
+// dkdv_kernel: one CTA of 4 warps owns 16 * MT keys per warp of one (b, h) and walks the query blocks of BR that can
+// see them (double-buffered Q and dO via cp.async). Each warp forms the transposed products S^T = K Q^T and
 // dP^T = V dO^T for its keys, so P^T and dS^T = P^T (dP^T - delta) sit in registers already laid out as the A
 // operands of dV += P^T dO and dK += dS^T Q, which accumulate in registers over all query blocks.
 // dQ = dS K needs a sum over every key block: either (fast) each CTA adds its part into an fp32 buffer with atomics,
 // via dS staged in shared memory, or (deterministic) dq_kernel, the mirror image of the forward, recomputes S and dP
 // per query block and sums its key blocks in a fixed order: bit-reproducible, at 7 instead of 5 GEMM passes.
+// The tile shapes (MT, BR) of dkdv and (MT, BC) of dq are Params::tiles' options (kDkdvTiles, kDqTiles): MT = 2
+// reads each Q/dO (K/V) fragment from shared memory once for two mma tiles. Every option sums the same products in
+// the same order (k16 chunks of queries, or keys, in sequence order), and a warp skips only the products of a block
+// wholly outside its causal triangle, which would add zeros: all options give the same bits.
 #include <algorithm>
 
 #include "cuda/check.h"
@@ -18,129 +22,152 @@ namespace fastgpt::cuda::flash {
 namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
-constexpr int kBc = 64;  // keys per dkdv CTA; also keys per block in dq_kernel
-template <int D>
-constexpr int kBr = D == 64 ? 64 : 32;  // queries per step of dkdv_kernel: keeps S^T, dP^T, dK, dV in registers
 
-template <int D>
+template <int D, int MT, int BR, bool kAtomicDq>
 constexpr int dkdv_smem() {
-  return (2 * kBc + 4 * kBr<D>) * (D + kPad) * 2 + kBc * (kBr<D> + kPad) * 2 + 2 * kBr<D> * 4;
+  constexpr int KB = 16 * MT * kWarps;
+  return (2 * KB + 4 * BR) * (D + kPad) * 2 + (kAtomicDq ? KB * (BR + kPad) * 2 : 0) + 2 * BR * 4;
 }
-constexpr int dq_smem(int D) { return 6 * 64 * (D + kPad) * 2; }
+template <int D, int MT, int BC>
+constexpr int dq_smem() {
+  return (2 * 16 * MT * kWarps + 4 * BC) * (D + kPad) * 2;
+}
 
-template <typename E, int D, bool kAtomicDq>
+template <typename E, int D, int MT, int BR, bool kAtomicDq>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
-  constexpr int Br = kBr<D>, P = D + kPad;
+  constexpr int KB = 16 * MT * kWarps, P = D + kPad;  // keys per CTA, shared-memory row pitch
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  E* sK = reinterpret_cast<E*>(smem_raw);  // (kBc, P)
-  E* sV = sK + kBc * P;                    // (kBc, P)
-  E* sQ = sV + kBc * P;                    // 2 x (Br, P)
-  E* sdO = sQ + 2 * Br * P;                // 2 x (Br, P)
-  E* sdS = sdO + 2 * Br * P;               // (kBc, Br + kPad): dS^T, for the atomic dq
-  float* sL = reinterpret_cast<float*>(sdS + kBc * (Br + kPad));  // (Br) lse in log2 units
-  float* sDl = sL + Br;                                            // (Br) delta
+  E* sK = reinterpret_cast<E*>(smem_raw);  // (KB, P)
+  E* sV = sK + KB * P;                     // (KB, P)
+  E* sQ = sV + KB * P;                     // 2 x (BR, P)
+  E* sdO = sQ + 2 * BR * P;                // 2 x (BR, P)
+  E* sdS = sdO + 2 * BR * P;               // (KB, BR + kPad): dS^T, for the atomic dq only
+  float* sL = reinterpret_cast<float*>(sdS + (kAtomicDq ? KB * (BR + kPad) : 0));  // (BR) lse in log2 units
+  float* sDl = sL + BR;                                                               // (BR) delta
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T, k0 = blockIdx.y * kBc;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T, k0 = blockIdx.y * KB;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
   const E* Q = static_cast<const E*>(p.q) + in_off;
   const E* dO = static_cast<const E*>(p.dout) + out_off;
-  const int i_first = p.causal ? k0 / Br : 0, n_q = (T + Br - 1) / Br;
+  const int i_first = p.causal ? k0 / BR : 0, n_q = (T + BR - 1) / BR;
 
-  load_tile<E, kBc, D, kThreads>(sK, static_cast<const E*>(p.k) + in_off, p.is.st, k0, T, tid);
-  load_tile<E, kBc, D, kThreads>(sV, static_cast<const E*>(p.v) + in_off, p.is.st, k0, T, tid);
-  load_tile<E, Br, D, kThreads>(sQ, Q, p.is.st, i_first * Br, T, tid);
-  load_tile<E, Br, D, kThreads>(sdO, dO, p.os.st, i_first * Br, T, tid);
+  load_tile<E, KB, D, kThreads>(sK, static_cast<const E*>(p.k) + in_off, p.is.st, k0, T, tid);
+  load_tile<E, KB, D, kThreads>(sV, static_cast<const E*>(p.v) + in_off, p.is.st, k0, T, tid);
+  load_tile<E, BR, D, kThreads>(sQ, Q, p.is.st, i_first * BR, T, tid);
+  load_tile<E, BR, D, kThreads>(sdO, dO, p.os.st, i_first * BR, T, tid);
   cp_async_commit();
 
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D
+  float dk[MT][D / 8][4] = {}, dv[MT][D / 8][4] = {};  // this warp's 16 * MT keys x D
   const float sl2 = p.scale * kLog2e;
-  const int key_lo = k0 + warp * 16 + g;  // key of accumulator elements 0, 1 (2, 3: key_lo + 8)
+  const int wkey = warp * 16 * MT, kw0 = k0 + wkey;  // this warp's first key (in the tile, in the sequence)
+  // The key of accumulator elements 0, 1 of m tile mt is kw0 + 16 mt + g; elements 2, 3 are 8 keys further.
 
   for (int i = i_first; i < n_q; i++) {
-    const int buf = (i - i_first) & 1, q0 = i * Br;
+    const int buf = (i - i_first) & 1, q0 = i * BR;
     if (i + 1 < n_q) {
-      load_tile<E, Br, D, kThreads>(sQ + (buf ^ 1) * Br * P, Q, p.is.st, q0 + Br, T, tid);
-      load_tile<E, Br, D, kThreads>(sdO + (buf ^ 1) * Br * P, dO, p.os.st, q0 + Br, T, tid);
+      load_tile<E, BR, D, kThreads>(sQ + (buf ^ 1) * BR * P, Q, p.is.st, q0 + BR, T, tid);
+      load_tile<E, BR, D, kThreads>(sdO + (buf ^ 1) * BR * P, dO, p.os.st, q0 + BR, T, tid);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
-    if (tid < Br) {
+    if (tid < BR) {
       const int q = q0 + tid;
       sL[tid] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
       sDl[tid] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
     }
     __syncthreads();
-    const E* q_s = sQ + buf * Br * P;
-    const E* do_s = sdO + buf * Br * P;
+    const E* q_s = sQ + buf * BR * P;
+    const E* do_s = sdO + buf * BR * P;
 
-    float st[Br / 8][4] = {}, dpt[Br / 8][4] = {};  // S^T and dP^T: 16 keys x Br queries
+    float st[MT][BR / 8][4] = {}, dpt[MT][BR / 8][4] = {};  // S^T and dP^T (then P^T, dS^T): keys x BR queries
+    // Warp-uniform: some query of the step sees some key of the warp. Tested at MT 2 only: at MT 1 the first step
+    // rarely leaves a warp out, and the test costs d 128 registers it would spill.
+    if (MT == 1 || !(p.causal && q0 + BR - 1 < kw0)) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      uint32_t ak[4], av[4];
-      ldmatrix_x4(ak, sK + (warp * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8);
-      ldmatrix_x4(av, sV + (warp * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8);
+      for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t ak[MT][4], av[MT][4];
 #pragma unroll
-      for (int nn = 0; nn < Br / 16; nn++) {
-        const int off = (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 + ((lane >> 3) & 1) * 8;
-        uint32_t bq[4], bo[4];
-        ldmatrix_x4(bq, q_s + off);
-        ldmatrix_x4(bo, do_s + off);
-        mma<E>(st[2 * nn], ak, bq);
-        mma<E>(st[2 * nn + 1], ak, bq + 2);
-        mma<E>(dpt[2 * nn], av, bo);
-        mma<E>(dpt[2 * nn + 1], av, bo + 2);
-      }
-    }
-
-    // P^T = exp2(S^T * scale * log2 e - lse2), dS^T = P^T (dP^T - delta); both stay in st / dpt.
+        for (int mt = 0; mt < MT; mt++) {
+          ldmatrix_x4(ak[mt], sK + (wkey + mt * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8);
+          ldmatrix_x4(av[mt], sV + (wkey + mt * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8);
+        }
 #pragma unroll
-    for (int t = 0; t < Br / 8; t++)
+        for (int nn = 0; nn < BR / 16; nn++) {
+          const int off = (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 + ((lane >> 3) & 1) * 8;
+          uint32_t bq[4], bo[4];
+          ldmatrix_x4(bq, q_s + off);
+          ldmatrix_x4(bo, do_s + off);
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int ql = t * 8 + 2 * c + (e & 1), key = key_lo + (e >> 1) * 8;
-        const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;
-        st[t][e] = pv;
-        dpt[t][e] = pv * (dpt[t][e] - sDl[ql]);
+          for (int mt = 0; mt < MT; mt++) {
+            mma<E>(st[mt][2 * nn], ak[mt], bq);
+            mma<E>(st[mt][2 * nn + 1], ak[mt], bq + 2);
+            mma<E>(dpt[mt][2 * nn], av[mt], bo);
+            mma<E>(dpt[mt][2 * nn + 1], av[mt], bo + 2);
+          }
+        }
       }
 
-    // dV += P^T dO and dK += dS^T Q, 16 queries at a time.
+      // P^T = exp2(S^T * scale * log2 e - lse2), dS^T = P^T (dP^T - delta); both stay in st / dpt.
 #pragma unroll
-    for (int ks = 0; ks < Br / 16; ks++) {
-      uint32_t ap[4], ad[4];
-      a_from_acc<E>(ap, st[2 * ks], st[2 * ks + 1]);
-      a_from_acc<E>(ad, dpt[2 * ks], dpt[2 * ks + 1]);
+      for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-      for (int dn = 0; dn < D / 16; dn++) {
-        const int off = (ks * 16 + (lane & 15)) * P + dn * 16 + (lane >> 4) * 8;
-        uint32_t bo[4], bq[4];
-        ldmatrix_x4_trans(bo, do_s + off);
-        ldmatrix_x4_trans(bq, q_s + off);
-        mma<E>(dv[2 * dn], ap, bo);
-        mma<E>(dv[2 * dn + 1], ap, bo + 2);
-        mma<E>(dk[2 * dn], ad, bq);
-        mma<E>(dk[2 * dn + 1], ad, bq + 2);
+        for (int t = 0; t < BR / 8; t++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + mt * 16 + g + (e >> 1) * 8;
+            const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[mt][t][e] * sl2 - sL[ql]) : 0.f;
+            st[mt][t][e] = pv;
+            dpt[mt][t][e] = pv * (dpt[mt][t][e] - sDl[ql]);
+          }
+
+      // dV += P^T dO and dK += dS^T Q, 16 queries at a time.
+#pragma unroll
+      for (int ks = 0; ks < BR / 16; ks++) {
+        uint32_t ap[MT][4], ad[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          a_from_acc<E>(ap[mt], st[mt][2 * ks], st[mt][2 * ks + 1]);
+          a_from_acc<E>(ad[mt], dpt[mt][2 * ks], dpt[mt][2 * ks + 1]);
+        }
+#pragma unroll
+        for (int dn = 0; dn < D / 16; dn++) {
+          const int off = (ks * 16 + (lane & 15)) * P + dn * 16 + (lane >> 4) * 8;
+          uint32_t bo[4], bq[4];
+          ldmatrix_x4_trans(bo, do_s + off);
+          ldmatrix_x4_trans(bq, q_s + off);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma<E>(dv[mt][2 * dn], ap[mt], bo);
+            mma<E>(dv[mt][2 * dn + 1], ap[mt], bo + 2);
+            mma<E>(dk[mt][2 * dn], ad[mt], bq);
+            mma<E>(dk[mt][2 * dn + 1], ad[mt], bq + 2);
+          }
+        }
       }
     }
 
     if constexpr (kAtomicDq) {
-      // dQ (Br x D) += dS (Br x 64 keys) K: dS^T goes through shared memory so every warp sees all 64 keys.
+      // dQ (BR x D) += dS (BR x KB keys) K: dS^T goes through shared memory so every warp sees all KB keys (a warp
+      // that skipped its products stores its zeros).
 #pragma unroll
-      for (int t = 0; t < Br / 8; t++)
+      for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int r = 0; r < 2; r++)
-          *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + g + r * 8) * (Br + kPad) + t * 8 + 2 * c) =
-              Pack<E>::two(dpt[t][2 * r], dpt[t][2 * r + 1]);
+        for (int t = 0; t < BR / 8; t++)
+#pragma unroll
+          for (int r = 0; r < 2; r++)
+            *reinterpret_cast<uint32_t*>(sdS + (wkey + mt * 16 + g + r * 8) * (BR + kPad) + t * 8 + 2 * c) =
+                Pack<E>::two(dpt[mt][t][2 * r], dpt[mt][t][2 * r + 1]);
       __syncthreads();
-      constexpr int kWq = Br / 16, kWd = kWarps / kWq, Dw = D / kWd;  // warps along queries and along d
+      constexpr int kWq = BR / 16, kWd = kWarps / kWq, Dw = D / kWd;  // warps along queries and along d
       const int wq = warp % kWq, d0 = (warp / kWq) * Dw;
       float acc[Dw / 8][4] = {};
 #pragma unroll
-      for (int ks = 0; ks < kBc / 16; ks++) {
+      for (int ks = 0; ks < KB / 16; ks++) {
         uint32_t a[4];  // A = dS (queries x keys), stored transposed as dS^T (keys x queries)
-        ldmatrix_x4_trans(a, sdS + (ks * 16 + (lane & 7) + ((lane >> 4) << 3)) * (Br + kPad) + wq * 16 +
+        ldmatrix_x4_trans(a, sdS + (ks * 16 + (lane & 7) + ((lane >> 4) << 3)) * (BR + kPad) + wq * 16 +
                                  ((lane >> 3) & 1) * 8);
 #pragma unroll
         for (int dn = 0; dn < Dw / 16; dn++) {
@@ -168,103 +195,124 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   E* dK = static_cast<E*>(p.dk) + in_off;
   E* dV = static_cast<E*>(p.dv) + in_off;
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int key = key_lo + r * 8;
-    if (key >= T) continue;
+  for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-    for (int t = 0; t < D / 8; t++) {
-      const int64_t o = (int64_t)key * p.is.st + t * 8 + 2 * c;
-      *reinterpret_cast<uint32_t*>(dK + o) = Pack<E>::two(dk[t][2 * r] * p.scale, dk[t][2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dV + o) = Pack<E>::two(dv[t][2 * r], dv[t][2 * r + 1]);
+    for (int r = 0; r < 2; r++) {
+      const int key = kw0 + mt * 16 + g + r * 8;
+      if (key >= T) continue;
+#pragma unroll
+      for (int t = 0; t < D / 8; t++) {
+        const int64_t o = (int64_t)key * p.is.st + t * 8 + 2 * c;
+        *reinterpret_cast<uint32_t*>(dK + o) =
+            Pack<E>::two(dk[mt][t][2 * r] * p.scale, dk[mt][t][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dV + o) = Pack<E>::two(dv[mt][t][2 * r], dv[mt][t][2 * r + 1]);
+      }
     }
-  }
 }
 
-// Deterministic dQ: 64 queries per CTA (16 per warp), key blocks in order, K and V double-buffered.
-template <typename E, int D>
+// Deterministic dQ: 16 * MT queries per warp, key blocks of BC in order, K and V double-buffered.
+template <typename E, int D, int MT, int BC>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
-  constexpr int Bq = 64, P = D + kPad;
+  constexpr int QB = 16 * MT * kWarps, P = D + kPad;  // queries per CTA, shared-memory row pitch
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  E* sQ = reinterpret_cast<E*>(smem_raw);  // (Bq, P)
-  E* sdO = sQ + Bq * P;                    // (Bq, P)
-  E* sK = sdO + Bq * P;                    // 2 x (kBc, P)
-  E* sV = sK + 2 * kBc * P;                // 2 x (kBc, P)
+  E* sQ = reinterpret_cast<E*>(smem_raw);  // (QB, P)
+  E* sdO = sQ + QB * P;                    // (QB, P)
+  E* sK = sdO + QB * P;                    // 2 x (BC, P)
+  E* sV = sK + 2 * BC * P;                 // 2 x (BC, P)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * Bq, bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * QB, bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
   const E* K = static_cast<const E*>(p.k) + in_off;
   const E* V = static_cast<const E*>(p.v) + in_off;
-  const int nblocks = ((p.causal ? min(T, q0 + Bq) : T) + kBc - 1) / kBc;
+  const int nblocks = ((p.causal ? min(T, q0 + QB) : T) + BC - 1) / BC;
 
-  load_tile<E, Bq, D, kThreads>(sQ, static_cast<const E*>(p.q) + in_off, p.is.st, q0, T, tid);
-  load_tile<E, Bq, D, kThreads>(sdO, static_cast<const E*>(p.dout) + out_off, p.os.st, q0, T, tid);
-  load_tile<E, kBc, D, kThreads>(sK, K, p.is.st, 0, T, tid);
-  load_tile<E, kBc, D, kThreads>(sV, V, p.is.st, 0, T, tid);
+  load_tile<E, QB, D, kThreads>(sQ, static_cast<const E*>(p.q) + in_off, p.is.st, q0, T, tid);
+  load_tile<E, QB, D, kThreads>(sdO, static_cast<const E*>(p.dout) + out_off, p.os.st, q0, T, tid);
+  load_tile<E, BC, D, kThreads>(sK, K, p.is.st, 0, T, tid);
+  load_tile<E, BC, D, kThreads>(sV, V, p.is.st, 0, T, tid);
   cp_async_commit();
 
-  const int row_lo = q0 + warp * 16 + g;
-  float lse2[2], dl[2];
+  const int wrow = warp * 16 * MT, w0 = q0 + wrow;  // this warp's first query (in the tile, in the sequence)
+  float lse2[MT][2], dl[MT][2];                     // rows g and g + 8 of each m tile
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int q = row_lo + r * 8;
-    lse2[r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
-    dl[r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
-  }
-  float dq[D / 8][4] = {};
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int q = w0 + mt * 16 + g + r * 8;
+      lse2[mt][r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
+      dl[mt][r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
+    }
+  float dq[MT][D / 8][4] = {};
   const float sl2 = p.scale * kLog2e;
 
   for (int j = 0; j < nblocks; j++) {
-    const int buf = j & 1, k0 = j * kBc;
+    const int buf = j & 1, k0 = j * BC;
     if (j + 1 < nblocks) {
-      load_tile<E, kBc, D, kThreads>(sK + (buf ^ 1) * kBc * P, K, p.is.st, k0 + kBc, T, tid);
-      load_tile<E, kBc, D, kThreads>(sV + (buf ^ 1) * kBc * P, V, p.is.st, k0 + kBc, T, tid);
+      load_tile<E, BC, D, kThreads>(sK + (buf ^ 1) * BC * P, K, p.is.st, k0 + BC, T, tid);
+      load_tile<E, BC, D, kThreads>(sV + (buf ^ 1) * BC * P, V, p.is.st, k0 + BC, T, tid);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const E* k_s = sK + buf * kBc * P;
-    const E* v_s = sV + buf * kBc * P;
+    const E* k_s = sK + buf * BC * P;
+    const E* v_s = sV + buf * BC * P;
 
-    float s[kBc / 8][4] = {}, dp[kBc / 8][4] = {};  // S = Q K^T, dP = dO V^T: 16 rows x 64 keys
+    // Warp-uniform: some key of the block is visible to some row of the warp (always so at MT 1).
+    if (MT == 1 || !(p.causal && k0 > w0 + 16 * MT - 1)) {
+      float s[MT][BC / 8][4] = {}, dp[MT][BC / 8][4] = {};  // S = Q K^T, dP = dO V^T: rows x BC keys
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      uint32_t aq[4], ao[4];
-      const int aoff = (warp * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8;
-      ldmatrix_x4(aq, sQ + aoff);
-      ldmatrix_x4(ao, sdO + aoff);
+      for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t aq[MT][4], ao[MT][4];
 #pragma unroll
-      for (int nn = 0; nn < kBc / 16; nn++) {
-        const int off = (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 + ((lane >> 3) & 1) * 8;
-        uint32_t bk[4], bv[4];
-        ldmatrix_x4(bk, k_s + off);
-        ldmatrix_x4(bv, v_s + off);
-        mma<E>(s[2 * nn], aq, bk);
-        mma<E>(s[2 * nn + 1], aq, bk + 2);
-        mma<E>(dp[2 * nn], ao, bv);
-        mma<E>(dp[2 * nn + 1], ao, bv + 2);
+        for (int mt = 0; mt < MT; mt++) {
+          const int aoff = (wrow + mt * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8;
+          ldmatrix_x4(aq[mt], sQ + aoff);
+          ldmatrix_x4(ao[mt], sdO + aoff);
+        }
+#pragma unroll
+        for (int nn = 0; nn < BC / 16; nn++) {
+          const int off = (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 + ((lane >> 3) & 1) * 8;
+          uint32_t bk[4], bv[4];
+          ldmatrix_x4(bk, k_s + off);
+          ldmatrix_x4(bv, v_s + off);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma<E>(s[mt][2 * nn], aq[mt], bk);
+            mma<E>(s[mt][2 * nn + 1], aq[mt], bk + 2);
+            mma<E>(dp[mt][2 * nn], ao[mt], bv);
+            mma<E>(dp[mt][2 * nn + 1], ao[mt], bv + 2);
+          }
+        }
       }
-    }
 #pragma unroll
-    for (int t = 0; t < kBc / 8; t++)
+      for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
-        const float pv = visible(row_lo + r * 8, key, T, p.causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;
-        dp[t][e] = pv * (dp[t][e] - dl[r]);  // dS
-      }
+        for (int t = 0; t < BC / 8; t++)
 #pragma unroll
-    for (int ks = 0; ks < kBc / 16; ks++) {  // dQ += dS K
-      uint32_t a[4];
-      a_from_acc<E>(a, dp[2 * ks], dp[2 * ks + 1]);
+          for (int e = 0; e < 4; e++) {
+            const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
+            const bool vis = visible(w0 + mt * 16 + g + r * 8, key, T, p.causal);
+            const float pv = vis ? exp2f(s[mt][t][e] * sl2 - lse2[mt][r]) : 0.f;
+            dp[mt][t][e] = pv * (dp[mt][t][e] - dl[mt][r]);  // dS
+          }
 #pragma unroll
-      for (int dn = 0; dn < D / 16; dn++) {
-        uint32_t bk[4];
-        ldmatrix_x4_trans(bk, k_s + (ks * 16 + (lane & 15)) * P + dn * 16 + (lane >> 4) * 8);
-        mma<E>(dq[2 * dn], a, bk);
-        mma<E>(dq[2 * dn + 1], a, bk + 2);
+      for (int ks = 0; ks < BC / 16; ks++) {  // dQ += dS K
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) a_from_acc<E>(a[mt], dp[mt][2 * ks], dp[mt][2 * ks + 1]);
+#pragma unroll
+        for (int dn = 0; dn < D / 16; dn++) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, k_s + (ks * 16 + (lane & 15)) * P + dn * 16 + (lane >> 4) * 8);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma<E>(dq[mt][2 * dn], a[mt], bk);
+            mma<E>(dq[mt][2 * dn + 1], a[mt], bk + 2);
+          }
+        }
       }
     }
     __syncthreads();
@@ -272,14 +320,16 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
 
   E* dQ = static_cast<E*>(p.dq) + in_off;
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int q = row_lo + r * 8;
-    if (q >= T) continue;
+  for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-    for (int t = 0; t < D / 8; t++)
-      *reinterpret_cast<uint32_t*>(dQ + (int64_t)q * p.is.st + t * 8 + 2 * c) =
-          Pack<E>::two(dq[t][2 * r] * p.scale, dq[t][2 * r + 1] * p.scale);
-  }
+    for (int r = 0; r < 2; r++) {
+      const int q = w0 + mt * 16 + g + r * 8;
+      if (q >= T) continue;
+#pragma unroll
+      for (int t = 0; t < D / 8; t++)
+        *reinterpret_cast<uint32_t*>(dQ + (int64_t)q * p.is.st + t * 8 + 2 * c) =
+            Pack<E>::two(dq[mt][t][2 * r] * p.scale, dq[mt][t][2 * r + 1] * p.scale);
+    }
 }
 
 // dq (strided, E) <- dq_accum (B, H, T, D) fp32, after the atomic dkdv pass.
@@ -293,28 +343,47 @@ __global__ void dq_convert_kernel(Params p) {
   }
 }
 
+template <typename K>
+void set_smem(K* kernel, int bytes) {
+  FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <typename E, int D, int MT, int BR, bool kAtomicDq>
+void launch_dkdv(const Params& p, Stream stream) {
+  constexpr int bytes = dkdv_smem<D, MT, BR, kAtomicDq>(), keys = 16 * MT * kWarps;
+  set_smem(dkdv_kernel<E, D, MT, BR, kAtomicDq>, bytes);
+  // B * H on x: y stops at 65535
+  dkdv_kernel<E, D, MT, BR, kAtomicDq><<<dim3(p.B * p.H, (p.T + keys - 1) / keys), kThreads, bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E, int D, int MT, int BC>
+void launch_dq(const Params& p, Stream stream) {
+  constexpr int bytes = dq_smem<D, MT, BC>(), rows = 16 * MT * kWarps;
+  set_smem(dq_kernel<E, D, MT, BC>, bytes);
+  dq_kernel<E, D, MT, BC><<<dim3(p.B * p.H, (p.T + rows - 1) / rows), kThreads, bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+// Options of kDkdvTiles / kDqTiles in order; head dim 128 has only the first of each (more would not fit in
+// registers), with 32 queries per dkdv step. The atomic path keeps the first dkdv shape.
 template <typename E, int D>
 void launch(const Params& p, bool deterministic, Stream stream) {
-  const dim3 kgrid(p.B * p.H, (p.T + kBc - 1) / kBc);  // B * H on x: y stops at 65535
-  constexpr int kbytes = dkdv_smem<D>();
+  constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
   if (deterministic) {
-    FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(dkdv_kernel<E, D, false>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kbytes));
-    dkdv_kernel<E, D, false><<<kgrid, kThreads, kbytes, stream>>>(p);
-    FASTGPT_CUDA_CHECK_LAUNCH();
-    const int qbytes = dq_smem(D);
-    FASTGPT_CUDA_CHECK(
-        cudaFuncSetAttribute(dq_kernel<E, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, qbytes));
-    dq_kernel<E, D><<<dim3(p.B * p.H, (p.T + 63) / 64), kThreads, qbytes, stream>>>(p);
-    FASTGPT_CUDA_CHECK_LAUNCH();
+    const int dkdv = D == 64 ? p.tiles.dkdv : 0, dq = D == 64 ? p.tiles.dq : 0;
+    if constexpr (D == 64) {
+      if (dkdv == 1) launch_dkdv<E, D, 2, 32, false>(p, stream);
+      if (dq == 1) launch_dq<E, D, 2, 64>(p, stream);
+      if (dq == 2) launch_dq<E, D, 2, 32>(p, stream);
+    }
+    if (dkdv == 0) launch_dkdv<E, D, 1, kBr, false>(p, stream);
+    if (dq == 0) launch_dq<E, D, 1, 64>(p, stream);
     return;
   }
   FASTGPT_CUDA_CHECK(
       cudaMemsetAsync(p.dq_accum, 0, (size_t)p.B * p.H * p.T * D * sizeof(float), stream));
-  FASTGPT_CUDA_CHECK(
-      cudaFuncSetAttribute(dkdv_kernel<E, D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kbytes));
-  dkdv_kernel<E, D, true><<<kgrid, kThreads, kbytes, stream>>>(p);
-  FASTGPT_CUDA_CHECK_LAUNCH();
+  launch_dkdv<E, D, 1, kBr, true>(p, stream);
   const int64_t total = (int64_t)p.B * p.H * p.T * D;
   const unsigned blocks = (unsigned)std::min<int64_t>((total + 255) / 256, 1 << 16);
   dq_convert_kernel<E><<<blocks, 256, 0, stream>>>(p);

@@ -1,10 +1,14 @@
 // Flash attention forward on tensor cores (bf16 / fp16 in, fp32 accumulate), head dim 64 or 128.
-// One CTA of 4 warps takes 64 query rows of one (b, h), 16 rows per warp, and walks the key blocks of 64: S = Q K^T
-// (mma), an online softmax in registers (running max m and sum l per row, in log2 units so exp is one exp2),
-// O += P V with P fed straight from the S accumulators as the A operand. K and V blocks are double-buffered with
-// cp.async, so the next block streams in while this one is multiplied. Only O and the row's log-sum-exp are written.
-// Causal: blocks above the diagonal are skipped, the diagonal block is masked; grid order puts the longest (last)
-// query blocks first (grid y counts down, and x, the (b, h) pairs, is dispatched first). T needs not be a multiple of 64: rows past T load as zeros and are masked or not stored.
+// One CTA of 4 warps takes 16 * MT query rows per warp of one (b, h) and walks the key blocks of BC: S = Q K^T (mma),
+// an online softmax in registers (running max m and sum l per row, in log2 units so exp is one exp2), O += P V with
+// P fed straight from the S accumulators as the A operand. K and V blocks are double-buffered with cp.async, so the
+// next block streams in while this one is multiplied. Only O and the row's log-sum-exp are written.
+// (MT, BC) is the tile shape (Params::tiles.fwd, see kFwdTiles): with MT = 2 every K and V fragment read from shared
+// memory feeds two mma tiles instead of one (twice the rows per CTA, the same shared-memory reads per block).
+// Causal: blocks above the diagonal are skipped, the diagonal block is masked, and a warp skips the products of a
+// block that lies wholly after its rows (it would add P = 0 with alpha = 1: the same bits); grid order puts the
+// longest (last) query blocks first (grid y counts down, and x, the (b, h) pairs, is dispatched first). T needs not
+// be a multiple of the tiles: rows past T load as zeros and are masked or not stored.
 #include "cuda/check.h"
 #include "cuda/flash_attention.cuh"
 
@@ -13,117 +17,136 @@ namespace fastgpt::cuda::flash {
 namespace {
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps;
-constexpr int kBr = 64, kBc = 64;  // query rows per CTA, keys per block
 
-template <int D>
+template <int D, int MT, int BC>
 constexpr int smem_bytes() {
-  return (kBr + 4 * kBc) * (D + kPad) * 2;  // Q, and K and V twice each
+  return (16 * MT * kWarps + 4 * BC) * (D + kPad) * 2;  // Q, and K and V twice each
 }
 
-template <typename E, int D>
+template <typename E, int D, int MT, int BC>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
+  constexpr int BR = 16 * MT * kWarps, P = D + kPad;  // query rows per CTA, shared-memory row pitch
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  E* sQ = reinterpret_cast<E*>(smem_raw);  // (kBr, D + kPad)
-  E* sK = sQ + kBr * (D + kPad);           // 2 x (kBc, D + kPad)
-  E* sV = sK + 2 * kBc * (D + kPad);       // 2 x (kBc, D + kPad)
+  E* sQ = reinterpret_cast<E*>(smem_raw);  // (BR, P)
+  E* sK = sQ + BR * P;                     // 2 x (BC, P)
+  E* sV = sK + 2 * BC * P;                 // 2 x (BC, P)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int qblock = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
-  const int q0 = qblock * kBr, T = p.T;
+  const int q0 = qblock * BR, T = p.T;
   const int64_t in_off = b * p.is.sb + h * p.is.sh;
   const E* Q = static_cast<const E*>(p.q) + in_off;
   const E* K = static_cast<const E*>(p.k) + in_off;
   const E* V = static_cast<const E*>(p.v) + in_off;
-  const int kv_end = p.causal ? min(T, q0 + kBr) : T;
-  const int nblocks = (kv_end + kBc - 1) / kBc;
+  const int kv_end = p.causal ? min(T, q0 + BR) : T;
+  const int nblocks = (kv_end + BC - 1) / BC;
 
-  load_tile<E, kBr, D, kThreads>(sQ, Q, p.is.st, q0, T, tid);
-  load_tile<E, kBc, D, kThreads>(sK, K, p.is.st, 0, T, tid);
-  load_tile<E, kBc, D, kThreads>(sV, V, p.is.st, 0, T, tid);
+  load_tile<E, BR, D, kThreads>(sQ, Q, p.is.st, q0, T, tid);
+  load_tile<E, BC, D, kThreads>(sK, K, p.is.st, 0, T, tid);
+  load_tile<E, BC, D, kThreads>(sV, V, p.is.st, 0, T, tid);
   cp_async_commit();
 
-  float o[D / 8][4] = {};  // this warp's 16 rows x D of O
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8, m in log2 units
+  float o[MT][D / 8][4] = {};  // this warp's 16 * MT rows x D of O
+  float m[MT][2], l[MT][2];    // rows g and g + 8 of each m tile; m in log2 units
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
   const float sl2 = p.scale * kLog2e;
-  const int row_lo = q0 + warp * 16 + g;  // the query of accumulator elements 0, 1 (2, 3 are row_lo + 8)
+  const int wrow = warp * 16 * MT, w0 = q0 + wrow;  // this warp's first row (in the tile, in the sequence)
+  // The query of accumulator elements 0, 1 of m tile mt is w0 + 16 mt + g; elements 2, 3 are 8 rows below.
 
   for (int j = 0; j < nblocks; j++) {
-    const int buf = j & 1, k0 = j * kBc;
+    const int buf = j & 1, k0 = j * BC;
     if (j + 1 < nblocks) {  // prefetch the next block into the other buffer (free since the sync ending j - 1)
-      load_tile<E, kBc, D, kThreads>(sK + (buf ^ 1) * kBc * (D + kPad), K, p.is.st, k0 + kBc, T, tid);
-      load_tile<E, kBc, D, kThreads>(sV + (buf ^ 1) * kBc * (D + kPad), V, p.is.st, k0 + kBc, T, tid);
+      load_tile<E, BC, D, kThreads>(sK + (buf ^ 1) * BC * P, K, p.is.st, k0 + BC, T, tid);
+      load_tile<E, BC, D, kThreads>(sV + (buf ^ 1) * BC * P, V, p.is.st, k0 + BC, T, tid);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const E* k_s = sK + buf * kBc * (D + kPad);
-    const E* v_s = sV + buf * kBc * (D + kPad);
+    const E* k_s = sK + buf * BC * P;
+    const E* v_s = sV + buf * BC * P;
 
-    float s[kBc / 8][4] = {};  // S = Q K^T for this warp's 16 rows x 64 keys
+    // Warp-uniform: some key of the block is visible to some row of the warp (always so at MT 1, whose check would
+    // only cost registers).
+    if (MT == 1 || !(p.causal && k0 > w0 + 16 * MT - 1)) {
+      float s[MT][BC / 8][4] = {};  // S = Q K^T for this warp's rows x BC keys
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      uint32_t a[4];
-      ldmatrix_x4(a, sQ + (warp * 16 + (lane & 15)) * (D + kPad) + kk * 16 + (lane >> 4) * 8);
+      for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t a[MT][4];
 #pragma unroll
-      for (int nn = 0; nn < kBc / 16; nn++) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, k_s + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * (D + kPad) + kk * 16 +
-                            ((lane >> 3) & 1) * 8);
-        mma<E>(s[2 * nn], a, bk);
-        mma<E>(s[2 * nn + 1], a, bk + 2);
-      }
-    }
-
-    // Scale to log2 units and mask: keys past T, and (causal) keys after the query.
-    const bool need_mask = k0 + kBc > T || (p.causal && k0 + kBc > q0);
+        for (int mt = 0; mt < MT; mt++)
+          ldmatrix_x4(a[mt], sQ + (wrow + mt * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8);
 #pragma unroll
-    for (int t = 0; t < kBc / 8; t++)
+        for (int nn = 0; nn < BC / 16; nn++) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, k_s + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * P + kk * 16 + ((lane >> 3) & 1) * 8);
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int key = k0 + t * 8 + 2 * c + (e & 1), row = row_lo + (e >> 1) * 8;
-        s[t][e] *= sl2;
-        if (need_mask && (key >= T || (p.causal && key > row))) s[t][e] = -INFINITY;
+          for (int mt = 0; mt < MT; mt++) {
+            mma<E>(s[mt][2 * nn], a[mt], bk);
+            mma<E>(s[mt][2 * nn + 1], a[mt], bk + 2);
+          }
+        }
       }
 
-    // Online softmax: each row's values are spread over the 4 lanes of its group.
+      // Scale to log2 units and mask: keys past T, and (causal) keys after the query.
+      const bool need_mask = k0 + BC > T || (p.causal && k0 + BC > w0);
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-      float mx = m[r];
+      for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-      for (int t = 0; t < kBc / 8; t++) mx = fmaxf(mx, fmaxf(s[t][2 * r], s[t][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
-      const float alpha = exp2f(m[r] - base);
-      m[r] = mx;
-      float sum = 0.f;
+        for (int t = 0; t < BC / 8; t++)
 #pragma unroll
-      for (int t = 0; t < kBc / 8; t++) {
-        s[t][2 * r] = exp2f(s[t][2 * r] - base);
-        s[t][2 * r + 1] = exp2f(s[t][2 * r + 1] - base);
-        sum += s[t][2 * r] + s[t][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;  // this lane's share; the group's shares are added once at the end
-#pragma unroll
-      for (int t = 0; t < D / 8; t++) {
-        o[t][2 * r] *= alpha;
-        o[t][2 * r + 1] *= alpha;
-      }
-    }
+          for (int e = 0; e < 4; e++) {
+            const int key = k0 + t * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
+            s[mt][t][e] *= sl2;
+            if (need_mask && (key >= T || (p.causal && key > row))) s[mt][t][e] = -INFINITY;
+          }
 
-    // O += P V, 16 keys at a time: P's accumulators of tiles 2ks, 2ks+1 are the A fragment.
+      // Online softmax: each row's values are spread over the 4 lanes of its group.
 #pragma unroll
-    for (int ks = 0; ks < kBc / 16; ks++) {
-      uint32_t a[4];
-      a_from_acc<E>(a, s[2 * ks], s[2 * ks + 1]);
+      for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-      for (int dn = 0; dn < D / 16; dn++) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, v_s + (ks * 16 + (lane & 15)) * (D + kPad) + dn * 16 + (lane >> 4) * 8);
-        mma<E>(o[2 * dn], a, bv);
-        mma<E>(o[2 * dn + 1], a, bv + 2);
+        for (int r = 0; r < 2; r++) {
+          float mx = m[mt][r];
+#pragma unroll
+          for (int t = 0; t < BC / 8; t++) mx = fmaxf(mx, fmaxf(s[mt][t][2 * r], s[mt][t][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
+          const float alpha = exp2f(m[mt][r] - base);
+          m[mt][r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int t = 0; t < BC / 8; t++) {
+            s[mt][t][2 * r] = exp2f(s[mt][t][2 * r] - base);
+            s[mt][t][2 * r + 1] = exp2f(s[mt][t][2 * r + 1] - base);
+            sum += s[mt][t][2 * r] + s[mt][t][2 * r + 1];
+          }
+          l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share; the group's shares are added once at the end
+#pragma unroll
+          for (int t = 0; t < D / 8; t++) {
+            o[mt][t][2 * r] *= alpha;
+            o[mt][t][2 * r + 1] *= alpha;
+          }
+        }
+
+      // O += P V, 16 keys at a time: P's accumulators of tiles 2ks, 2ks+1 are the A fragment.
+#pragma unroll
+      for (int ks = 0; ks < BC / 16; ks++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) a_from_acc<E>(a[mt], s[mt][2 * ks], s[mt][2 * ks + 1]);
+#pragma unroll
+        for (int dn = 0; dn < D / 16; dn++) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, v_s + (ks * 16 + (lane & 15)) * P + dn * 16 + (lane >> 4) * 8);
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++) {
+            mma<E>(o[mt][2 * dn], a[mt], bv);
+            mma<E>(o[mt][2 * dn + 1], a[mt], bv + 2);
+          }
+        }
       }
     }
     __syncthreads();  // every warp is done with this buffer before iteration j + 1 prefetches into it
@@ -132,31 +155,43 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
   // Normalise and store; rows past T are dropped. lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2.
   E* O = static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh;
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float tot = l[r];
-    tot += __shfl_xor_sync(0xffffffffu, tot, 1);
-    tot += __shfl_xor_sync(0xffffffffu, tot, 2);
-    const int row = row_lo + r * 8;
-    if (row >= T) continue;
-    const float inv = 1.f / tot;
-    E* orow = O + (int64_t)row * p.os.st;
+  for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-    for (int t = 0; t < D / 8; t++) {
-      const uint32_t v2 = Pack<E>::two(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
-      *reinterpret_cast<uint32_t*>(orow + t * 8 + 2 * c) = v2;
+    for (int r = 0; r < 2; r++) {
+      float tot = l[mt][r];
+      tot += __shfl_xor_sync(0xffffffffu, tot, 1);
+      tot += __shfl_xor_sync(0xffffffffu, tot, 2);
+      const int row = w0 + mt * 16 + g + r * 8;
+      if (row >= T) continue;
+      const float inv = 1.f / tot;
+      E* orow = O + (int64_t)row * p.os.st;
+#pragma unroll
+      for (int t = 0; t < D / 8; t++) {
+        const uint32_t v2 = Pack<E>::two(o[mt][t][2 * r] * inv, o[mt][t][2 * r + 1] * inv);
+        *reinterpret_cast<uint32_t*>(orow + t * 8 + 2 * c) = v2;
+      }
+      if (c == 0) p.lse[(int64_t)bh * T + row] = (m[mt][r] + log2f(tot)) * kLn2;
     }
-    if (c == 0) p.lse[(int64_t)bh * T + row] = (m[r] + log2f(tot)) * kLn2;
-  }
 }
 
-template <typename E, int D>
+template <typename E, int D, int MT, int BC>
 void launch(const Params& p, Stream stream) {
-  constexpr int bytes = smem_bytes<D>();
+  constexpr int bytes = smem_bytes<D, MT, BC>(), rows = 16 * MT * kWarps;
   FASTGPT_CUDA_CHECK(
-      cudaFuncSetAttribute(forward_kernel<E, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  dim3 grid(p.B * p.H, (p.T + kBr - 1) / kBr);  // B * H on x: y and z stop at 65535
-  forward_kernel<E, D><<<grid, kThreads, bytes, stream>>>(p);
+      cudaFuncSetAttribute(forward_kernel<E, D, MT, BC>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  dim3 grid(p.B * p.H, (p.T + rows - 1) / rows);  // B * H on x: y and z stop at 65535
+  forward_kernel<E, D, MT, BC><<<grid, kThreads, bytes, stream>>>(p);
   FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+// kFwdTiles' options in order; head dim 128 has only the first (more rows per warp would not fit in registers).
+template <typename E, int D>
+void launch_tiles(const Params& p, Stream stream) {
+  if constexpr (D == 64) {
+    if (p.tiles.fwd == 1) return launch<E, D, 2, 64>(p, stream);
+    if (p.tiles.fwd == 2) return launch<E, D, 1, 128>(p, stream);
+  }
+  launch<E, D, 1, 64>(p, stream);
 }
 
 }  // namespace
@@ -164,9 +199,9 @@ void launch(const Params& p, Stream stream) {
 template <typename E>
 void forward_tc(const Params& p, Stream stream) {
   if (p.d == 64)
-    launch<E, 64>(p, stream);
+    launch_tiles<E, 64>(p, stream);
   else
-    launch<E, 128>(p, stream);
+    launch_tiles<E, 128>(p, stream);
 }
 
 template void forward_tc<__nv_bfloat16>(const Params&, Stream);

@@ -6,6 +6,8 @@
 // order could change a sum). Plain C++ (no CUDA headers), so the binding compiles with or without the toolkit.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "cpu/kernels.h"  // AdamWHyper: one definition for both devices
 
@@ -76,6 +78,20 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
                               const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
                               Stream stream);
+
+// The tensor-core kernels' tile shapes at head dim 64 (flash_attention.cuh): a process-wide choice, so that a
+// benchmark can time each on the GPU at hand; option 0 of each is the default, and d 128 always runs option 0.
+// set_flash_tiles returns the previous choice and throws std::invalid_argument for an option out of range. Each
+// call reads the choice when it launches (a recorded CUDA graph keeps the shapes it was recorded with).
+struct FlashTiles {
+  int fwd = 0, dkdv = 0, dq = 0;
+};
+struct FlashTileOptions {
+  std::vector<std::string> fwd, dkdv, dq;  // names, by option
+};
+FlashTiles flash_tiles();
+FlashTiles set_flash_tiles(const FlashTiles& tiles);
+FlashTileOptions flash_tile_options();
 
 // The engine's attention on the fused qkv (B, T, 3C): the flash kernels through strides (attention.cu); fp32 on
 // CUDA cores, bf16/fp16 on the tensor-core kernels (head size 64 or 128).

@@ -383,6 +383,39 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bhtd"
     return dq, dk, dv
 
 
+def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
+    """Picks the tile shapes of the GPU's bfloat16/float16 flash attention kernels at head dim 64, process-wide, so
+    that a benchmark can time each on the GPU at hand (bench/bench_flash_attention.py --tiles). Each argument is an
+    option's name or index (flash_attention_tile_options()); None keeps the current one. Option 0 of each is the
+    default; head dim 128 always runs option 0. Every dkdv and dq option gives the same bits, and so do forward
+    options with the same key block. -> the previous choice, {"fwd": name, "dkdv": name, "dq": name}, which can be
+    passed back as flash_attention_tiles(**previous). Needs a build with CUDA."""
+    options = flash_attention_tile_options()
+    current = _ops.flash_attention_tiles()
+    chosen = []
+    for (name, value), now in zip((("fwd", fwd), ("dkdv", dkdv), ("dq", dq)), current):
+        names = options[name]
+        if value is None:
+            chosen.append(now)
+        elif isinstance(value, str) and value in names:
+            chosen.append(names.index(value))
+        elif isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < len(names):
+            chosen.append(int(value))
+        else:
+            raise ValueError(f"flash_attention_tiles: {name} must be one of {names} or an index below {len(names)}, "
+                             f"got {value!r}")
+    before = _ops.flash_attention_tiles(tuple(chosen))
+    return {name: options[name][i] for name, i in zip(("fwd", "dkdv", "dq"), before)}
+
+
+def flash_attention_tile_options():
+    """-> {"fwd": [names], "dkdv": [...], "dq": [...]}: the tile shapes flash_attention_tiles takes, option 0 first.
+    fwd: rows per warp x keys per block; dkdv: keys per warp x queries per step; dq (the deterministic backward's dq
+    pass): queries per warp x keys per block. Needs a build with CUDA."""
+    fwd, dkdv, dq = _ops.flash_attention_tile_options()
+    return {"fwd": list(fwd), "dkdv": list(dkdv), "dq": list(dq)}
+
+
 def cross_entropy_forward(logits, targets):
     """logits (..., V), targets (...) -> (mean loss, losses (N,), lse (N,))."""
     d = _where(logits, targets)

@@ -74,8 +74,10 @@ static double relerr(const std::vector<double>& got, const std::vector<double>& 
   return e / std::max(mx, 1e-2);
 }
 
+struct Outs { std::vector<double> out, lse, dq, dk, dv; };  // a run's results, logical (B, H, T, d) order
+
 template <typename E>
-void run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt, double tol, unsigned seed) {
+Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt, double tol, unsigned seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> U(-1.f, 1.f);
   const size_t n = (size_t)B * H * T * d;
@@ -112,9 +114,37 @@ void run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
          ek = relerr(logical(dk), r.dk), ev = relerr(logical(dv), r.dv);
   bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
   if (!ok) failures++;
-  printf("%s dt=%d cc=%d.x B=%d H=%d T=%d d=%d causal=%d %s det=%d lazy=%d: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
-         ok ? "ok  " : "FAIL", (int)dt, emu::g_cc_major, B, H, T, d, causal, bthd ? "bthd" : "bhtd", det, emu::g_lazy_cp,
-         eo, el, eq, ek, ev);
+  const cuda::FlashTiles tiles = cuda::flash_tiles();
+  printf("%s dt=%d cc=%d.x B=%d H=%d T=%d d=%d causal=%d %s det=%d lazy=%d tiles=%d%d%d: out %.2e lse %.2e dq %.2e "
+         "dk %.2e dv %.2e\n", ok ? "ok  " : "FAIL", (int)dt, emu::g_cc_major, B, H, T, d, causal,
+         bthd ? "bthd" : "bhtd", det, emu::g_lazy_cp, tiles.fwd, tiles.dkdv, tiles.dq, eo, el, eq, ek, ev);
+  fflush(stdout);
+  return {logical(out), glse, logical(dq), logical(dk), logical(dv)};
+}
+
+// The tile options of the tensor-core kernels at d 64 (cuda::set_flash_tiles), deterministic backward: each run must
+// match the reference (run() counts that), and every option must give the bits of the run with the same forward key
+// block and the first dkdv/dq options (fwd 16x64 and 32x64 share one; -0 and +0 compare equal).
+template <typename E>
+void run_tiles(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed,
+               std::initializer_list<cuda::FlashTiles> list) {
+  Outs base[2];  // by forward key block: 64, 128
+  bool have[2] = {false, false};
+  for (const cuda::FlashTiles& t : list) {
+    const int kb = t.fwd == 2;
+    if (!have[kb]) {
+      cuda::set_flash_tiles({kb ? 2 : 0, 0, 0});
+      base[kb] = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
+      have[kb] = true;
+    }
+    cuda::set_flash_tiles(t);
+    const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
+    const Outs& r = base[kb];
+    const bool same = o.out == r.out && o.lse == r.lse && o.dq == r.dq && o.dk == r.dk && o.dv == r.dv;
+    if (!same) failures++;
+    printf("%s tiles=%d%d%d give the bits of tiles=%d00\n", same ? "ok  " : "FAIL", t.fwd, t.dkdv, t.dq, kb ? 2 : 0);
+  }
+  cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);
 }
 
@@ -541,6 +571,7 @@ int main(int argc, char** argv) {
   try {
     if (mode == "quick") {
       run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
+      run_tiles<__nv_bfloat16>(1, 2, 150, true, false, DType::bf16, 3e-2, seed++, {{1, 1, 1}, {2, 1, 2}});
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
       run_layernorm_cases(seed);
@@ -570,9 +601,16 @@ int main(int argc, char** argv) {
       run<__nv_bfloat16>(1, 2, 100, 128, true, false, false, DType::bf16, 3e-2, seed++);
       run<__nv_bfloat16>(1, 1, 100, 128, false, true, true, DType::bf16, 3e-2, seed++);
       run<__half>(1, 1, 130, 64, false, true, true, DType::f16, 5e-3, seed++);
+      run_tiles<__half>(1, 1, 140, false, true, DType::f16, 5e-3, seed++, {{1, 0, 2}, {0, 1, 1}});
       run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
       run_fused(1, 20, 64, 2, true, seed++);
       run_decode_cases(seed);
+    } else if (mode == "tiles") {  // every option, both causal settings, T below, at and past the tiles
+      for (int T : {1, 30, 64, 129, 200})
+        for (int causal : {0, 1})
+          run_tiles<__nv_bfloat16>(1, 2, T, causal, (T + causal) % 2, DType::bf16, 3e-2, seed++,
+                                   {{0, 1, 0}, {0, 0, 1}, {0, 0, 2}, {1, 1, 1}, {1, 0, 2}, {2, 0, 0}, {2, 1, 2}});
+      run_tiles<__half>(2, 1, 150, true, true, DType::f16, 5e-3, seed++, {{1, 1, 2}, {2, 1, 1}});
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
     } else if (mode == "decode") {

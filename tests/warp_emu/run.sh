@@ -10,7 +10,7 @@
 # shared-memory declarations and the <<<>>> launches are swapped (by the sed/awk below, so those lines keep their
 # current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|f32|sm75|decode|ce|ln|adamw|big|peaky|grid, LAZY 0|1.
+#   MODE quick|mix|tc|tiles|f32|sm75|decode|ce|ln|adamw|big|peaky|grid, LAZY 0|1.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../../csrc" && pwd)
