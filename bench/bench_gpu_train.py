@@ -20,6 +20,7 @@ TF32/bf16): a sanity line, not a test.
     python3 bench/bench_gpu_train.py --B max              # each variant at the largest of B 64/32/16/8 that fits
     python3 bench/bench_gpu_train.py --no-compile         # skip torch.compile (about a minute of compiling)
     python3 bench/bench_gpu_train.py --n-layer 2 --T 256  # a quick smoke run
+    python3 bench/bench_gpu_train.py --B max --profile    # and where each side's GPU time goes (gpu_check's run)
 """
 import argparse
 import gc
@@ -32,6 +33,7 @@ import sys
 import time
 
 from _common import environment, write_json
+from _profile import print_breakdown, profile_steps
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
@@ -40,6 +42,9 @@ VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt
             "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32", "torch eager tf32",
             "torch compiled bf16")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
+# --profile's variants: issue 10's pair (and the graph), and fp32's like-for-like pair.
+PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "torch compiled bf16", "fastgpt fp32", "torch eager fp32")
+PROFILE_STEPS = 2
 
 
 def parse_args(argv=None):
@@ -58,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps; tok/s is B*T / median step time")
     p.add_argument("--seed", type=int, default=None, help="weights and data seed (default: fresh random)")
     p.add_argument("--no-compile", action="store_true", help="skip the 'torch compiled bf16' variant")
+    p.add_argument("--profile", action="store_true",
+                   help=f"{PROFILE_STEPS} more steps of each of these variants under torch.profiler after its timing,\n"
+                        f"and a table of their GPU time per op group and largest kernels:\n{', '.join(PROFILED)}")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="the GPU's peak for MFU, in TFLOPS (default 989: H100 SXM bf16 dense; H200 is the same).\n"
                         "Every variant, fp32 ones included, is judged against this one peak, as nanoGPT does")
@@ -163,6 +171,17 @@ def main(argv=None):
                 after()
         return times, losses
 
+    def profiled(name, step):
+        """--profile: PROFILE_STEPS more steps of a PROFILED variant under torch.profiler (after its timing, so the
+        profiler's overhead is in no timed step), as {"profile": breakdown} for its results; a failure is recorded,
+        not raised (the timing stands)."""
+        if not args.profile or name not in PROFILED:
+            return {}
+        try:
+            return {"profile": profile_steps(step, range(PROFILE_STEPS), torch.cuda.synchronize)}
+        except Exception as e:
+            return {"profile_error": f"{type(e).__name__}: {e}"}
+
     def fastgpt_variant(name, b):
         # fastgpt allocates outside torch's allocator: the only view of all its memory is the driver's free-memory
         # figure. Free before model creation minus the lowest free seen after creation and after every step: rough
@@ -189,7 +208,9 @@ def main(argv=None):
 
         times, losses = run_steps(step, after=lambda: free_min.append(min(free_min[-1],
                                                                           torch.cuda.mem_get_info(dev)[0])))
+        prof = profiled(name, step)
         return times, losses, {"peak_mem_bytes": free0 - free_min[-1], "peak_driver_bytes": free0 - free_min[-1],
+                               **prof,
                                "engine_bytes": model.memory()["total"],
                                "activation_bytes": model.memory()["activations"],
                                "classifier_rows": model.classifier_rows if model.fused else None,
@@ -241,7 +262,8 @@ def main(argv=None):
 
         times, losses = run_steps(step, after=lambda: free_min.append(min(free_min[-1],
                                                                           torch.cuda.mem_get_info(dev)[0])))
-        return times, losses, {"peak_mem_bytes": torch.cuda.max_memory_allocated(dev),
+        prof = profiled(name, step)
+        return times, losses, {"peak_mem_bytes": torch.cuda.max_memory_allocated(dev), **prof,
                                "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev),
                                "peak_driver_bytes": free0 - free_min[-1],
                                "peak_mem_how": "torch.cuda.max_memory_allocated",
@@ -333,10 +355,17 @@ def main(argv=None):
               f"torch.cuda.mem_get_info (driver free memory before model creation minus the lowest seen after). "
               f"Mem vs base: that driver-level figure on both sides (torch's includes its allocator's cache)")
 
+    if args.profile:
+        print_breakdown(res, PROFILED, {k: res[k]["step_ms_median"] for k in ok})
+        for k in PROFILED:
+            if "profile_error" in res.get(k, {}):
+                print(f"{k}: the profile failed: {res[k]['profile_error'][:200]}")
+
     if args.json:
         payload = {"benchmark": "bench_gpu_train", "env": env,
                    "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "batches", "vocab",
-                                                            "warmup", "steps", "seed", "no_compile", "peak_tflops")},
+                                                            "warmup", "steps", "seed", "no_compile", "peak_tflops",
+                                                            "profile")},
                    "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
                    "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,
                    "base": base, "loss_reference": ref, "sanity": sanity, "results": res}

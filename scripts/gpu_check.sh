@@ -99,8 +99,9 @@ fi
 if [ $build = ok ] && has bench; then
   # GPT-2 124M (T 1024, vocab 50304; each variant at the largest B of 64/32/16/8 that fits): fastgpt fp32, bf16
   # fused and unfused vs torch eager fp32 / tf32 / bf16 autocast + compile + fused AdamW.
-  b=FAIL; timeout 300 python3 bench/bench_gpu_train.py --B ${BENCH_B:-max} --json "$out/bench_gpu_train.json" \
-    > "$out/bench.log" 2>&1 && b=ok
+  # --profile: then where the GPU time of fastgpt's fused/graph step and torch compiled's goes, kernel by kernel.
+  b=FAIL; timeout 300 python3 bench/bench_gpu_train.py --B ${BENCH_B:-max} --profile \
+    --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && b=ok
   res[bench_gpu_train]=$b
   # The same model in fp32 / tf32 / bf16 / fp16 against torch eager / TF32 / bf16 autocast / fp16 autocast+GradScaler.
   b=FAIL; timeout 120 python3 bench/bench_precision.py --device cuda --gpt2 --steps 4 --json "$out/bench_precision.json" \

@@ -1,0 +1,107 @@
+"""Where a training step's GPU time goes: a few steps under torch.profiler, the GPU kernels (and copies, memsets) read
+back from its Chrome trace, summed per kernel and per group of ops (matmul, attention, layernorm, ...), per step.
+
+Why: a whole-step tok/s says how far fastgpt is from torch compiled, not which kernel to work on. CUPTI, under
+torch.profiler, records every kernel of the process, fastgpt's own launches and CUDA-graph replays included, so both
+sides are broken down alike in the same run. The trace's "kernel", "gpu_memcpy" and "gpu_memset" events are used
+(the Chrome trace is the profiler's stable output across torch versions). Kernel time only: the gap to the step's
+wall time is the GPU idling (host work, launches, syncs)."""
+import json
+import os
+import re
+import tempfile
+
+# First match wins, on the lower-cased kernel name; torch.compile's Triton kernels carry the ops they fuse in their
+# names ("triton_per_fused_native_layer_norm_..."), cuBLAS/cuBLASLt's GEMMs are "sm90_xmma_gemm_...", "nvjet_...",
+# "cutlass...", flash-attention's and cuDNN's attention "flash_...", "fmha...", "..._sdpa_..."; fastgpt's elementwise
+# kernels are map_kernel<type, functor> (Add, Gelu, GeluGrad).
+GROUPS = (
+    ("attention", r"flash|fmha|attention|sdpa|attn|dkdv|dq_kernel|delta_kernel"),
+    ("matmul", r"gemm|xmma|nvjet|cutlass|cublas|gemv|splitk|matmul|bias|epilogue"),
+    ("layernorm", r"layer_?norm"),
+    ("cross-entropy", r"cross_entropy|softmax|nll|log_softmax"),
+    ("gelu", r"gelu|tanh"),
+    ("residual", r"residual|cuda::add\b|add_kernel|triton_poi_fused_add"),
+    ("optimizer", r"adam|multi_tensor|foreach|sum_squares|sum_in_order|scale_kernel|norm|loss|clip|lerp|sqrt"),
+    ("embedding", r"encoder|embedding|index|gather|scatter"),
+    ("copy/fill", r"memcpy|memset|copy|cast|fill|convert|narrow|widen|elementwise_kernel"),
+)
+GROUP_NAMES = tuple(g for g, _ in GROUPS) + ("other",)
+_PATTERNS = [(g, re.compile(p)) for g, p in GROUPS]
+
+
+def group_of(name):
+    """The op group of a GPU kernel (or copy) name."""
+    low = name.lower()
+    return next((g for g, pat in _PATTERNS if pat.search(low)), "other")
+
+
+def breakdown(trace_events, steps, top=15):
+    """GPU events of a Chrome trace ({"cat", "name", "dur" in us}) -> per-step sums: {"kernel_ms": total,
+    "groups": {group: ms}, "top": [{"name", "group", "ms", "calls"}, ...] (the `top` largest by time)}."""
+    per_name = {}
+    for e in trace_events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
+            continue
+        ms, calls = per_name.get(e["name"], (0.0, 0))
+        per_name[e["name"]] = (ms + float(e["dur"]) / 1e3, calls + 1)
+    groups = dict.fromkeys(GROUP_NAMES, 0.0)
+    rows = []
+    for name, (ms, calls) in per_name.items():
+        g = group_of(name)
+        groups[g] += ms / steps
+        rows.append({"name": name, "group": g, "ms": ms / steps, "calls": calls / steps})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"kernel_ms": sum(groups.values()), "groups": groups, "top": rows[:top], "kernels": len(rows)}
+
+
+def profile_steps(step, indices, sync, activity="CUDA"):
+    """Runs step(i) for each i under torch.profiler (`activity`: a ProfilerActivity name), after sync();
+    -> breakdown() per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
+        for i in indices:
+            step(i)
+        sync()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.remove(path)
+    return breakdown(trace.get("traceEvents", []), len(indices))
+
+
+def short(name):
+    """A kernel's demangled name without the namespaces every one of them carries."""
+    for noise in ("void ", "fastgpt::cuda::", "(anonymous namespace)::", "at::native::"):
+        name = name.replace(noise, "")
+    return name
+
+
+def print_breakdown(results, names, step_ms):
+    """One table: op groups down, the profiled variants across (ms of GPU kernels per step), then the step's
+    median wall time and the idle gap; then each variant's largest kernels."""
+    names = [n for n in names if "profile" in results.get(n, {})]
+    if not names:
+        return
+    width = max(12, *(len(n) for n in names))
+    print("\nwhere the GPU time goes (ms per step of kernels, torch.profiler; each variant at its own B):")
+    print(f"{'group':<14}" + "".join(f" {n:>{width}}" for n in names))
+    for g in GROUP_NAMES:
+        vals = [results[n]["profile"]["groups"].get(g, 0.0) for n in names]
+        if any(v >= 0.005 for v in vals):
+            print(f"{g:<14}" + "".join(f" {v:>{width}.2f}" for v in vals))
+    print(f"{'kernels':<14}" + "".join(f" {results[n]['profile']['kernel_ms']:>{width}.2f}" for n in names))
+    print(f"{'step (wall)':<14}" + "".join(f" {step_ms[n]:>{width}.2f}" for n in names))
+    print(f"{'idle':<14}" + "".join(f" {step_ms[n] - results[n]['profile']['kernel_ms']:>{width}.2f}"
+                                    for n in names))
+    for n in names:
+        p = results[n]["profile"]
+        print(f"\n{n}: {p['kernels']} distinct kernels; the largest (ms per step, calls per step, group):")
+        for r in p["top"]:
+            print(f"  {r['ms']:8.3f} {r['calls']:6.1f}  {r['group']:<13} {short(r['name'])[:90]}")

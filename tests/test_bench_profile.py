@@ -1,0 +1,98 @@
+"""bench/_profile.py, behind bench_gpu_train.py --profile (where a training step's GPU time goes, fastgpt beside torch
+compiled): kernel names sort into the op groups the table shows, a Chrome trace's GPU events are summed per kernel
+and per step, and the profiler's own trace is read back (here with CPU activity: no GPU kernels to find)."""
+import pathlib
+import sys
+
+import numpy as np
+
+from fastgpt import ops
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import _profile  # noqa: E402
+
+# Demangled names as CUPTI reports them: fastgpt's own (from the built module), cuBLAS/cuBLASLt, torch eager and
+# torch.compile's Triton kernels, torch's flash and cuDNN attention.
+NAMES = {
+    "void fastgpt::cuda::flash::(anonymous namespace)::forward_kernel<__nv_bfloat16, 64, 2, 64>(fastgpt::cuda::"
+    "flash::Params)": "attention",
+    "void fastgpt::cuda::flash::(anonymous namespace)::dkdv_kernel<__half, 64, 1, 64, false>(fastgpt::cuda::flash::"
+    "Params)": "attention",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x"
+    "_cublas": "matmul",
+    "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT": "matmul",
+    "void fastgpt::cuda::(anonymous namespace)::epilogue_kernel<fastgpt::bf16, float>(...)": "matmul",
+    "void fastgpt::cuda::(anonymous namespace)::residual_layernorm_forward_kernel<fastgpt::bf16>(...)": "layernorm",
+    "triton_per_fused_add_native_layer_norm_native_layer_norm_backward_3": "layernorm",
+    "void fastgpt::cuda::(anonymous namespace)::cross_entropy_forward_backward_kernel<fastgpt::bf16>(...)":
+        "cross-entropy",
+    "triton_red_fused__log_softmax_backward_data_nll_loss_backward_nll_loss_forward_5": "cross-entropy",
+    "void fastgpt::cuda::detail::map_kernel<fastgpt::bf16, fastgpt::cuda::Gelu>(...)": "gelu",
+    "triton_poi_fused_gelu_gelu_backward_4": "gelu",
+    "void fastgpt::cuda::detail::map_kernel<float, fastgpt::cuda::Add>(...)": "residual",
+    "void fastgpt::cuda::(anonymous namespace)::adamw_step_kernel<fastgpt::bf16>(...)": "optimizer",
+    "void fastgpt::cuda::sum_in_order_kernel(...)": "optimizer",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "FusedAdamMathFunctor<float, 4>>(...)": "optimizer",
+    "void fastgpt::cuda::(anonymous namespace)::encoder_backward_wte_kernel<fastgpt::bf16>(...)": "embedding",
+    "void at::native::embedding_backward_feature_kernel<c10::BFloat16, float, long>(...)": "embedding",
+    "void fastgpt::cuda::(anonymous namespace)::narrow_kernel<fastgpt::bf16>(...)": "copy/fill",
+    "Memcpy HtoD (Pinned -> Device)": "copy/fill",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0": "attention",
+    "void cub::DeviceRadixSortOnesweepKernel<...>": "other",
+}
+
+
+def test_kernel_names_fall_into_their_op_groups():
+    wrong = {n: (_profile.group_of(n), g) for n, g in NAMES.items() if _profile.group_of(n) != g}
+    assert not wrong, wrong
+    assert _profile.short(next(iter(NAMES))).startswith("flash::forward_kernel<")
+
+
+def test_trace_events_are_summed_per_kernel_and_per_step():
+    rng = np.random.default_rng()
+    durs = rng.uniform(1, 100, size=6)  # microseconds
+    gemm, ln = "nvjet_tst_128x256", "void fastgpt::cuda::(anonymous namespace)::layernorm_forward_kernel<float>()"
+    events = [{"cat": "kernel", "name": gemm, "dur": durs[0]}, {"cat": "kernel", "name": gemm, "dur": durs[1]},
+              {"cat": "kernel", "name": ln, "dur": durs[2]}, {"cat": "gpu_memset", "name": "Memset (Device)",
+                                                              "dur": durs[3]},
+              {"cat": "cpu_op", "name": "aten::mm", "dur": durs[4]},  # host side: not GPU time
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": durs[5]}, {"cat": "kernel", "name": ln}]
+    b = _profile.breakdown(events, steps=2, top=2)
+    assert np.isclose(b["groups"]["matmul"], (durs[0] + durs[1]) / 2e3)
+    assert np.isclose(b["groups"]["layernorm"], durs[2] / 2e3)
+    assert np.isclose(b["groups"]["copy/fill"], durs[3] / 2e3)
+    assert np.isclose(b["kernel_ms"], durs[:4].sum() / 2e3)
+    assert b["kernels"] == 3 and len(b["top"]) == 2
+    assert [r["ms"] for r in b["top"]] == sorted((r["ms"] for r in b["top"]), reverse=True)
+    assert b["top"][0]["calls"] in (0.5, 1.0)
+
+
+def test_profile_steps_reads_the_profilers_trace():
+    x = np.random.default_rng().standard_normal((32, 48)).astype(np.float32)
+    calls = []
+
+    def step(i):
+        calls.append(i)
+        ops.layernorm_forward(x, np.ones(48, np.float32), np.zeros(48, np.float32))
+
+    b = _profile.profile_steps(step, range(3), lambda: None, activity="CPU")
+    assert calls == [0, 1, 2]
+    assert b["kernel_ms"] == 0 and b["kernels"] == 0  # CPU activity: no GPU kernel events
+    assert set(b["groups"]) == set(_profile.GROUP_NAMES)
+
+
+def test_the_table_puts_variants_side_by_side(capsys):
+    events = [{"cat": "kernel", "name": n, "dur": 10.0 * (i + 1)} for i, n in enumerate(NAMES)]
+    res = {"fastgpt bf16 fused": {"profile": _profile.breakdown(events, 1)},
+           "torch compiled bf16": {"profile": _profile.breakdown(events[:3], 1)},
+           "fastgpt bf16 graph": {"profile_error": "RuntimeError: no CUPTI"}}
+    step_ms = {"fastgpt bf16 fused": 50.0, "torch compiled bf16": 40.0}
+    _profile.print_breakdown(res, ("fastgpt bf16 fused", "fastgpt bf16 graph", "torch compiled bf16"), step_ms)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("group"))
+    assert header.split()[1:] == ["fastgpt", "bf16", "fused", "torch", "compiled", "bf16"]  # no profile, no column
+    idle = next(line for line in out.splitlines() if line.startswith("idle"))
+    fused_ms = sum(10.0 * (i + 1) for i in range(len(NAMES))) / 1e3
+    assert np.isclose(float(idle.split()[1]), 50.0 - fused_ms, atol=0.006)
+    assert "forward_kernel" in out and f"fastgpt bf16 fused: {len(NAMES)} distinct kernels" in out
