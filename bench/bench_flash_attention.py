@@ -6,10 +6,11 @@ cuDNN) are the bar a flash kernel has to meet. Throughput is reported in TFLOP/s
 (forward 4*B*H*T^2*d, halved when causal; backward 2.5x forward), so numbers compare with published ones.
 
 On a GPU (torch sees one and fastgpt was built with CUDA): head dim --d 64,128 x --T 1024,2048,4096 x causal and
-not, in --dtype bf16. Shapes follow flash-attention's own benchmark: --tokens 16384 per batch (B = 16384 / T) and
-model width --dim 2048 (H = 2048 / d), so every case does the same work per token and keeps an H100 busy. Inputs
-are fresh standard normals (seeded, printed). Each implementation runs --warmup untimed calls, then --repeats calls
-timed with CUDA events; the median is reported. torch runs under sdpa_kernel([backend]) for FLASH_ATTENTION,
+not, in --dtype bf16 (or fp16; fp32 times fastgpt's CUDA-core kernels, the engine's fp32/tf32 attention). Shapes
+follow flash-attention's own benchmark: --tokens 16384 per batch (B = 16384 / T) and model width --dim 2048 (H =
+2048 / d), so every case does the same work per token and keeps an H100 busy. Inputs are fresh standard normals
+(seeded, printed). Each implementation runs --warmup untimed calls, then --repeats calls timed with CUDA events; the
+median is reported. torch runs under sdpa_kernel([backend]) for FLASH_ATTENTION,
 EFFICIENT_ATTENTION and CUDNN_ATTENTION (a backend that refuses the case is listed as skipped), and once with no
 restriction ("default", with the backend torch._fused_sdp_choice says it picks). The ratio compares fastgpt with the
 fastest torch backend: torch ms / fastgpt ms, above 1 means fastgpt is faster. --deterministic adds fastgpt's
@@ -45,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--d", type=ints, default=[64, 128], help="head dims, comma-separated (GPU)")
     p.add_argument("--T", type=ints, default=[1024, 2048, 4096], help="sequence lengths, comma-separated (GPU)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="GPU input dtype")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="GPU input dtype (fp32: fastgpt's CUDA-core kernels, the engine's fp32/tf32 attention)")
     p.add_argument("--tokens", type=int, default=16384, help="B*T per case: B = tokens // T (GPU)")
     p.add_argument("--dim", type=int, default=2048, help="model width H*d: H = dim // d (GPU)")
     p.add_argument("--deterministic", action="store_true", help="also time fastgpt's deterministic backward")
@@ -69,7 +71,7 @@ def gpu_rows(args):
 
     from fastgpt import ops
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     dev = torch.device("cuda", 0)
     causals = {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]
 
@@ -115,7 +117,7 @@ def gpu_rows(args):
                 record("fastgpt deterministic", None,
                        lambda: ops.flash_attention_backward(dout, q, k, v, fg_out, fg_lse, causal=causal,
                                                             deterministic=True))
-            if args.tiles and d == 64:
+            if args.tiles and d == 64 and args.dtype != "fp32":  # the tensor-core kernels' shapes
                 tile_rows(record, q, k, v, dout, causal)
         for name in (None,) + BACKENDS:
             ctx = sdpa_kernel([getattr(SDPBackend, name)]) if name else contextlib.nullcontext()

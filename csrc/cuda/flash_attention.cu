@@ -4,10 +4,12 @@
 // (mma.sync m16n8k16, cp.async), so on older GPUs (T4: sm_75) bf16/fp16 take the simt path too, which reads and
 // writes 16-bit elements and computes in fp32.
 // simt path: a warp owns 4 rows (forward and dq) or 4 keys (dk/dv) and its lanes run along the other side of the
-// score tile (32 keys or 32 queries), so each score is one lane's dot product over d from shared memory (rows padded
-// by one float: lanes read different banks), the softmax statistics are warp reductions, and products with V, K, Q
-// or dO broadcast one lane's probability at a time (shuffles) while lanes own d / 32 output columns each. Every sum
-// runs in a fixed order and nothing uses atomics: the fp32 path is deterministic.
+// score tile (32 keys or 32 queries), so each score is one lane's dot product over d from shared memory, 4 columns
+// per load (rows zero-padded to d4, a multiple of 4; the lanes' rows with pitch d4 + 4, so 8 lanes' 16-byte reads
+// cover all 32 banks), the softmax statistics are warp reductions, and products with V, K, Q or dO broadcast one
+// lane's probability at a time (shuffles) while lanes own the NC chunks of 32 columns that d has (a template
+// argument: 2, 4 or 8 for d up to 64, 128, 256). Every sum runs in a fixed order (the padding adds exact zeros) and
+// nothing uses atomics: the fp32 path is deterministic.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,79 +31,95 @@ namespace {
 
 constexpr int kThreads = 128, kRows = 4;  // 4 warps; rows (or keys) per warp: 16 per CTA
 constexpr int kTile = 32;                 // the lanes' side of a score tile
-constexpr int kMaxChunks = 8;             // d <= 8 * 32: lane owns columns lane + 32 i
 
-// rows [row0, row0 + n) of a (b, h) slice with row stride st into dst (n, pitch) as fp32, zeros past T.
+// The simt kernels' shared-memory row widths for head dim d: d4 (d rounded up to 4: the rows read as broadcasts)
+// and lanes = d4 + 4 (the lanes' rows: 16-byte aligned, and lane i's row starts 4 i banks further).
+struct SimtPitch {
+  int d4, lanes;
+  __host__ __device__ explicit SimtPitch(int d) : d4((d + 3) & ~3), lanes(((d + 3) & ~3) + 4) {}
+};
+
+// rows [row0, row0 + n) of a (b, h) slice with row stride st into dst (n, pitch) as fp32, `width` >= d columns:
+// zeros past T and in columns [d, width).
 template <typename E>
-__device__ void load_rows(float* dst, int pitch, const E* src, int64_t st, int row0, int n, int T, int d) {
-  for (int i = threadIdx.x; i < n * d; i += blockDim.x) {
-    const int r = i / d, x = i % d;
-    dst[r * pitch + x] = row0 + r < T ? float(src[(int64_t)(row0 + r) * st + x]) : 0.f;
+__device__ void load_rows(float* dst, int pitch, const E* src, int64_t st, int row0, int n, int T, int d, int width) {
+  for (int i = threadIdx.x; i < n * width; i += blockDim.x) {
+    const int r = i / width, x = i % width;
+    dst[r * pitch + x] = row0 + r < T && x < d ? float(src[(int64_t)(row0 + r) * st + x]) : 0.f;
   }
 }
 
-// dots[r] = A[warp's row r] . B[row lane], over d. The warp's rows of A are read as broadcasts; B's pitch is d + 1,
-// so the lanes' rows start in 32 different banks.
-__device__ __forceinline__ void rows_dot_lanes(float (&dots)[kRows], const float* A, int pa, const float* B, int d,
-                                               int warp, int lane) {
+// dots[r] = A[warp's row r] . B[row lane], over d4 columns (zero-padded past d), 4 at a time: the warp's rows of A
+// (pitch pa) are read as broadcasts, B's rows (pitch pb) one per lane. The sums run over x in order, one
+// multiply-add each (fused by nvcc), as one column at a time would.
+__device__ __forceinline__ void rows_dot_lanes(float (&dots)[kRows], const float* A, int pa, const float* B, int pb,
+                                               int d4, int warp, int lane) {
 #pragma unroll
   for (int r = 0; r < kRows; r++) dots[r] = 0.f;
-  for (int x = 0; x < d; x++) {
-    const float bx = B[lane * (d + 1) + x];
+  for (int x = 0; x < d4; x += 4) {
+    const float4 b = *reinterpret_cast<const float4*>(B + lane * pb + x);
 #pragma unroll
-    for (int r = 0; r < kRows; r++) dots[r] += A[(warp * kRows + r) * pa + x] * bx;
+    for (int r = 0; r < kRows; r++) {
+      const float4 a = *reinterpret_cast<const float4*>(A + (warp * kRows + r) * pa + x);
+      dots[r] += a.x * b.x;
+      dots[r] += a.y * b.y;
+      dots[r] += a.z * b.z;
+      dots[r] += a.w * b.w;
+    }
   }
 }
 
 // acc[r][i] += sum_j w[r] of lane j * X[j][lane + 32 i], over the tile's kTile rows of X (pitch px): each lane's
-// weight is broadcast in turn while every lane owns d / 32 output columns.
-__device__ __forceinline__ void accumulate_lanes(float (&acc)[kRows][kMaxChunks], const float (&w)[kRows],
-                                                 const float* X, int px, int d, int lane) {
+// weight is broadcast in turn while every lane owns the NC column chunks (those past d stay zero).
+template <int NC>
+__device__ __forceinline__ void accumulate_lanes(float (&acc)[kRows][NC], const float (&w)[kRows], const float* X,
+                                                 int px, int d, int lane) {
   for (int j = 0; j < kTile; j++) {
-    float x[kMaxChunks];
+    float x[NC];
 #pragma unroll
-    for (int i = 0; i < kMaxChunks; i++) x[i] = lane + 32 * i < d ? X[j * px + lane + 32 * i] : 0.f;
+    for (int i = 0; i < NC; i++) x[i] = lane + 32 * i < d ? X[j * px + lane + 32 * i] : 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
       const float wj = __shfl_sync(0xffffffffu, w[r], j);
 #pragma unroll
-      for (int i = 0; i < kMaxChunks; i++) acc[r][i] += wj * x[i];
+      for (int i = 0; i < NC; i++) acc[r][i] += wj * x[i];
     }
   }
 }
 
 // One row of d values owned as lane + 32 i, times `scale`, to dst (rounded to E once, at the end).
-template <typename E>
-__device__ __forceinline__ void store_row(E* dst, const float (&v)[kMaxChunks], float scale, int d, int lane) {
+template <typename E, int NC>
+__device__ __forceinline__ void store_row(E* dst, const float (&v)[NC], float scale, int d, int lane) {
 #pragma unroll
-  for (int i = 0; i < kMaxChunks; i++)
+  for (int i = 0; i < NC; i++)
     if (lane + 32 * i < d) dst[lane + 32 * i] = E(v[i] * scale);
 }
 
-template <typename E>
+template <typename E, int NC>
 __global__ void __launch_bounds__(kThreads) forward_simt_kernel(Params p) {
   extern __shared__ float sm[];
   const int d = p.d, T = p.T;
-  float* sQ = sm;                    // (16, d)
-  float* sK = sQ + 16 * d;           // (32, d + 1)
-  float* sV = sK + kTile * (d + 1);  // (32, d)
+  const SimtPitch pt(d);
+  float* sQ = sm;                   // (16, d4)
+  float* sK = sQ + 16 * pt.d4;      // (32, lanes)
+  float* sV = sK + kTile * pt.lanes;  // (32, d)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * 16, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int64_t in_off = b * p.is.sb + h * p.is.sh;
   const E *Q = static_cast<const E*>(p.q) + in_off, *K = static_cast<const E*>(p.k) + in_off,
           *V = static_cast<const E*>(p.v) + in_off;
-  load_rows(sQ, d, Q, p.is.st, q0, 16, T, d);
+  load_rows(sQ, pt.d4, Q, p.is.st, q0, 16, T, d, pt.d4);
 
-  float o[kRows][kMaxChunks] = {}, m[kRows], l[kRows];
+  float o[kRows][NC] = {}, m[kRows], l[kRows];
   for (int r = 0; r < kRows; r++) m[r] = -INFINITY, l[r] = 0.f;
   const int kv_end = p.causal ? min(T, q0 + 16) : T;
   for (int k0 = 0; k0 < kv_end; k0 += kTile) {
     __syncthreads();  // the previous tile is consumed
-    load_rows(sK, d + 1, K, p.is.st, k0, kTile, T, d);
-    load_rows(sV, d, V, p.is.st, k0, kTile, T, d);
+    load_rows(sK, pt.lanes, K, p.is.st, k0, kTile, T, d, pt.d4);
+    load_rows(sV, d, V, p.is.st, k0, kTile, T, d, d);
     __syncthreads();
     float s[kRows], pe[kRows];
-    rows_dot_lanes(s, sQ, d, sK, d, warp, lane);
+    rows_dot_lanes(s, sQ, pt.d4, sK, pt.lanes, pt.d4, warp, lane);
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
       const float sr = visible(q0 + warp * kRows + r, k0 + lane, T, p.causal) ? s[r] * p.scale : -INFINITY;
@@ -112,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(Params p) {
       l[r] = l[r] * alpha + warp_sum(pe[r]);
       m[r] = mn;
 #pragma unroll
-      for (int i = 0; i < kMaxChunks; i++) o[r][i] *= alpha;
+      for (int i = 0; i < NC; i++) o[r][i] *= alpha;
     }
     accumulate_lanes(o, pe, sV, d, d, lane);
   }
@@ -127,28 +145,30 @@ __global__ void __launch_bounds__(kThreads) forward_simt_kernel(Params p) {
 }
 
 // dK, dV for 16 keys per CTA, over the query tiles that can see them: lanes run along the queries.
-template <typename E>
+template <typename E, int NC>
 __global__ void __launch_bounds__(kThreads) dkdv_simt_kernel(Params p) {
   extern __shared__ float sm[];
-  const int d = p.d, dp = d + 1, T = p.T;
-  float* sK = sm;                // (16, d)
-  float* sV = sK + 16 * d;       // (16, d)
-  float* sQ = sV + 16 * d;       // (32, d + 1)
-  float* sdO = sQ + kTile * dp;  // (32, d + 1)
+  const int d = p.d, T = p.T;
+  const SimtPitch pt(d);
+  const int dp = pt.lanes;
+  float* sK = sm;                // (16, d4)
+  float* sV = sK + 16 * pt.d4;   // (16, d4)
+  float* sQ = sV + 16 * pt.d4;   // (32, lanes)
+  float* sdO = sQ + kTile * dp;  // (32, lanes)
   float* sL = sdO + kTile * dp;  // (32)
   float* sDl = sL + kTile;       // (32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k0 = blockIdx.y * 16, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
   const E *Q = static_cast<const E*>(p.q) + in_off, *dO = static_cast<const E*>(p.dout) + out_off;
-  load_rows(sK, d, static_cast<const E*>(p.k) + in_off, p.is.st, k0, 16, T, d);
-  load_rows(sV, d, static_cast<const E*>(p.v) + in_off, p.is.st, k0, 16, T, d);
+  load_rows(sK, pt.d4, static_cast<const E*>(p.k) + in_off, p.is.st, k0, 16, T, d, pt.d4);
+  load_rows(sV, pt.d4, static_cast<const E*>(p.v) + in_off, p.is.st, k0, 16, T, d, pt.d4);
 
-  float dk[kRows][kMaxChunks] = {}, dv[kRows][kMaxChunks] = {};
+  float dk[kRows][NC] = {}, dv[kRows][NC] = {};
   for (int qt = p.causal ? k0 / kTile * kTile : 0; qt < T; qt += kTile) {
     __syncthreads();
-    load_rows(sQ, dp, Q, p.is.st, qt, kTile, T, d);
-    load_rows(sdO, dp, dO, p.os.st, qt, kTile, T, d);
+    load_rows(sQ, dp, Q, p.is.st, qt, kTile, T, d, pt.d4);
+    load_rows(sdO, dp, dO, p.os.st, qt, kTile, T, d, pt.d4);
     if (threadIdx.x < kTile) {
       const int q = qt + threadIdx.x;
       sL[threadIdx.x] = q < T ? p.lse[(int64_t)bh * T + q] : 0.f;
@@ -156,8 +176,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_simt_kernel(Params p) {
     }
     __syncthreads();
     float s[kRows], dpv[kRows], pr[kRows], ds[kRows];  // S^T, dP^T, P^T, dS^T: this warp's keys x the lanes' queries
-    rows_dot_lanes(s, sK, d, sQ, d, warp, lane);
-    rows_dot_lanes(dpv, sV, d, sdO, d, warp, lane);
+    rows_dot_lanes(s, sK, pt.d4, sQ, dp, pt.d4, warp, lane);
+    rows_dot_lanes(dpv, sV, pt.d4, sdO, dp, pt.d4, warp, lane);
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
       pr[r] = visible(qt + lane, k0 + warp * kRows + r, T, p.causal) ? expf(s[r] * p.scale - sL[lane]) : 0.f;
@@ -177,20 +197,22 @@ __global__ void __launch_bounds__(kThreads) dkdv_simt_kernel(Params p) {
 }
 
 // dQ for 16 queries per CTA, over the key tiles they see: lanes run along the keys.
-template <typename E>
+template <typename E, int NC>
 __global__ void __launch_bounds__(kThreads) dq_simt_kernel(Params p) {
   extern __shared__ float sm[];
-  const int d = p.d, dp = d + 1, T = p.T;
-  float* sQ = sm;               // (16, d)
-  float* sdO = sQ + 16 * d;     // (16, d)
-  float* sK = sdO + 16 * d;     // (32, d + 1)
-  float* sV = sK + kTile * dp;  // (32, d + 1)
+  const int d = p.d, T = p.T;
+  const SimtPitch pt(d);
+  const int dp = pt.lanes;
+  float* sQ = sm;                // (16, d4)
+  float* sdO = sQ + 16 * pt.d4;  // (16, d4)
+  float* sK = sdO + 16 * pt.d4;  // (32, lanes)
+  float* sV = sK + kTile * dp;   // (32, lanes)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * 16, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
   const E *K = static_cast<const E*>(p.k) + in_off, *V = static_cast<const E*>(p.v) + in_off;
-  load_rows(sQ, d, static_cast<const E*>(p.q) + in_off, p.is.st, q0, 16, T, d);
-  load_rows(sdO, d, static_cast<const E*>(p.dout) + out_off, p.os.st, q0, 16, T, d);
+  load_rows(sQ, pt.d4, static_cast<const E*>(p.q) + in_off, p.is.st, q0, 16, T, d, pt.d4);
+  load_rows(sdO, pt.d4, static_cast<const E*>(p.dout) + out_off, p.os.st, q0, 16, T, d, pt.d4);
   float lse[kRows], dl[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; r++) {
@@ -198,16 +220,16 @@ __global__ void __launch_bounds__(kThreads) dq_simt_kernel(Params p) {
     lse[r] = q < T ? p.lse[(int64_t)bh * T + q] : 0.f;
     dl[r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
   }
-  float dq[kRows][kMaxChunks] = {};
+  float dq[kRows][NC] = {};
   const int kv_end = p.causal ? min(T, q0 + 16) : T;
   for (int k0 = 0; k0 < kv_end; k0 += kTile) {
     __syncthreads();
-    load_rows(sK, dp, K, p.is.st, k0, kTile, T, d);
-    load_rows(sV, dp, V, p.is.st, k0, kTile, T, d);
+    load_rows(sK, dp, K, p.is.st, k0, kTile, T, d, pt.d4);
+    load_rows(sV, dp, V, p.is.st, k0, kTile, T, d, pt.d4);
     __syncthreads();
     float s[kRows], dpv[kRows], ds[kRows];
-    rows_dot_lanes(s, sQ, d, sK, d, warp, lane);
-    rows_dot_lanes(dpv, sdO, d, sV, d, warp, lane);
+    rows_dot_lanes(s, sQ, pt.d4, sK, dp, pt.d4, warp, lane);
+    rows_dot_lanes(dpv, sdO, pt.d4, sV, dp, pt.d4, warp, lane);
 #pragma unroll
     for (int r = 0; r < kRows; r++) {
       const float pr = visible(q0 + warp * kRows + r, k0 + lane, T, p.causal) ? expf(s[r] * p.scale - lse[r]) : 0.f;
@@ -243,26 +265,43 @@ void set_smem(const void* kernel, int bytes) {
   FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+template <typename E, int NC>
+void forward_simt_nc(const Params& p, Stream stream) {
+  const SimtPitch pt(p.d);
+  const int bytes = (16 * pt.d4 + kTile * pt.lanes + kTile * p.d) * sizeof(float);
+  set_smem((const void*)forward_simt_kernel<E, NC>, bytes);
+  forward_simt_kernel<E, NC><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename E, int NC>
+void backward_simt_nc(const Params& p, Stream stream) {
+  const SimtPitch pt(p.d);
+  const int kv_bytes = (32 * pt.d4 + 2 * kTile * pt.lanes + 2 * kTile) * sizeof(float);
+  set_smem((const void*)dkdv_simt_kernel<E, NC>, kv_bytes);
+  dkdv_simt_kernel<E, NC><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, kv_bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+  const int q_bytes = (32 * pt.d4 + 2 * kTile * pt.lanes) * sizeof(float);
+  set_smem((const void*)dq_simt_kernel<E, NC>, q_bytes);
+  dq_simt_kernel<E, NC><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, q_bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
+// NC, the 32-column chunks a lane owns: the fewest of 2, 4, 8 that cover d (the check allows d <= 256).
 template <typename E>
 void forward_simt(const Params& p, Stream stream) {
-  const int bytes = (16 * p.d + kTile * (p.d + 1) + kTile * p.d) * sizeof(float);
-  set_smem((const void*)forward_simt_kernel<E>, bytes);
-  forward_simt_kernel<E><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, bytes, stream>>>(p);
-  FASTGPT_CUDA_CHECK_LAUNCH();
+  if (p.d <= 64) return forward_simt_nc<E, 2>(p, stream);
+  if (p.d <= 128) return forward_simt_nc<E, 4>(p, stream);
+  forward_simt_nc<E, 8>(p, stream);
 }
 
 template <typename E>
 void backward_simt(const Params& p, Stream stream) {
-  const int kv_bytes = (32 * p.d + 2 * kTile * (p.d + 1) + 2 * kTile) * sizeof(float);
-  set_smem((const void*)dkdv_simt_kernel<E>, kv_bytes);
-  dkdv_simt_kernel<E><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, kv_bytes, stream>>>(p);
-  FASTGPT_CUDA_CHECK_LAUNCH();
-  const int q_bytes = (32 * p.d + 2 * kTile * (p.d + 1)) * sizeof(float);
-  set_smem((const void*)dq_simt_kernel<E>, q_bytes);
-  dq_simt_kernel<E><<<dim3(p.B * p.H, (p.T + 15) / 16), kThreads, q_bytes, stream>>>(p);
-  FASTGPT_CUDA_CHECK_LAUNCH();
+  if (p.d <= 64) return backward_simt_nc<E, 2>(p, stream);
+  if (p.d <= 128) return backward_simt_nc<E, 4>(p, stream);
+  backward_simt_nc<E, 8>(p, stream);
 }
 
 template <typename E>
