@@ -27,11 +27,13 @@ def main():
                 continue  # fp32 has one (deterministic) backward
             run(dtype, d, T, causal, layout, det)
             n += 1
-    # The tensor-core kernels' other tile shapes (d 64; ops.flash_attention_tiles), deterministic backward.
+    # The tensor-core kernels' other tile shapes (d 64; ops.flash_attention_tiles), deterministic backward: each
+    # forward shape, then each (dkdv, dq) pair, the other kernels at their defaults.
     options = ops.flash_attention_tile_options()
+    combos = [(f, 0, 0) for f in range(1, len(options["fwd"]))] + [
+        (0, k, q) for k, q in itertools.product(range(len(options["dkdv"])), range(len(options["dq"]))) if k or q]
     try:
-        for fwd, dkdv, dq in itertools.product(range(len(options["fwd"])), range(len(options["dkdv"])),
-                                               range(len(options["dq"]))):
+        for fwd, dkdv, dq in combos:
             ops.flash_attention_tiles(fwd, dkdv, dq)
             for causal in (True, False):
                 run(torch.bfloat16, 64, 130, causal, "bthd" if causal else "bhtd", True)

@@ -5,7 +5,7 @@
 // writes 16-bit elements and computes in fp32.
 // simt path: a warp owns 4 rows (forward and dq) or 4 keys (dk/dv) and its lanes run along the other side of the
 // score tile (32 keys or 32 queries), so each score is one lane's dot product over d from shared memory, 4 columns
-// per load (rows zero-padded to d4, a multiple of 4; the lanes' rows with pitch d4 + 4, so 8 lanes' 16-byte reads
+// per load (rows zero-padded to d4, a multiple of 4; the lanes' rows with a pitch that lets 8 lanes' 16-byte reads
 // cover all 32 banks), the softmax statistics are warp reductions, and products with V, K, Q or dO broadcast one
 // lane's probability at a time (shuffles) while lanes own the NC chunks of 32 columns that d has (a template
 // argument: 2, 4 or 8 for d up to 64, 128, 256). Every sum runs in a fixed order (the padding adds exact zeros) and
@@ -33,10 +33,11 @@ constexpr int kThreads = 128, kRows = 4;  // 4 warps; rows (or keys) per warp: 1
 constexpr int kTile = 32;                 // the lanes' side of a score tile
 
 // The simt kernels' shared-memory row widths for head dim d: d4 (d rounded up to 4: the rows read as broadcasts)
-// and lanes = d4 + 4 (the lanes' rows: 16-byte aligned, and lane i's row starts 4 i banks further).
+// and `lanes` (the lanes' rows): 16-byte aligned and an odd multiple of 4 words, so the 8 lanes of a 16-byte read
+// phase start in 8 different groups of 4 banks (d4 + 4 when d4 is a multiple of 8, else d4 itself).
 struct SimtPitch {
   int d4, lanes;
-  __host__ __device__ explicit SimtPitch(int d) : d4((d + 3) & ~3), lanes(((d + 3) & ~3) + 4) {}
+  __host__ __device__ explicit SimtPitch(int d) : d4((d + 3) & ~3), lanes(d4 % 8 ? d4 : d4 + 4) {}
 };
 
 // rows [row0, row0 + n) of a (b, h) slice with row stride st into dst (n, pitch) as fp32, `width` >= d columns:
