@@ -18,10 +18,9 @@ namespace fastgpt::cuda::flash {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// The tile shapes of the tensor-core kernels at head dim 64 (d 128 has only option 0 of each), by option:
-//   fwd:  rows per warp x keys per block       16x64, 32x64, 16x128
-//   dkdv: keys per warp x queries per step      16x64, 32x32
-//   dq:   queries per warp x keys per block     16x64, 32x64, 32x32  (the deterministic backward's dq pass)
+// The tile shapes of the tensor-core kernels at head dim 64 (d 128 has only option 0 of each), named in
+// flash_attention.cu's kTileOptions: fwd rows per warp x keys per block; dkdv keys per warp x queries per step; dq
+// (the deterministic backward's dq pass) queries per warp x keys per block.
 // 32 rows per warp read each fragment of the other operand from shared memory once for two mma tiles. Every dkdv
 // and dq option gives the same bits (the same sums in the same order; a warp skips only products that add zeros),
 // and so do the fwd options with the same key block.

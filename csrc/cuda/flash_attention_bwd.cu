@@ -8,7 +8,7 @@
 // dQ = dS K needs a sum over every key block: either (fast) each CTA adds its part into an fp32 buffer with atomics,
 // via dS staged in shared memory, or (deterministic) dq_kernel, the mirror image of the forward, recomputes S and dP
 // per query block and sums its key blocks in a fixed order: bit-reproducible, at 7 instead of 5 GEMM passes.
-// The tile shapes (MT, BR) of dkdv and (MT, BC) of dq are Params::tiles' options (kDkdvTiles, kDqTiles): MT = 2
+// The tile shapes (MT, BR) of dkdv and (MT, BC) of dq are Params::tiles' options (kTileOptions): MT = 2
 // reads each Q/dO (K/V) fragment from shared memory once for two mma tiles. Every option sums the same products in
 // the same order (k16 chunks of queries, or keys, in sequence order), and a warp skips only the products of a block
 // wholly outside its causal triangle, which would add zeros: all options give the same bits.
@@ -365,8 +365,8 @@ void launch_dq(const Params& p, Stream stream) {
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
-// Options of kDkdvTiles / kDqTiles in order; head dim 128 has only the first of each (more would not fit in
-// registers), with 32 queries per dkdv step. The atomic path keeps the first dkdv shape.
+// The dkdv / dq options of kTileOptions (flash_attention.cu) in order; head dim 128 has only the first of each (more
+// would not fit in registers), with 32 queries per dkdv step. The atomic path keeps the first dkdv shape.
 template <typename E, int D>
 void launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers

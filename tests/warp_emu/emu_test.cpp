@@ -109,9 +109,9 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
       o[(((size_t)b * H + h) * T + t) * d + x] = float(a[idx(b, h, t, x)]);
     return o;
   };
-  std::vector<double> glse(lse.begin(), lse.end());
-  double eo = relerr(logical(out), r.out), el = relerr(glse, r.lse), eq = relerr(logical(dq), r.dq),
-         ek = relerr(logical(dk), r.dk), ev = relerr(logical(dv), r.dv);
+  const Outs got{logical(out), std::vector<double>(lse.begin(), lse.end()), logical(dq), logical(dk), logical(dv)};
+  double eo = relerr(got.out, r.out), el = relerr(got.lse, r.lse), eq = relerr(got.dq, r.dq), ek = relerr(got.dk, r.dk),
+         ev = relerr(got.dv, r.dv);
   bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
   if (!ok) failures++;
   const cuda::FlashTiles tiles = cuda::flash_tiles();
@@ -119,7 +119,7 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
          "dk %.2e dv %.2e\n", ok ? "ok  " : "FAIL", (int)dt, emu::g_cc_major, B, H, T, d, causal,
          bthd ? "bthd" : "bhtd", det, emu::g_lazy_cp, tiles.fwd, tiles.dkdv, tiles.dq, eo, el, eq, ek, ev);
   fflush(stdout);
-  return {logical(out), glse, logical(dq), logical(dk), logical(dv)};
+  return got;
 }
 
 // The tile options of the tensor-core kernels at d 64 (cuda::set_flash_tiles), deterministic backward: each run must
