@@ -16,7 +16,8 @@ restriction ("default", with the backend torch._fused_sdp_choice says it picks).
 fastest torch backend: torch ms / fastgpt ms, above 1 means fastgpt is faster. --deterministic adds fastgpt's
 deterministic backward. --tiles adds, at d 64, a forward row for each other tile shape of the tensor-core kernels
 and a deterministic backward row for each (dkdv, dq) pair (fastgpt.ops.flash_attention_tiles; the default shapes
-are the plain rows), and prints the fastest of each; the engine's GPT-2 attention is d 64 with this backward.
+are the plain rows), at d 128 a row for each Hopper ("sm90", wgmma) forward, and prints the fastest of each; the
+engine's GPT-2 attention is d 64 with this backward.
 Without a GPU: one small CPU case (fp32, B 2, H 4, T 512, d 64, causal) against torch SDPA
 on the CPU, reported as ratios only (absolute CPU times are not recorded in this project; see bench/README.md).
 
@@ -51,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=16384, help="B*T per case: B = tokens // T (GPU)")
     p.add_argument("--dim", type=int, default=2048, help="model width H*d: H = dim // d (GPU)")
     p.add_argument("--deterministic", action="store_true", help="also time fastgpt's deterministic backward")
-    p.add_argument("--tiles", action="store_true", help="also time every tile shape at d 64 (implies --deterministic)")
+    p.add_argument("--tiles", action="store_true",
+                   help="also time every tile shape (d 64; the sm90 forwards at d 128; implies --deterministic)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls of each implementation first")
     p.add_argument("--repeats", type=int, default=20, help="timed calls; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="CPU case: threads for fastgpt and torch")
@@ -90,7 +92,8 @@ def gpu_rows(args):
         fg_out = None
 
         def record(impl, fwd=None, bwd=None, out=None, **extra):
-            r = dict(case, impl=impl, status="ok", **extra)
+            r = dict(case, impl=impl, status="ok")
+            r.update(extra)  # a row that could not run says so (status, error) and times nothing
             try:
                 if fwd is not None:
                     r["fwd_ms"] = median_ms(fwd)
@@ -117,8 +120,8 @@ def gpu_rows(args):
                 record("fastgpt deterministic", None,
                        lambda: ops.flash_attention_backward(dout, q, k, v, fg_out, fg_lse, causal=causal,
                                                             deterministic=True))
-            if args.tiles and d == 64 and args.dtype != "fp32":  # the tensor-core kernels' shapes
-                tile_rows(record, q, k, v, dout, causal)
+            if args.tiles and args.dtype != "fp32":  # the tensor-core kernels' shapes
+                tile_rows(record, q, k, v, dout, causal, d)
         for name in (None,) + BACKENDS:
             ctx = sdpa_kernel([getattr(SDPBackend, name)]) if name else contextlib.nullcontext()
             # A backend that cannot take the case warns why, then raises: the row says so, once.
@@ -151,9 +154,11 @@ def gpu_rows(args):
     return rows
 
 
-def tile_rows(record, q, k, v, dout, causal):
-    """fastgpt's other tile shapes: a forward row per fwd option, a deterministic backward row per (dkdv, dq) pair
-    (its forward from the default tiles: every option reads the same out and lse), the default shapes put back."""
+def tile_rows(record, q, k, v, dout, causal, d):
+    """fastgpt's other tile shapes: a forward row per fwd option (with its output's largest difference from the
+    default's), a deterministic backward row per (dkdv, dq) pair (its forward from the default tiles: every option
+    reads the same out and lse), the default shapes put back. At d 128 only the Hopper ("sm90") forwards: d 128 has
+    no other mma.sync shapes. An sm90 option this GPU or build cannot run is a skipped row."""
     from fastgpt import ops
 
     options = ops.flash_attention_tile_options()
@@ -161,8 +166,18 @@ def tile_rows(record, q, k, v, dout, causal):
     out, lse = ops.flash_attention_forward(q, k, v, causal=causal)
     try:
         for fwd in options["fwd"][1:]:
-            ops.flash_attention_tiles(**dict(first, fwd=fwd))
-            record(f"fastgpt tiles fwd {fwd}", lambda: ops.flash_attention_forward(q, k, v, causal=causal), tiles=fwd)
+            if d != 64 and not fwd.startswith("sm90"):
+                continue
+            try:
+                ops.flash_attention_tiles(**dict(first, fwd=fwd))
+            except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
+                record(f"fastgpt tiles fwd {fwd}", tiles=fwd, status="skipped", error=str(e))
+                continue
+            o, _ = ops.flash_attention_forward(q, k, v, causal=causal)
+            record(f"fastgpt tiles fwd {fwd}", lambda: ops.flash_attention_forward(q, k, v, causal=causal), out=o,
+                   tiles=fwd)
+        if d != 64:
+            return
         for dkdv in options["dkdv"]:
             for dq in options["dq"]:
                 if (dkdv, dq) == (first["dkdv"], first["dq"]):
@@ -191,12 +206,14 @@ def summarize(rows, case):
           f"faster)", flush=True)
     fwd = [r for r in same if r["impl"] == "fastgpt" or r["impl"].startswith("fastgpt tiles fwd")]
     bwd = [r for r in same if r["impl"] == "fastgpt deterministic" or r["impl"].startswith("fastgpt tiles bwd")]
-    if len(fwd) > 1 and len(bwd) > 1:
-        f, b = min(fwd, key=lambda r: r["fwd_ms"]), min(bwd, key=lambda r: r["bwd_ms"])
+    if len(fwd) > 1:
+        f = min(fwd, key=lambda r: r["fwd_ms"])
         print(f"  tiles: fastest forward {f.get('tiles', 'default')} ({f['fwd_tflops']:.0f} TFLOP/s, "
-              f"{fg['fwd_ms'] / f['fwd_ms']:.2f}x the default), fastest deterministic backward dkdv/dq "
-              f"{b.get('tiles', 'default')} ({b['bwd_tflops']:.0f} TFLOP/s, "
-              f"{bwd[0]['bwd_ms'] / b['bwd_ms']:.2f}x the default)", flush=True)
+              f"{fg['fwd_ms'] / f['fwd_ms']:.2f}x the default)", flush=True)
+    if len(bwd) > 1:
+        b = min(bwd, key=lambda r: r["bwd_ms"])
+        print(f"  tiles: fastest deterministic backward dkdv/dq {b.get('tiles', 'default')} ({b['bwd_tflops']:.0f} "
+              f"TFLOP/s, {bwd[0]['bwd_ms'] / b['bwd_ms']:.2f}x the default)", flush=True)
 
 
 HEADER = (f"{'d':>4} {'T':>5} {'B':>3} {'H':>3} {'causal':>6}  {'impl':<33} {'fwd ms':>8} {'TFLOP/s':>8} "

@@ -8,7 +8,8 @@ GPU (skipped without one): float32 the same way; bfloat16/float16 by flash-atten
 no fixed tolerance: fastgpt's error against a float64 reference may be at most twice torch's own half-precision SDPA
 error against that reference, plus a slack of 1e-5 * max(1, max|ref|) for results torch gets exactly. The
 deterministic backward must repeat bit for bit, and the ops must run on the caller's stream. The tensor-core
-kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the first options' bits.
+kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the first options' bits; the Hopper
+(wgmma, "sm90") forwards, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
 """
 import math
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import _C, ops
-from devices import host, needs_cuda
+from devices import HAVE_CUDA, host, needs_cuda
 from reference_gpt import lse_err, rel_err
 
 TOL = 1e-5
@@ -274,6 +275,7 @@ def test_cuda_deterministic_backward_repeats_bitwise(rng, d):
 
 
 # The tile options of the tensor-core kernels (ops.flash_attention_tiles): every one against the first.
+SM90_FWD = ["sm90 128x128", "sm90 192x128", "sm90 128x64"]  # the Hopper forwards (flash_attention_sm90a.cu)
 TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") for k in ("16x64", "32x32")
                 for q in ("16x64", "32x64", "32x32")]
 
@@ -289,7 +291,7 @@ def default_tiles():
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
 def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     options = ops.flash_attention_tile_options()
-    assert options == {"fwd": ["16x64", "32x64", "16x128"], "dkdv": ["16x64", "32x32"],
+    assert options == {"fwd": ["16x64", "32x64", "16x128"] + SM90_FWD, "dkdv": ["16x64", "32x32"],
                        "dq": ["16x64", "32x64", "32x32"]}
     assert ops.flash_attention_tiles(fwd="32x64", dq=2) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
     assert ops.flash_attention_tiles(dkdv=1) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
@@ -301,6 +303,25 @@ def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # a refusal changes nothing
     with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 2\), got 5"):  # the engine's own check
         _C.ops.flash_attention_tiles((0, 5, 0))
+
+
+def sm90_device():
+    """Whether the GPU here can run the sm90 forwards: compute capability 9.0 (the build must then have sm_90a code:
+    a build on this machine compiles for the GPU it sees, architecture 90)."""
+    return HAVE_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
+def test_sm90_tiles_are_refused_where_they_cannot_run(default_tiles):
+    """The Hopper forwards run on a GPU of compute capability 9.0 only: anywhere else (no GPU, another GPU) choosing
+    one is a clear error that changes nothing; on an H100/H200 it is taken."""
+    for name in SM90_FWD:
+        if sm90_device():
+            assert ops.flash_attention_tiles(fwd=name)["fwd"] in ["16x64"] + SM90_FWD
+        else:
+            with pytest.raises(ValueError, match=f"fwd option '{name}' needs a GPU of compute capability 9.0"):
+                ops.flash_attention_tiles(fwd=name)
+            assert ops.flash_attention_tiles() == dict(fwd="16x64", dkdv="16x64", dq="16x64")
 
 
 @pytest.mark.skipif(_C.built_with_cuda, reason="a build with CUDA has the tile choice")
@@ -336,6 +357,27 @@ def test_cuda_tile_options_give_the_first_options_bits(rng, default_tiles, causa
     for name, got, yardstick, want in zip(("out", "dq", "dk", "dv"), [out] + grads, pt, ref[:1] + ref[2:]):
         check_rule(name, got, yardstick, want)
     assert lse_err(lse, ref[1]) < 1e-3
+
+
+@pytest.mark.skipif(not sm90_device(), reason="the sm90 forwards need a GPU of compute capability 9.0")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_sm90_forwards_match_torch(rng, default_tiles, d, causal, dtype):
+    """Each Hopper (wgmma) forward: out within flash-attention's rule of torch, lse within 1e-3, and the default
+    deterministic backward from its out and lse within the rule too (it reads both). T 1000 overhangs every tile;
+    B 2 x H 3 spans CTAs. Its sums are in wgmma's order, so no bits are compared with the mma.sync kernels."""
+    q, k, v, dout = cuda_inputs(2, 3, 1000, d, "bthd", dtype, rng)
+    ref, pt = reference(q, k, v, dout, causal, "bthd"), torch_sdpa(q, k, v, dout, causal, "bthd")
+    for name in SM90_FWD:
+        ops.flash_attention_tiles(fwd=name)
+        out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout="bthd")
+        grads = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout="bthd",
+                                             deterministic=True)
+        for what, got, yardstick, want in zip(("out", "dq", "dk", "dv"), [out] + list(grads), pt,
+                                              ref[:1] + ref[2:]):
+            check_rule(f"{name} {what}", got, yardstick, want)
+        assert lse_err(lse, ref[1]) < 1e-3, name
 
 
 @needs_cuda

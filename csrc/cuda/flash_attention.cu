@@ -319,7 +319,10 @@ namespace {
 
 // The tile choice (set_flash_tiles): read by every call, set by benchmarks between calls.
 std::atomic<int> g_fwd_tiles{0}, g_dkdv_tiles{0}, g_dq_tiles{0};
-const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128"}, {"16x64", "32x32"}, {"16x64", "32x64", "32x32"}};
+const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128", "sm90 128x128", "sm90 192x128", "sm90 128x64"},
+                                    {"16x64", "32x32"},
+                                    {"16x64", "32x64", "32x32"}};
+static_assert(flash::kFirstSm90Tiles == 3, "kTileOptions.fwd: the sm90 options start at kFirstSm90Tiles");
 
 flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s) {
   flash::Params p{};
@@ -340,6 +343,23 @@ bool tensor_cores() {
   FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
   FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   return major >= 8;
+}
+
+// Whether the current device runs flash_attention_sm90a.cu's kernels: compute capability exactly 9.0 (sm_90a code
+// runs nowhere else) and a build that compiled them. False, not an error, without a device.
+bool sm90_kernels() {
+#ifdef FASTGPT_SM90A
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();  // leave no sticky error for the next check
+    return false;
+  }
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
 }
 
 // tc: the bf16/fp16 tensor-core kernels run; otherwise the simt kernels (any dtype).
@@ -381,6 +401,15 @@ FlashTiles set_flash_tiles(const FlashTiles& tiles) {
   need(tiles.fwd, kTileOptions.fwd, "fwd");
   need(tiles.dkdv, kTileOptions.dkdv, "dkdv");
   need(tiles.dq, kTileOptions.dq, "dq");
+  if (tiles.fwd >= flash::kFirstSm90Tiles && !sm90_kernels())
+    throw std::invalid_argument("flash attention tiles: fwd option '" + kTileOptions.fwd[tiles.fwd] +
+                                "' needs a GPU of compute capability 9.0 (H100/H200) and a build with sm_90a code "
+#ifdef FASTGPT_SM90A
+                                "(this build has it; the current CUDA device, if any, is not one)"
+#else
+                                "(this build has none: build for architecture 90 with nvcc 12 or newer)"
+#endif
+    );
   const FlashTiles before = flash_tiles();
   g_fwd_tiles = tiles.fwd, g_dkdv_tiles = tiles.dkdv, g_dq_tiles = tiles.dq;
   return before;
@@ -394,10 +423,19 @@ void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const
   flash::Params p = make_params(is, os, shape);
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
   if (shape.B * shape.H * shape.T == 0) return;
+  // An sm90 option chosen on an H100 runs the mma.sync default on any other device this process calls on.
+  const bool sm90 = tc && p.tiles.fwd >= flash::kFirstSm90Tiles && sm90_kernels();
+  if (!sm90 && p.tiles.fwd >= flash::kFirstSm90Tiles) p.tiles.fwd = 0;
   switch (dtype) {
     case DType::bf16:
+#ifdef FASTGPT_SM90A
+      if (sm90) return flash::forward_sm90<__nv_bfloat16>(p, stream);
+#endif
       return tc ? flash::forward_tc<__nv_bfloat16>(p, stream) : flash::forward_simt<__nv_bfloat16>(p, stream);
     case DType::f16:
+#ifdef FASTGPT_SM90A
+      if (sm90) return flash::forward_sm90<__half>(p, stream);
+#endif
       return tc ? flash::forward_tc<__half>(p, stream) : flash::forward_simt<__half>(p, stream);
     case DType::f32:
       return flash::forward_simt<float>(p, stream);

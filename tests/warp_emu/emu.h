@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -21,7 +22,7 @@ using std::min;
 #undef __global__
 #define __global__
 #undef __launch_bounds__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 
 namespace emu {
 inline int g_lazy_cp = 0;  // 0: cp.async copies at issue, 1: at wait_group (latest legal moment)
@@ -30,9 +31,30 @@ struct Warp {
   uint64_t slot[32][12];
   int op[32];
 };
+// The wgmma state of one warpgroup (128 threads): each thread's operation, seen by all during a collective.
+struct WgOp {
+  int n;              // N: 64 or 128 columns
+  bool rs;            // A from registers (an MN-major B), else both from shared memory (K-major)
+  bool half;          // fp16 elements, else bf16
+  float* d;           // this thread's n / 2 accumulators
+  const uint32_t* a;  // this thread's A fragment (rs)
+  uint64_t da, db;    // descriptors
+  int accumulate;
+};
+struct WarpGroup {
+  std::barrier<> bar{128};
+  const WgOp* ops[128];
+};
 struct Block {
   std::barrier<> bar;
   Warp warps[32];
+  std::vector<std::unique_ptr<WarpGroup>> wgs;  // when the block is whole warpgroups
+  std::vector<unsigned char> dirty;  // per shared byte: written by cp.async, not yet behind a fence.proxy.async
+  // Per 16-byte chunk, for the race check of wgmma reads against cp.async writes: the barrier interval (count of
+  // __syncthreads passed) and warpgroup of the last write, and the interval and warpgroups (bits) of the reads.
+  std::vector<int> wphase, rphase;
+  std::vector<int> wwg;
+  std::vector<unsigned> rmask;
   unsigned char* smem;
   size_t smem_bytes;
   std::mutex statics_mu;
@@ -64,7 +86,11 @@ inline void deposit(int op) {
     if (w.op[i] != op) die("warp lanes disagree on collective op (divergence)");
 }
 inline void done() { warp().bar.arrive_and_wait(); }
-inline void syncthreads() { tl_block->bar.arrive_and_wait(); }
+inline thread_local int tl_phase = 0;  // __syncthreads passed by this thread in this block
+inline void syncthreads() {
+  tl_block->bar.arrive_and_wait();
+  tl_phase++;
+}
 inline float shfl_xor(unsigned mask, float v, int m) {
   if (mask != 0xffffffffu) die("mask");
   Warp& w = warp();
@@ -170,16 +196,32 @@ struct Copy {
 };
 inline thread_local std::vector<Copy> tl_cur;
 inline thread_local std::vector<std::vector<Copy>> tl_groups;
+inline thread_local std::vector<size_t> tl_unfenced;  // shared offsets this thread's finished copies wrote
 inline void do_copy(const Copy& c) {
   if (c.valid)
     memcpy(c.dst, c.src, 16);
   else
     memset(c.dst, 0, 16);
+  const size_t off = (unsigned char*)c.dst - tl_block->smem;
+  memset(&tl_block->dirty[off], 1, 16);
+  tl_unfenced.push_back(off);
+}
+// fence.proxy.async: this thread's finished copies become visible to wgmma (the async proxy).
+inline void proxy_fence() {
+  for (size_t off : tl_unfenced) memset(&tl_block->dirty[off], 0, 16);
+  tl_unfenced.clear();
 }
 inline void cp16(void* dst, const void* src, bool valid) {
   if (((uintptr_t)dst - (uintptr_t)tl_block->smem) % 16) die("cp.async dst not 16-byte aligned");
   if (valid && ((uintptr_t)src % 16)) die("cp.async src not 16-byte aligned");
   check_smem(dst, 16);
+  // A write between the same two barriers as another warpgroup's wgmma read of the chunk is a race (nothing orders
+  // them), whichever the emulator happens to run first.
+  const size_t chunk = ((unsigned char*)dst - tl_block->smem) / 16;
+  const int wg = tl_tid.x / 128;
+  if (tl_block->rphase[chunk] == tl_phase && (tl_block->rmask[chunk] & ~(1u << wg)))
+    die("race: cp.async writes shared memory that another warpgroup's wgmma reads between the same barriers");
+  tl_block->wphase[chunk] = tl_phase, tl_block->wwg[chunk] = wg;
   Copy c{dst, src, valid};
   if (g_lazy_cp)
     tl_cur.push_back(c);
@@ -196,6 +238,98 @@ inline void wait_group(int n) {
     tl_groups.erase(tl_groups.begin());
   }
 }
+// ---- wgmma (csrc/cuda/wgmma.cuh), from the PTX ISA: a warpgroup collective. Eager mode multiplies at issue; lazy
+// mode at the wait_group that retires it (the latest legal moment), reading registers and shared memory then, so
+// that a kernel that touches an operand or an accumulator before its wait reads the wrong values.
+inline uint32_t shared_offset(const void* p) {
+  const unsigned char* c = (const unsigned char*)p;
+  if (c < tl_block->smem || c > tl_block->smem + tl_block->smem_bytes) die("shared address of a non-shared pointer");
+  return (uint32_t)(c - tl_block->smem);
+}
+inline thread_local bool tl_wg_fenced = false;  // a wgmma.fence since the last wait_group (or the start)
+inline thread_local std::vector<WgOp> tl_wg_cur;
+inline thread_local std::vector<std::vector<WgOp>> tl_wg_groups;
+inline WarpGroup& warpgroup() {
+  if (tl_block->wgs.empty()) die("wgmma in a block that is not whole warpgroups");
+  return *tl_block->wgs[tl_tid.x / 128];
+}
+// One element of a 128-byte swizzled operand at (unswizzled) shared address addr: the swizzle XORs address bits 4-6
+// (the 16-byte chunk in a 128-byte row) with bits 7-9 (the row in an 8-row group).
+inline float wg_load(uint32_t addr, bool half) {
+  const uint32_t at = addr ^ (((addr >> 7) & 7) << 4);
+  if (at % 2 || at + 2 > tl_block->smem_bytes) die("wgmma reads outside shared memory");
+  if (tl_block->dirty[at]) die("wgmma reads shared memory written by cp.async without a fence.proxy.async after it");
+  const int wg = tl_tid.x / 128;
+  const size_t chunk = at / 16;
+  if (tl_block->wphase[chunk] == tl_phase && tl_block->wwg[chunk] != wg)
+    die("race: wgmma reads shared memory that another warpgroup's cp.async writes between the same barriers");
+  if (tl_block->rphase[chunk] != tl_phase) tl_block->rphase[chunk] = tl_phase, tl_block->rmask[chunk] = 0;
+  tl_block->rmask[chunk] |= 1u << wg;
+  uint16_t b;
+  memcpy(&b, tl_block->smem + at, 2);
+  return half ? tof<__half>(b) : tof<__nv_bfloat16>(b);
+}
+// Element (mn, k), k < 16, of the operand a descriptor describes: K-major (k runs along a 128-byte row; 8-row
+// groups SBO apart) or MN-major (mn runs along rows, 64 per row block, blocks LBO apart; k down 8 rows, then SBO on).
+inline float wg_operand(uint64_t desc, int mn, int k, bool mn_major, bool half) {
+  const uint32_t start = (uint32_t)(desc & 0x3FFF) << 4, lbo = (uint32_t)((desc >> 16) & 0x3FFF) << 4,
+                 sbo = (uint32_t)((desc >> 32) & 0x3FFF) << 4;
+  if ((desc >> 62) != 1) die("emulated wgmma reads only 128-byte swizzled operands (descriptor mode 1)");
+  if ((desc >> 49) & 7) die("emulated wgmma: descriptor base offset must be 0");
+  if (!mn_major) return wg_load(start + (mn % 8) * 128 + (mn / 8) * sbo + k * 2, half);
+  return wg_load(start + (mn % 64) * 2 + (mn / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo, half);
+}
+inline void wg_exec(const WgOp& op) {
+  WarpGroup& w = warpgroup();
+  const int lt = tl_tid.x % 128, wl = lt / 32, g = lane() / 4, c = lane() % 4;
+  w.ops[lt] = &op;
+  w.bar.arrive_and_wait();  // every thread's registers as they are now
+  auto A = [&](int row, int k) {
+    if (!op.rs) return wg_operand(op.da, row, k, false, op.half);
+    const int r = row % 16, ln = 4 * (r % 8) + (k % 8) / 2, reg = (r >= 8) + 2 * (k >= 8);
+    const uint32_t v = w.ops[32 * (row / 16) + ln]->a[reg];
+    const uint16_t b = (k % 2) ? v >> 16 : v & 0xffff;
+    return op.half ? tof<__half>(b) : tof<__nv_bfloat16>(b);
+  };
+  float out[64];
+  for (int i = 0; i < op.n / 2; i++) {
+    const int row = 16 * wl + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
+    double acc = 0;
+    for (int k = 0; k < 16; k++) acc += (double)A(row, k) * wg_operand(op.db, col, k, op.rs, op.half);
+    out[i] = (float)((op.accumulate ? op.d[i] : 0.f) + acc);
+  }
+  w.bar.arrive_and_wait();  // all reads done before any accumulator changes
+  for (int i = 0; i < op.n / 2; i++) op.d[i] = out[i];
+}
+inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint64_t da, uint64_t db, int accumulate) {
+  if (!tl_wg_fenced) die("wgmma.mma_async without a wgmma.fence after the last wait_group");
+  WarpGroup& w = warpgroup();
+  const WgOp op{n, rs, half, d, a, da, db, accumulate};
+  const int lt = tl_tid.x % 128;
+  w.ops[lt] = &op;
+  w.bar.arrive_and_wait();
+  const WgOp& o = *w.ops[0];
+  if (o.n != n || o.rs != rs || o.half != half || o.da != da || o.db != db || (o.accumulate != 0) != (accumulate != 0))
+    die("wgmma: the warpgroup's threads disagree on the instruction, its descriptors or scale-d");
+  w.bar.arrive_and_wait();
+  if (g_lazy_cp)
+    tl_wg_cur.push_back(op);
+  else
+    wg_exec(op);
+}
+inline void wg_fence() { tl_wg_fenced = true; }
+inline void wg_commit() {
+  tl_wg_groups.push_back(tl_wg_cur);
+  tl_wg_cur.clear();
+}
+inline void wg_wait(int n) {
+  while ((int)tl_wg_groups.size() > n) {
+    for (const WgOp& op : tl_wg_groups.front()) wg_exec(op);
+    tl_wg_groups.erase(tl_wg_groups.begin());
+  }
+  tl_wg_fenced = false;
+}
+
 inline void atomic_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
 
 // host side
@@ -283,6 +417,11 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       Block blk(nt);
       blk.smem_bytes = bytes;
       blk.smem = (unsigned char*)malloc(bytes ? bytes : 1);
+      blk.dirty.assign(bytes, 0);
+      blk.wphase.assign(bytes / 16 + 1, -1), blk.rphase.assign(bytes / 16 + 1, -1);
+      blk.wwg.assign(bytes / 16 + 1, -1), blk.rmask.assign(bytes / 16 + 1, 0);
+      if (nt % 128 == 0)
+        for (int i = 0; i < nt / 128; i++) blk.wgs.push_back(std::make_unique<WarpGroup>());
       memset(blk.smem, 0xff, bytes);  // garbage: NaN in bf16/fp16/fp32
       std::vector<std::thread> th;
       for (int t = 0; t < nt; t++)
@@ -292,7 +431,13 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
           tl_block = &blk;
           tl_cur.clear();
           tl_groups.clear();
+          tl_unfenced.clear();
+          tl_phase = 0;
+          tl_wg_fenced = false;
+          tl_wg_cur.clear();
+          tl_wg_groups.clear();
           k(args...);
+          if (!tl_wg_cur.empty() || !tl_wg_groups.empty()) die("wgmma not committed or never waited at exit");
           if (!tl_cur.empty()) die("uncommitted cp.async at exit");
           for (auto& gq : tl_groups) if (!gq.empty()) die("cp.async group never waited at exit");
           tl_groups.clear();

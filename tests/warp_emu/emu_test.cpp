@@ -148,6 +148,19 @@ void run_tiles(int B, int H, int T, bool causal, bool bthd, DType dt, double tol
   fflush(stdout);
 }
 
+// The Hopper forward (flash_attention_sm90a.cu's wgmma kernels: fwd options 3 "sm90 128x128", 4 "sm90 192x128",
+// 5 "sm90 128x64"), then the default backward from its out and lse: run() checks all against the reference. Its
+// sums are not the mma.sync kernels' (wgmma's order), so bits are not compared.
+template <typename E>
+void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt, double tol, unsigned seed,
+              std::initializer_list<int> fwd_options) {
+  for (int fwd : fwd_options) {
+    cuda::set_flash_tiles({fwd, 0, 0});
+    run<E>(B, H, T, d, causal, bthd, det, dt, tol, seed);
+  }
+  cuda::set_flash_tiles({0, 0, 0});
+}
+
 // engine's fused qkv path (fp32)
 void run_fused(int B, int T, int C, int NH, bool causal, unsigned seed) {
   std::mt19937 rng(seed);
@@ -572,6 +585,7 @@ int main(int argc, char** argv) {
     if (mode == "quick") {
       run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
       run_tiles<__nv_bfloat16>(1, 1, 150, true, false, DType::bf16, 3e-2, seed++, {{1, 1, 1}, {2, 1, 2}});
+      run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {3});
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
       run_layernorm_cases(seed);
@@ -602,6 +616,7 @@ int main(int argc, char** argv) {
       run<__nv_bfloat16>(1, 1, 100, 128, false, true, true, DType::bf16, 3e-2, seed++);
       run<__half>(1, 1, 130, 64, false, true, true, DType::f16, 5e-3, seed++);
       run_tiles<__half>(1, 1, 140, false, true, DType::f16, 5e-3, seed++, {{1, 1, 2}});
+      run_sm90<__half>(1, 1, 140, 128, false, true, false, DType::f16, 5e-3, seed++, {5});
       run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
       run_fused(1, 20, 64, 2, true, seed++);
       run_decode_cases(seed);
@@ -611,6 +626,14 @@ int main(int argc, char** argv) {
           run_tiles<__nv_bfloat16>(1, 2, T, causal, (T + causal) % 2, DType::bf16, 3e-2, seed++,
                                    {{0, 1, 0}, {0, 0, 1}, {0, 0, 2}, {1, 1, 1}, {1, 0, 2}, {2, 0, 0}, {2, 1, 2}});
       run_tiles<__half>(2, 1, 150, true, true, DType::f16, 5e-3, seed++, {{1, 1, 2}, {2, 1, 1}});
+    } else if (mode == "sm90") {  // every sm90 option at both head dims, T below, at and past the tiles
+      for (int d : {64, 128})
+        for (int T : {1, 30, 64, 129, 200, 300})
+          for (int causal : {0, 1})
+            run_sm90<__nv_bfloat16>(1, 2, T, d, causal, (T + causal) % 2, causal, DType::bf16, 3e-2, seed++,
+                                    {3, 4, 5});
+      run_sm90<__half>(2, 1, 150, 64, true, true, false, DType::f16, 5e-3, seed++, {3, 4, 5});
+      run_sm90<__half>(1, 2, 100, 128, false, false, true, DType::f16, 5e-3, seed++, {3, 5});
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
     } else if (mode == "decode") {

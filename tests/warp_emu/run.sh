@@ -17,13 +17,16 @@ src=$(cd "$here/../../csrc" && pwd)
 out=$1 mode=${2:-quick} lazy=${3:-1}
 cuda_inc=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}/include
 mkdir -p "$out/cuda"
-cp "$here/emu.h" "$here/emu_ops.h" "$out/"
+cp "$here/emu.h" "$here/emu_ops.h" "$here/emu_wgmma.h" "$out/"
 # The header up to the asm helpers, then the emulated ones, then the rest (the tile loader).
 { echo '#include "../emu.h"'
   awk '/^\/\/ c \(16 x 8, fp32\) \+= a/{skip=1} /^\/\/ Rows \[row0/{if(skip){print "#include \"../emu_ops.h\""}; skip=0} !skip{print}' \
     "$src/cuda/flash_attention.cuh"; } > "$out/cuda/flash_attention.cuh"
-units=(flash_attention_fwd flash_attention_bwd flash_attention attention cast attention_decode cross_entropy layernorm
-       residual_layernorm adamw)
+# wgmma.cuh: its PTX part (between the "// ---- PTX" and "// ---- end of PTX" lines) becomes emu_wgmma.h.
+awk '/^\/\/ ---- PTX/{skip=1; print "#include \"../emu_wgmma.h\""} /^\/\/ ---- end of PTX/{skip=0} !skip{print}' \
+  "$src/cuda/wgmma.cuh" > "$out/cuda/wgmma.cuh"
+units=(flash_attention_fwd flash_attention_bwd flash_attention flash_attention_sm90a attention cast attention_decode
+       cross_entropy layernorm residual_layernorm adamw)
 for f in "${units[@]}"; do
   # cast.cu (the 16-bit fallback of attention.cu widens and narrows through it), attention_decode.cu,
   # cross_entropy.cu and the LayerNorm files do not include the swapped flash_attention.cuh: the CUDA headers and
@@ -37,13 +40,13 @@ for f in "${units[@]}"; do
       -e 's/([A-Za-z_0-9:]+(<[^<>]*>)?)<<<(.*)>>>\((.*)\);/emu::launch(\1, \3, \4);/' "$src/cuda/$f.cu"; } \
     > "$out/$f.cpp"
 done
-if grep -q "<<<\|__shared__\|asm volatile" "$out"/*.cpp "$out/cuda/flash_attention.cuh"; then
+if grep -q "<<<\|__shared__\|asm volatile" "$out"/*.cpp "$out/cuda/flash_attention.cuh" "$out/cuda/wgmma.cuh"; then
   echo "warp_emu: a launch, shared declaration or asm block was not translated (see run.sh's patterns)" >&2
   exit 2
 fi
 cp "$here/emu_test.cpp" "$out/test.cpp"
 cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU reference the adamw kernels are compared with
-flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes)
+flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes -DFASTGPT_SM90A=1)
 objs=() pids=()
 for f in "${units[@]}" cpu_adamw test; do
   if ! [ "$out/$f.o" -nt "$out/$f.cpp" ]; then

@@ -1,0 +1,205 @@
+// Flash attention forward for Hopper (sm_90a only; see CMakeLists.txt): the forward_kernel of
+// flash_attention_fwd.cu with its products on warpgroup MMA (wgmma.cuh) instead of mma.sync. Each warpgroup (4 warps,
+// 128 threads) owns 64 query rows; a CTA of WG warpgroups shares the K and V blocks of BC keys, double-buffered with
+// cp.async into 128-byte swizzled shared memory, which wgmma reads directly: no ldmatrix, and one instruction
+// multiplies 64 rows by BC keys (S = Q K^T, both operands from shared memory) or 64 rows by d (O += P V, P from the
+// S accumulators in registers, V read transposed). The online softmax, masking, causal block skip and store are the
+// mma.sync kernel's, per warp, on the same accumulator layout. Chosen with the fwd tile options "sm90 ..."
+// (flash_attention.cu's kTileOptions) on a device of compute capability 9.0, from a build that has sm_90a code.
+// Written and run only in the warp emulator so far (tests/warp_emu); the first GPU run decides whether it is faster.
+#include "cuda/check.h"
+#include "cuda/flash_attention.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace fastgpt::cuda::flash {
+
+namespace {
+
+// Rows [row0, row0 + ROWS) of one (b, h) slice (row stride st), D wide, into the 128-byte swizzled layout: D / 64
+// column blocks of ROWS rows of 128 bytes each, chunk j of row r at chunk j ^ (r % 8); rows at or past T are zeros.
+// Eight consecutive threads fill one 128-byte row: coalesced reads, conflict-free writes.
+template <typename E, int ROWS, int D, int NT>
+__device__ __forceinline__ void load_swizzled(unsigned char* dst, const E* src, int64_t st, int row0, int T,
+                                              int tid) {
+  constexpr int kChunks = D / 8;
+  for (int i = tid; i < ROWS * kChunks; i += NT) {
+    const int r = i / kChunks, j = i % kChunks;
+    const bool valid = row0 + r < T;
+    const E* s = valid ? src + (int64_t)(row0 + r) * st + j * 8 : src;
+    cp_async16(dst + ((j / 8) * ROWS + r) * 128 + ((j % 8) ^ (r % 8)) * 16, s, valid);
+  }
+}
+
+template <int D, int WG, int BC>
+constexpr int sm90_smem_bytes() {
+  return (64 * WG + 4 * BC) * D * 2 + 1024;  // Q, K and V twice each, and room to align to 1024 bytes
+}
+
+template <typename E, int D, int WG, int BC>
+__global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward_sm90_kernel(Params p) {
+  constexpr int NT = 128 * WG, BR = 64 * WG;   // threads, query rows per CTA
+  constexpr int kQBytes = BR * D * 2, kKVBytes = BC * D * 2;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* sQ = smem_raw + (1024 - wgmma::shared_addr(smem_raw) % 1024) % 1024;  // (D/64, BR, 64) swizzled
+  unsigned char* sK = sQ + kQBytes;                                                      // 2 x (D/64, BC, 64)
+  unsigned char* sV = sK + 2 * kKVBytes;                                                 // 2 x (D/64, BC, 64)
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int qblock = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int q0 = qblock * BR, T = p.T;
+  const int64_t in_off = b * p.is.sb + h * p.is.sh;
+  const E* Q = static_cast<const E*>(p.q) + in_off;
+  const E* K = static_cast<const E*>(p.k) + in_off;
+  const E* V = static_cast<const E*>(p.v) + in_off;
+  const int kv_end = p.causal ? min(T, q0 + BR) : T;
+  const int nblocks = (kv_end + BC - 1) / BC;
+
+  load_swizzled<E, BR, D, NT>(sQ, Q, p.is.st, q0, T, tid);
+  load_swizzled<E, BC, D, NT>(sK, K, p.is.st, 0, T, tid);
+  load_swizzled<E, BC, D, NT>(sV, V, p.is.st, 0, T, tid);
+  cp_async_commit();
+
+  // Descriptors' start addresses: this warpgroup's 64 rows of Q; buffer 0 of K and V.
+  const uint32_t aQ = wgmma::shared_addr(sQ) + wg * 64 * 128, aK = wgmma::shared_addr(sK),
+                 aV = wgmma::shared_addr(sV);
+  float o[D / 2];  // this warp's 16 rows x D of O: tile t (columns 8t..8t+7) in o[4t..4t+3]
+#pragma unroll
+  for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8; m in log2 units
+  const float sl2 = p.scale * kLog2e;
+  const int wg0 = q0 + wg * 64, w0 = wg0 + warp * 16;  // the warpgroup's and the warp's first query
+
+  for (int j = 0; j < nblocks; j++) {
+    const int buf = j & 1, k0 = j * BC;
+    if (j + 1 < nblocks) {  // prefetch the next block into the other buffer (its wgmma ended before the last sync)
+      load_swizzled<E, BC, D, NT>(sK + (buf ^ 1) * kKVBytes, K, p.is.st, k0 + BC, T, tid);
+      load_swizzled<E, BC, D, NT>(sV + (buf ^ 1) * kKVBytes, V, p.is.st, k0 + BC, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    wgmma::fence_proxy_async();  // this thread's copies, then everyone's (the barrier), reach wgmma's reads
+    __syncthreads();
+
+    // Warpgroup-uniform (wgmma needs all 128 threads): some key of the block is visible to some row of it.
+    if (!(p.causal && k0 > wg0 + 63)) {
+      const uint32_t kb = aK + buf * kKVBytes, vb = aV + buf * kKVBytes;
+      float s[BC / 2];  // S = Q K^T for this warp's 16 rows x BC keys, tile t in s[4t..4t+3]
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++)  // 16 columns of d: 32 bytes into a 64-column block
+        wgmma::Mma<E, BC>::ss(s, wgmma::desc(aQ + (kk / 4) * BR * 128 + (kk % 4) * 32, 16, 1024),
+                              wgmma::desc(kb + (kk / 4) * BC * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int i = 0; i < BC / 2; i++) wgmma::keep(s[i]);
+
+      // Scale to log2 units and mask: keys past T, and (causal) keys after the query.
+      const bool need_mask = k0 + BC > T || (p.causal && k0 + BC > w0);
+#pragma unroll
+      for (int t = 0; t < BC / 8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int key = k0 + t * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
+          s[4 * t + e] *= sl2;
+          if (need_mask && (key >= T || (p.causal && key > row))) s[4 * t + e] = -INFINITY;
+        }
+
+      // Online softmax: each row's values are spread over the 4 lanes of its group.
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float mx = m[r];
+#pragma unroll
+        for (int t = 0; t < BC / 8; t++) mx = fmaxf(mx, fmaxf(s[4 * t + 2 * r], s[4 * t + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
+        const float alpha = exp2f(m[r] - base);
+        m[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int t = 0; t < BC / 8; t++) {
+          s[4 * t + 2 * r] = exp2f(s[4 * t + 2 * r] - base);
+          s[4 * t + 2 * r + 1] = exp2f(s[4 * t + 2 * r + 1] - base);
+          sum += s[4 * t + 2 * r] + s[4 * t + 2 * r + 1];
+        }
+        l[r] = l[r] * alpha + sum;  // this lane's share; the group's shares are added once at the end
+#pragma unroll
+        for (int t = 0; t < D / 8; t++) {
+          o[4 * t + 2 * r] *= alpha;
+          o[4 * t + 2 * r + 1] *= alpha;
+        }
+      }
+
+      // O += P V, 16 keys (two 8-row groups of V, 2048 bytes) per wgmma; P's tiles 2ks, 2ks+1 are its A fragment.
+      uint32_t pa[BC / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(pa[ks], s + 8 * ks, s + 8 * ks + 4);
+      wgmma::fence();
+#pragma unroll
+      for (int ks = 0; ks < BC / 16; ks++)
+        wgmma::Mma<E, D>::rs(o, pa[ks], wgmma::desc(vb + ks * 2048, BC * 128, 1024), 1);
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int i = 0; i < D / 2; i++) wgmma::keep(o[i]);
+#pragma unroll
+      for (int ks = 0; ks < BC / 16; ks++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) wgmma::keep(pa[ks][i]);
+    }
+    __syncthreads();  // every warpgroup is done with this buffer before iteration j + 1 prefetches into it
+  }
+
+  // Normalise and store; rows past T are dropped. lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2.
+  E* O = static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float tot = l[r];
+    tot += __shfl_xor_sync(0xffffffffu, tot, 1);
+    tot += __shfl_xor_sync(0xffffffffu, tot, 2);
+    const int row = w0 + g + r * 8;
+    if (row >= T) continue;
+    const float inv = 1.f / tot;
+    E* orow = O + (int64_t)row * p.os.st;
+#pragma unroll
+    for (int t = 0; t < D / 8; t++) {
+      const uint32_t v2 = Pack<E>::two(o[4 * t + 2 * r] * inv, o[4 * t + 2 * r + 1] * inv);
+      *reinterpret_cast<uint32_t*>(orow + t * 8 + 2 * c) = v2;
+    }
+    if (c == 0) p.lse[(int64_t)bh * T + row] = (m[r] + log2f(tot)) * kLn2;
+  }
+}
+
+template <typename E, int D, int WG, int BC>
+void launch_sm90(const Params& p, Stream stream) {
+  constexpr int bytes = sm90_smem_bytes<D, WG, BC>(), rows = 64 * WG;
+  FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(forward_sm90_kernel<E, D, WG, BC>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  dim3 grid(p.B * p.H, (p.T + rows - 1) / rows);  // B * H on x: y and z stop at 65535
+  forward_sm90_kernel<E, D, WG, BC><<<grid, 128 * WG, bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+// The "sm90" fwd options of kTileOptions, in order (CTA rows x keys per block): 128x128, 192x128, 128x64. Head dim
+// 128 has no 192x128 (three warpgroups' registers would spill): it runs 128x128 for that option.
+template <typename E>
+void forward_sm90(const Params& p, Stream stream) {
+  const int option = p.tiles.fwd - kFirstSm90Tiles;
+  if (p.d == 64) {
+    if (option == 1) return launch_sm90<E, 64, 3, 128>(p, stream);
+    if (option == 2) return launch_sm90<E, 64, 2, 64>(p, stream);
+    return launch_sm90<E, 64, 2, 128>(p, stream);
+  }
+  if (option == 2) return launch_sm90<E, 128, 2, 64>(p, stream);
+  launch_sm90<E, 128, 2, 128>(p, stream);
+}
+
+template void forward_sm90<__nv_bfloat16>(const Params&, Stream);
+template void forward_sm90<__half>(const Params&, Stream);
+
+}  // namespace fastgpt::cuda::flash

@@ -1,0 +1,122 @@
+// Hopper's warpgroup matrix multiply (wgmma, sm_90a) as the sm90 flash attention kernel uses it: 128 threads (a
+// warpgroup) multiply a 64 x 16 A by a 16 x N B into 64 x N fp32 accumulators, asynchronously; B (and A, or A from
+// registers) are read from shared memory through a matrix descriptor. Written from the PTX ISA ("Asynchronous
+// Warpgroup Level Matrix Multiply-Accumulate"):
+// - Accumulators: warp w of the warpgroup holds rows 16w..16w+15, and its N / 2 registers per lane are the N / 8
+//   tiles of mma.m16n8's accumulator one after the other (register 4t + e: rows g, g, g+8, g+8 and columns
+//   8t + 2c, 8t + 2c + 1; g = lane / 4, c = lane % 4), so the mma.sync kernels' softmax code reads them unchanged.
+// - An A operand in registers has mma.m16n8k16's A layout per warp (flash_attention.cuh's a_from_acc).
+// - Shared-memory operands here are all in the 128-byte swizzled layout: rows of 128 bytes (64 elements), 16-byte
+//   chunk j of row r stored at chunk j ^ (r % 8) of its row, every 8-row group (1024 bytes) 1024-byte aligned (the
+//   swizzle is taken from address bits 7-9). K-major operands (Q, K: the reduction runs along a row) step 16 elements
+//   along K by adding 32 bytes to the start address; the stride byte offset (SBO) is 1024, the distance between
+//   8-row groups. An MN-major B (V: the reduction runs down the rows) reads 8 consecutive rows as the K of one core
+//   block, SBO apart (1024), and the next 64 columns LBO bytes on.
+// The PTX part is swapped for a host emulation by tests/warp_emu/run.sh (between the two "----" lines).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace fastgpt::cuda::wgmma {
+
+// The 64-bit shared-memory matrix descriptor: start address, leading and stride byte offsets (all in 16-byte units,
+// 14 bits each, at bits 0, 16, 32), the 128-byte swizzle (mode 1 at bits 62-63); base offset 0 (aligned groups).
+__host__ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
+         (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+
+// ---- PTX (the emulator's begins here)
+
+// (wgmma is an sm_90a instruction: the file that uses it is compiled for sm_90a only, see CMakeLists.txt; any other
+// device pass gets a trap, and the dispatch never launches it there.)
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FASTGPT_SM90A_ASM(...) __trap()
+#else
+#define FASTGPT_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Orders this thread's earlier register writes (accumulators, A fragments) before the wgmma that follow.
+__device__ __forceinline__ void fence() { FASTGPT_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { FASTGPT_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Until at most N committed groups are pending: their accumulators may be read, their operands reused.
+template <int N>
+__device__ __forceinline__ void wait() {
+  FASTGPT_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared memory written through the generic proxy (cp.async, stores) becomes visible to wgmma's reads (async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  FASTGPT_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Pins a register to this point: the compiler may neither read an accumulator before the wait_group that ends its
+// wgmma (the asm that wrote it looks finished to the compiler) nor reuse an A fragment's register before it.
+__device__ __forceinline__ void keep(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+#define FASTGPT_WGMMA_D32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FASTGPT_WGMMA_D64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+  "%56, %57, %58, %59, %60, %61, %62, %63}"
+#define FASTGPT_F8(d, i)                                                                                   \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+#define FASTGPT_F32(d) FASTGPT_F8(d, 0), FASTGPT_F8(d, 8), FASTGPT_F8(d, 16), FASTGPT_F8(d, 24)
+#define FASTGPT_F64(d) FASTGPT_F32(d), FASTGPT_F8(d, 32), FASTGPT_F8(d, 40), FASTGPT_F8(d, 48), FASTGPT_F8(d, 56)
+
+// d (64 x N) = A B (+ d if accumulate): ss takes A (K-major) and B (K-major) from shared memory; rs takes A from
+// registers (4 per lane) and an MN-major B (transposed: imm-trans-b 1). The scale-d predicate is set from
+// `accumulate`; A and B are not negated or scaled.
+template <typename E, int N>
+struct Mma;
+
+#define FASTGPT_WGMMA_DEFINE(E, T)                                                                                \
+  template <>                                                                                                     \
+  struct Mma<E, 64> {                                                                                             \
+    static __device__ __forceinline__ void ss(float* d, uint64_t a, uint64_t b, int accumulate) {                 \
+      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
+                        "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " FASTGPT_WGMMA_D32                \
+                        ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                         \
+                        : FASTGPT_F32(d)                                                                          \
+                        : "l"(a), "l"(b), "r"(accumulate));                                                       \
+    }                                                                                                             \
+    static __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {          \
+      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                              \
+                        "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " FASTGPT_WGMMA_D32                \
+                        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                           \
+                        : FASTGPT_F32(d)                                                                          \
+                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
+    }                                                                                                             \
+  };                                                                                                              \
+  template <>                                                                                                     \
+  struct Mma<E, 128> {                                                                                            \
+    static __device__ __forceinline__ void ss(float* d, uint64_t a, uint64_t b, int accumulate) {                 \
+      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
+                        "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " FASTGPT_WGMMA_D64               \
+                        ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                         \
+                        : FASTGPT_F64(d)                                                                          \
+                        : "l"(a), "l"(b), "r"(accumulate));                                                       \
+    }                                                                                                             \
+    static __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {          \
+      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                              \
+                        "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " FASTGPT_WGMMA_D64               \
+                        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                           \
+                        : FASTGPT_F64(d)                                                                          \
+                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
+    }                                                                                                             \
+  };
+FASTGPT_WGMMA_DEFINE(__nv_bfloat16, "bf16")
+FASTGPT_WGMMA_DEFINE(__half, "f16")
+#undef FASTGPT_WGMMA_DEFINE
+
+// ---- end of PTX
+
+}  // namespace fastgpt::cuda::wgmma
