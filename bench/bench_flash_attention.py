@@ -16,8 +16,8 @@ restriction ("default", with the backend torch._fused_sdp_choice says it picks).
 fastest torch backend: torch ms / fastgpt ms, above 1 means fastgpt is faster. --deterministic adds fastgpt's
 deterministic backward. --tiles adds, at d 64, a forward row for each other tile shape of the tensor-core kernels
 and a deterministic backward row for each (dkdv, dq) pair (fastgpt.ops.flash_attention_tiles; the default shapes
-are the plain rows), at d 128 a row for each Hopper ("sm90", wgmma) forward, and prints the fastest of each; the
-engine's GPT-2 attention is d 64 with this backward.
+are the plain rows), at d 128 a row for each choice of the Hopper ("sm90", wgmma) kernels, and prints the fastest
+of each; the engine's GPT-2 attention is d 64 with this backward.
 Without a GPU: one small CPU case (fp32, B 2, H 4, T 512, d 64, causal) against torch SDPA
 on the CPU, reported as ratios only (absolute CPU times are not recorded in this project; see bench/README.md).
 
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=2048, help="model width H*d: H = dim // d (GPU)")
     p.add_argument("--deterministic", action="store_true", help="also time fastgpt's deterministic backward")
     p.add_argument("--tiles", action="store_true",
-                   help="also time every tile shape (d 64; the sm90 forwards at d 128; implies --deterministic)")
+                   help="also time every tile shape (d 64; the sm90 kernels at d 128; implies --deterministic)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls of each implementation first")
     p.add_argument("--repeats", type=int, default=20, help="timed calls; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="CPU case: threads for fastgpt and torch")
@@ -157,35 +157,39 @@ def gpu_rows(args):
 def tile_rows(record, q, k, v, dout, causal, d):
     """fastgpt's other tile shapes: a forward row per fwd option (with its output's largest difference from the
     default's), a deterministic backward row per (dkdv, dq) pair (its forward from the default tiles: every option
-    reads the same out and lse), the default shapes put back. At d 128 only the Hopper ("sm90") forwards: d 128 has
+    reads the same out and lse), the default shapes put back. At d 128 only the Hopper ("sm90") kernels: d 128 has
     no other mma.sync shapes. An sm90 option this GPU or build cannot run is a skipped row."""
     from fastgpt import ops
 
     options = ops.flash_attention_tile_options()
     first = dict(fwd=options["fwd"][0], dkdv=options["dkdv"][0], dq=options["dq"][0])
     out, lse = ops.flash_attention_forward(q, k, v, causal=causal)
+
+    def applies(tiles):  # at d 128 every kernel at its first option or an sm90 one
+        return d == 64 or all(name == first[k] or name.startswith("sm90") for k, name in tiles.items())
+
+    def choose(name, tiles):
+        try:
+            ops.flash_attention_tiles(**tiles)
+            return True
+        except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
+            record(name, tiles="/".join(tiles.values()), status="skipped", error=str(e))
+            return False
+
     try:
         for fwd in options["fwd"][1:]:
-            if d != 64 and not fwd.startswith("sm90"):
-                continue
-            try:
-                ops.flash_attention_tiles(**dict(first, fwd=fwd))
-            except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
-                record(f"fastgpt tiles fwd {fwd}", tiles=fwd, status="skipped", error=str(e))
-                continue
-            o, _ = ops.flash_attention_forward(q, k, v, causal=causal)
-            record(f"fastgpt tiles fwd {fwd}", lambda: ops.flash_attention_forward(q, k, v, causal=causal), out=o,
-                   tiles=fwd)
-        if d != 64:
-            return
+            name = f"fastgpt tiles fwd {fwd}"
+            if applies(dict(first, fwd=fwd)) and choose(name, dict(first, fwd=fwd)):
+                o, _ = ops.flash_attention_forward(q, k, v, causal=causal)
+                record(name, lambda: ops.flash_attention_forward(q, k, v, causal=causal), out=o, tiles=fwd)
         for dkdv in options["dkdv"]:
             for dq in options["dq"]:
-                if (dkdv, dq) == (first["dkdv"], first["dq"]):
-                    continue  # the "fastgpt deterministic" row
-                ops.flash_attention_tiles(**dict(first, dkdv=dkdv, dq=dq))
-                record(f"fastgpt tiles bwd {dkdv}/{dq}",
-                       None, lambda: ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                                                  deterministic=True), tiles=f"{dkdv}/{dq}")
+                tiles, name = dict(first, dkdv=dkdv, dq=dq), f"fastgpt tiles bwd {dkdv}/{dq}"
+                if (dkdv, dq) == (first["dkdv"], first["dq"]) or not applies(tiles):
+                    continue  # the first pair is the "fastgpt deterministic" row
+                if choose(name, tiles):
+                    record(name, None, lambda: ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                            deterministic=True), tiles=f"{dkdv}/{dq}")
     finally:
         ops.flash_attention_tiles(**first)
 

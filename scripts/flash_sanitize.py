@@ -1,7 +1,7 @@
 """Runs every flash attention kernel variant once on small shapes, for compute-sanitizer (memcheck, racecheck):
 bf16 and fp16 at d 64 and 128, fp32 at odd d, causal and not, T that is and is not a multiple of the tiles, both
 layouts, atomic and deterministic backward; and every tile option of the tensor-core kernels (bf16, d 64, T 130;
-the sm90 forwards also fp16, d 128, T 200).
+the sm90 kernels also fp16, d 128, T 200).
 It checks nothing numerically (the tests do); it exits non-zero only if a call raises.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/flash_sanitize.py"""
 import itertools
@@ -29,23 +29,24 @@ def main():
             run(dtype, d, T, causal, layout, det)
             n += 1
     # The tensor-core kernels' other tile shapes (d 64; ops.flash_attention_tiles), deterministic backward: each
-    # forward shape, then each (dkdv, dq) pair, the other kernels at their defaults. The Hopper ("sm90") forwards
+    # forward shape, then each (dkdv, dq) pair, the other kernels at their defaults. The Hopper ("sm90") kernels
     # also at d 128 in fp16, and only where they run (an sm_90 GPU, a build with sm_90a code).
     options = ops.flash_attention_tile_options()
     combos = [(f, 0, 0) for f in range(1, len(options["fwd"]))] + [
         (0, k, q) for k, q in itertools.product(range(len(options["dkdv"])), range(len(options["dq"]))) if k or q]
     try:
         for fwd, dkdv, dq in combos:
+            names = (options["fwd"][fwd], options["dkdv"][dkdv], options["dq"][dq])
             try:
                 ops.flash_attention_tiles(fwd, dkdv, dq)
             except ValueError as e:
-                print(f"flash_sanitize: skipped fwd option {options['fwd'][fwd]}: {e}")
+                print(f"flash_sanitize: skipped tiles {'/'.join(names)}: {e}")
                 continue
             for causal in (True, False):
                 run(torch.bfloat16, 64, 130, causal, "bthd" if causal else "bhtd", True)
                 n += 1
-                if options["fwd"][fwd].startswith("sm90"):
-                    run(torch.float16, 128, 200, causal, "bhtd" if causal else "bthd", False)
+                if any(name.startswith("sm90") for name in names):
+                    run(torch.float16, 128, 200, causal, "bhtd" if causal else "bthd", True)
                     n += 1
     finally:
         ops.flash_attention_tiles(0, 0, 0)

@@ -9,7 +9,7 @@ no fixed tolerance: fastgpt's error against a float64 reference may be at most t
 error against that reference, plus a slack of 1e-5 * max(1, max|ref|) for results torch gets exactly. The
 deterministic backward must repeat bit for bit, and the ops must run on the caller's stream. The tensor-core
 kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the first options' bits; the Hopper
-(wgmma, "sm90") forwards, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
+(wgmma, "sm90") kernels, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
 """
 import math
 
@@ -276,6 +276,9 @@ def test_cuda_deterministic_backward_repeats_bitwise(rng, d):
 
 # The tile options of the tensor-core kernels (ops.flash_attention_tiles): every one against the first.
 SM90_FWD = ["sm90 128x128", "sm90 192x128", "sm90 128x64"]  # the Hopper forwards (flash_attention_sm90a.cu)
+SM90_BWD = "sm90 128x64"  # the deterministic backward's Hopper dkdv and dq passes (flash_attention_bwd_sm90a.cu)
+SM90_CHOICES = [dict(fwd=SM90_FWD[0], dkdv=SM90_BWD, dq=SM90_BWD), dict(fwd=SM90_FWD[1], dkdv=SM90_BWD, dq="16x64"),
+                dict(fwd=SM90_FWD[2], dkdv="16x64", dq=SM90_BWD)]
 TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") for k in ("16x64", "32x32")
                 for q in ("16x64", "32x64", "32x32")]
 
@@ -291,37 +294,39 @@ def default_tiles():
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
 def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     options = ops.flash_attention_tile_options()
-    assert options == {"fwd": ["16x64", "32x64", "16x128"] + SM90_FWD, "dkdv": ["16x64", "32x32"],
-                       "dq": ["16x64", "32x64", "32x32"]}
+    assert options == {"fwd": ["16x64", "32x64", "16x128"] + SM90_FWD, "dkdv": ["16x64", "32x32", SM90_BWD],
+                       "dq": ["16x64", "32x64", "32x32", SM90_BWD]}
     assert ops.flash_attention_tiles(fwd="32x64", dq=2) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
     assert ops.flash_attention_tiles(dkdv=1) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # None keeps each
-    for bad in (dict(fwd="64x64"), dict(dkdv=2), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
+    for bad in (dict(fwd="64x64"), dict(dkdv=3), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=f"flash_attention_tiles: {name} must be one of"):
             ops.flash_attention_tiles(**bad)
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # a refusal changes nothing
-    with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 2\), got 5"):  # the engine's own check
+    with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 3\), got 5"):  # the engine's own check
         _C.ops.flash_attention_tiles((0, 5, 0))
 
 
 def sm90_device():
-    """Whether the GPU here can run the sm90 forwards: compute capability 9.0 (the build must then have sm_90a code:
+    """Whether the GPU here can run the sm90 kernels: compute capability 9.0 (the build must then have sm_90a code:
     a build on this machine compiles for the GPU it sees, architecture 90)."""
     return HAVE_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
 def test_sm90_tiles_are_refused_where_they_cannot_run(default_tiles):
-    """The Hopper forwards run on a GPU of compute capability 9.0 only: anywhere else (no GPU, another GPU) choosing
-    one is a clear error that changes nothing; on an H100/H200 it is taken."""
-    for name in SM90_FWD:
+    """The Hopper kernels run on a GPU of compute capability 9.0 only: anywhere else (no GPU, another GPU) choosing
+    one is a clear error that names it and changes nothing; on an H100/H200 it is taken."""
+    default = dict(fwd="16x64", dkdv="16x64", dq="16x64")
+    for kernel, name in [("fwd", n) for n in SM90_FWD] + [("dkdv", SM90_BWD), ("dq", SM90_BWD)]:
         if sm90_device():
-            assert ops.flash_attention_tiles(fwd=name)["fwd"] in ["16x64"] + SM90_FWD
+            ops.flash_attention_tiles(**{kernel: name})
+            assert ops.flash_attention_tiles(**default)[kernel] == name
         else:
-            with pytest.raises(ValueError, match=f"fwd option '{name}' needs a GPU of compute capability 9.0"):
-                ops.flash_attention_tiles(fwd=name)
-            assert ops.flash_attention_tiles() == dict(fwd="16x64", dkdv="16x64", dq="16x64")
+            with pytest.raises(ValueError, match=f"{kernel} option '{name}' needs a GPU of compute capability 9.0"):
+                ops.flash_attention_tiles(**{kernel: name})
+            assert ops.flash_attention_tiles() == default
 
 
 @pytest.mark.skipif(_C.built_with_cuda, reason="a build with CUDA has the tile choice")
@@ -359,25 +364,31 @@ def test_cuda_tile_options_give_the_first_options_bits(rng, default_tiles, causa
     assert lse_err(lse, ref[1]) < 1e-3
 
 
-@pytest.mark.skipif(not sm90_device(), reason="the sm90 forwards need a GPU of compute capability 9.0")
+@pytest.mark.skipif(not sm90_device(), reason="the sm90 kernels need a GPU of compute capability 9.0")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_sm90_forwards_match_torch(rng, default_tiles, d, causal, dtype):
-    """Each Hopper (wgmma) forward: out within flash-attention's rule of torch, lse within 1e-3, and the default
-    deterministic backward from its out and lse within the rule too (it reads both). T 1000 overhangs every tile;
-    B 2 x H 3 spans CTAs. Its sums are in wgmma's order, so no bits are compared with the mma.sync kernels."""
+def test_cuda_sm90_kernels_match_torch(rng, default_tiles, d, causal, dtype):
+    """The Hopper (wgmma) kernels, each forward with a mix of the backward passes: out, dq, dk, dv within
+    flash-attention's rule of torch, lse within 1e-3; the deterministic backward repeats bit for bit; the atomic
+    backward (mma.sync dkdv) from the sm90 forward's out and lse meets the rule too. T 1000 overhangs every tile;
+    B 2 x H 3 spans CTAs. Their sums are in wgmma's order, so no bits are compared with the mma.sync kernels."""
     q, k, v, dout = cuda_inputs(2, 3, 1000, d, "bthd", dtype, rng)
     ref, pt = reference(q, k, v, dout, causal, "bthd"), torch_sdpa(q, k, v, dout, causal, "bthd")
-    for name in SM90_FWD:
-        ops.flash_attention_tiles(fwd=name)
+    for tiles in SM90_CHOICES:
+        ops.flash_attention_tiles(**tiles)
         out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout="bthd")
-        grads = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout="bthd",
-                                             deterministic=True)
-        for what, got, yardstick, want in zip(("out", "dq", "dk", "dv"), [out] + list(grads), pt,
-                                              ref[:1] + ref[2:]):
-            check_rule(f"{name} {what}", got, yardstick, want)
-        assert lse_err(lse, ref[1]) < 1e-3, name
+        for det in (True, False):
+            grads = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout="bthd",
+                                                 deterministic=det)
+            for what, got, yardstick, want in zip(("out", "dq", "dk", "dv"), [out] + list(grads), pt,
+                                                  ref[:1] + ref[2:]):
+                check_rule(f"{tiles} det={det} {what}", got, yardstick, want)
+            if det:
+                again = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout="bthd",
+                                                     deterministic=True)
+                assert all(torch.equal(a, b) for a, b in zip(grads, again)), f"{tiles}: not repeatable"
+        assert lse_err(lse, ref[1]) < 1e-3, tiles
 
 
 @needs_cuda

@@ -320,9 +320,15 @@ namespace {
 // The tile choice (set_flash_tiles): read by every call, set by benchmarks between calls.
 std::atomic<int> g_fwd_tiles{0}, g_dkdv_tiles{0}, g_dq_tiles{0};
 const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128", "sm90 128x128", "sm90 192x128", "sm90 128x64"},
-                                    {"16x64", "32x32"},
-                                    {"16x64", "32x64", "32x32"}};
-static_assert(flash::kFirstSm90Tiles == 3, "kTileOptions.fwd: the sm90 options start at kFirstSm90Tiles");
+                                    {"16x64", "32x32", "sm90 128x64"},
+                                    {"16x64", "32x64", "32x32", "sm90 128x64"}};
+static_assert(flash::kFirstSm90.fwd == 3 && flash::kFirstSm90.dkdv == 2 && flash::kFirstSm90.dq == 3,
+              "kTileOptions: the sm90 options start at kFirstSm90");
+
+// Whether a choice names a Hopper kernel, per kernel.
+bool any_sm90(const FlashTiles& t) {
+  return t.fwd >= flash::kFirstSm90.fwd || t.dkdv >= flash::kFirstSm90.dkdv || t.dq >= flash::kFirstSm90.dq;
+}
 
 flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s) {
   flash::Params p{};
@@ -401,8 +407,12 @@ FlashTiles set_flash_tiles(const FlashTiles& tiles) {
   need(tiles.fwd, kTileOptions.fwd, "fwd");
   need(tiles.dkdv, kTileOptions.dkdv, "dkdv");
   need(tiles.dq, kTileOptions.dq, "dq");
-  if (tiles.fwd >= flash::kFirstSm90Tiles && !sm90_kernels())
-    throw std::invalid_argument("flash attention tiles: fwd option '" + kTileOptions.fwd[tiles.fwd] +
+  if (any_sm90(tiles) && !sm90_kernels()) {
+    const bool f = tiles.fwd >= flash::kFirstSm90.fwd, k = tiles.dkdv >= flash::kFirstSm90.dkdv;
+    const std::string which = f ? "fwd option '" + kTileOptions.fwd[tiles.fwd]
+                              : k ? "dkdv option '" + kTileOptions.dkdv[tiles.dkdv]
+                                  : "dq option '" + kTileOptions.dq[tiles.dq];
+    throw std::invalid_argument("flash attention tiles: " + which +
                                 "' needs a GPU of compute capability 9.0 (H100/H200) and a build with sm_90a code "
 #ifdef FASTGPT_SM90A
                                 "(this build has it; the current CUDA device, if any, is not one)"
@@ -410,6 +420,7 @@ FlashTiles set_flash_tiles(const FlashTiles& tiles) {
                                 "(this build has none: build for architecture 90 with nvcc 12 or newer)"
 #endif
     );
+  }
   const FlashTiles before = flash_tiles();
   g_fwd_tiles = tiles.fwd, g_dkdv_tiles = tiles.dkdv, g_dq_tiles = tiles.dq;
   return before;
@@ -424,8 +435,8 @@ void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
   if (shape.B * shape.H * shape.T == 0) return;
   // An sm90 option chosen on an H100 runs the mma.sync default on any other device this process calls on.
-  const bool sm90 = tc && p.tiles.fwd >= flash::kFirstSm90Tiles && sm90_kernels();
-  if (!sm90 && p.tiles.fwd >= flash::kFirstSm90Tiles) p.tiles.fwd = 0;
+  const bool sm90 = tc && p.tiles.fwd >= flash::kFirstSm90.fwd && sm90_kernels();
+  if (!sm90 && p.tiles.fwd >= flash::kFirstSm90.fwd) p.tiles.fwd = 0;
   switch (dtype) {
     case DType::bf16:
 #ifdef FASTGPT_SM90A
@@ -458,6 +469,10 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   Scratch accum(tc && !deterministic ? rows * shape.d : 0, stream);  // the simt path is deterministic anyway
   p.delta = delta.ptr;
   p.dq_accum = accum.ptr;
+  if (!(tc && any_sm90(p.tiles) && sm90_kernels())) {  // as in the forward: the mma.sync defaults elsewhere
+    if (p.tiles.dkdv >= flash::kFirstSm90.dkdv) p.tiles.dkdv = 0;
+    if (p.tiles.dq >= flash::kFirstSm90.dq) p.tiles.dq = 0;
+  }
   switch (dtype) {
     case DType::bf16:
       flash::compute_delta<__nv_bfloat16>(p, stream);

@@ -19,9 +19,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // The tile shapes of the tensor-core kernels at head dim 64 (d 128 has only option 0 of each, and the sm90 ones),
-// named in flash_attention.cu's kTileOptions: fwd rows per warp x keys per block, then the Hopper kernel's ("sm90",
-// rows per CTA x keys per block); dkdv keys per warp x queries per step; dq (the deterministic backward's dq pass)
-// queries per warp x keys per block.
+// named in flash_attention.cu's kTileOptions: fwd rows per warp x keys per block; dkdv keys per warp x queries per
+// step; dq (the deterministic backward's dq pass) queries per warp x keys per block; then each one's Hopper kernels
+// ("sm90", the same per CTA).
 // 32 rows per warp read each fragment of the other operand from shared memory once for two mma tiles. Every dkdv
 // and dq option gives the same bits (the same sums in the same order; a warp skips only products that add zeros),
 // and so do the mma.sync fwd options with the same key block.
@@ -47,11 +47,16 @@ template <typename E>
 void forward_tc(const Params& p, Stream stream);
 template <typename E>
 void backward_tc(const Params& p, bool deterministic, Stream stream);
-// The Hopper forward (flash_attention_sm90a.cu, compiled for sm_90a only, where FASTGPT_SM90A is defined): fwd tile
-// options kFirstSm90Tiles and on, on a device of compute capability 9.0.
-constexpr int kFirstSm90Tiles = 3;
+// The Hopper kernels (flash_attention_sm90a.cu, flash_attention_bwd_sm90a.cu; compiled for sm_90a only, where
+// FASTGPT_SM90A is defined): the tile options from kFirstSm90 on (per kernel), on a device of compute capability
+// 9.0; dkdv_sm90 and dq_sm90 are the deterministic backward's two passes.
+constexpr Tiles kFirstSm90{3, 2, 3};
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
+template <typename E>
+void dkdv_sm90(const Params& p, Stream stream);
+template <typename E>
+void dq_sm90(const Params& p, Stream stream);
 // The CUDA-core path (flash_attention.cu), for float, __nv_bfloat16 and __half: fp32 at any d <= 256, and 16-bit
 // elements on GPUs without the tensor-core kernels (older than sm_80).
 template <typename E>

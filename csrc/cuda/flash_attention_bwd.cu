@@ -366,12 +366,20 @@ void launch_dq(const Params& p, Stream stream) {
 }
 
 // The dkdv / dq options of kTileOptions (flash_attention.cu) in order; head dim 128 has only the first of each (more
-// would not fit in registers), with 32 queries per dkdv step. The atomic path keeps the first dkdv shape.
+// would not fit in registers), with 32 queries per dkdv step, and the sm90 ones (flash_attention_bwd_sm90a.cu,
+// passed on to only where the caller found them runnable). The atomic path keeps the first dkdv shape.
 template <typename E, int D>
 void launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
   if (deterministic) {
-    const int dkdv = D == 64 ? p.tiles.dkdv : 0, dq = D == 64 ? p.tiles.dq : 0;
+#ifdef FASTGPT_SM90A
+    const bool dkdv90 = p.tiles.dkdv >= kFirstSm90.dkdv, dq90 = p.tiles.dq >= kFirstSm90.dq;
+    if (dkdv90) dkdv_sm90<E>(p, stream);
+    if (dq90) dq_sm90<E>(p, stream);
+#else
+    const bool dkdv90 = false, dq90 = false;
+#endif
+    const int dkdv = dkdv90 ? -1 : D == 64 ? p.tiles.dkdv : 0, dq = dq90 ? -1 : D == 64 ? p.tiles.dq : 0;
     if constexpr (D == 64) {
       if (dkdv == 1) launch_dkdv<E, D, 2, 32, false>(p, stream);
       if (dq == 1) launch_dq<E, D, 2, 64>(p, stream);

@@ -8,41 +8,25 @@
 // (flash_attention.cu's kTileOptions) on a device of compute capability 9.0, from a build that has sm_90a code.
 // Written and run only in the warp emulator so far (tests/warp_emu); the first GPU run decides whether it is faster.
 #include "cuda/check.h"
-#include "cuda/flash_attention.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/flash_attention_sm90.cuh"
 
 namespace fastgpt::cuda::flash {
 
 namespace {
 
-// Rows [row0, row0 + ROWS) of one (b, h) slice (row stride st), D wide, into the 128-byte swizzled layout: D / 64
-// column blocks of ROWS rows of 128 bytes each, chunk j of row r at chunk j ^ (r % 8); rows at or past T are zeros.
-// Eight consecutive threads fill one 128-byte row: coalesced reads, conflict-free writes.
-template <typename E, int ROWS, int D, int NT>
-__device__ __forceinline__ void load_swizzled(unsigned char* dst, const E* src, int64_t st, int row0, int T,
-                                              int tid) {
-  constexpr int kChunks = D / 8;
-  for (int i = tid; i < ROWS * kChunks; i += NT) {
-    const int r = i / kChunks, j = i % kChunks;
-    const bool valid = row0 + r < T;
-    const E* s = valid ? src + (int64_t)(row0 + r) * st + j * 8 : src;
-    cp_async16(dst + ((j / 8) * ROWS + r) * 128 + ((j % 8) ^ (r % 8)) * 16, s, valid);
-  }
-}
-
 template <int D, int WG, int BC>
 constexpr int sm90_smem_bytes() {
-  return (64 * WG + 4 * BC) * D * 2 + 1024;  // Q, K and V twice each, and room to align to 1024 bytes
+  return sm90::tile_bytes<64 * WG + 4 * BC, D>() + 1024;  // Q, K and V twice each, and room to align
 }
 
 template <typename E, int D, int WG, int BC>
 __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward_sm90_kernel(Params p) {
   constexpr int NT = 128 * WG, BR = 64 * WG;   // threads, query rows per CTA
-  constexpr int kQBytes = BR * D * 2, kKVBytes = BC * D * 2;
+  constexpr int kQBytes = sm90::tile_bytes<BR, D>(), kKVBytes = sm90::tile_bytes<BC, D>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* sQ = smem_raw + (1024 - wgmma::shared_addr(smem_raw) % 1024) % 1024;  // (D/64, BR, 64) swizzled
-  unsigned char* sK = sQ + kQBytes;                                                      // 2 x (D/64, BC, 64)
-  unsigned char* sV = sK + 2 * kKVBytes;                                                 // 2 x (D/64, BC, 64)
+  unsigned char* sQ = sm90::aligned(smem_raw);  // (BR, D) swizzled (flash_attention_sm90.cuh)
+  unsigned char* sK = sQ + kQBytes;             // 2 x (BC, D)
+  unsigned char* sV = sK + 2 * kKVBytes;        // 2 x (BC, D)
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int qblock = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
@@ -54,14 +38,12 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
   const int kv_end = p.causal ? min(T, q0 + BR) : T;
   const int nblocks = (kv_end + BC - 1) / BC;
 
-  load_swizzled<E, BR, D, NT>(sQ, Q, p.is.st, q0, T, tid);
-  load_swizzled<E, BC, D, NT>(sK, K, p.is.st, 0, T, tid);
-  load_swizzled<E, BC, D, NT>(sV, V, p.is.st, 0, T, tid);
+  sm90::load<E, BR, D, NT>(sQ, Q, p.is.st, q0, T, tid);
+  sm90::load<E, BC, D, NT>(sK, K, p.is.st, 0, T, tid);
+  sm90::load<E, BC, D, NT>(sV, V, p.is.st, 0, T, tid);
   cp_async_commit();
 
-  // Descriptors' start addresses: this warpgroup's 64 rows of Q; buffer 0 of K and V.
-  const uint32_t aQ = wgmma::shared_addr(sQ) + wg * 64 * 128, aK = wgmma::shared_addr(sK),
-                 aV = wgmma::shared_addr(sV);
+  const uint32_t aQ = wgmma::shared_addr(sQ), aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV);
   float o[D / 2];  // this warp's 16 rows x D of O: tile t (columns 8t..8t+7) in o[4t..4t+3]
 #pragma unroll
   for (int i = 0; i < D / 2; i++) o[i] = 0.f;
@@ -72,8 +54,8 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
   for (int j = 0; j < nblocks; j++) {
     const int buf = j & 1, k0 = j * BC;
     if (j + 1 < nblocks) {  // prefetch the next block into the other buffer (its wgmma ended before the last sync)
-      load_swizzled<E, BC, D, NT>(sK + (buf ^ 1) * kKVBytes, K, p.is.st, k0 + BC, T, tid);
-      load_swizzled<E, BC, D, NT>(sV + (buf ^ 1) * kKVBytes, V, p.is.st, k0 + BC, T, tid);
+      sm90::load<E, BC, D, NT>(sK + (buf ^ 1) * kKVBytes, K, p.is.st, k0 + BC, T, tid);
+      sm90::load<E, BC, D, NT>(sV + (buf ^ 1) * kKVBytes, V, p.is.st, k0 + BC, T, tid);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -88,9 +70,8 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
       float s[BC / 2];  // S = Q K^T for this warp's 16 rows x BC keys, tile t in s[4t..4t+3]
       wgmma::fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; kk++)  // 16 columns of d: 32 bytes into a 64-column block
-        wgmma::Mma<E, BC>::ss(s, wgmma::desc(aQ + (kk / 4) * BR * 128 + (kk % 4) * 32, 16, 1024),
-                              wgmma::desc(kb + (kk / 4) * BC * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      for (int kk = 0; kk < D / 16; kk++)
+        wgmma::Mma<E, BC>::ss(s, sm90::kmajor<BR>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
       wgmma::commit();
       wgmma::wait<0>();
 #pragma unroll
@@ -140,7 +121,7 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
       wgmma::fence();
 #pragma unroll
       for (int ks = 0; ks < BC / 16; ks++)
-        wgmma::Mma<E, D>::rs(o, pa[ks], wgmma::desc(vb + ks * 2048, BC * 128, 1024), 1);
+        wgmma::Mma<E, D>::rs(o, pa[ks], sm90::mnmajor<BC>(vb, ks), 1);
       wgmma::commit();
       wgmma::wait<0>();
 #pragma unroll
@@ -189,7 +170,7 @@ void launch_sm90(const Params& p, Stream stream) {
 // 128 has no 192x128 (three warpgroups' registers would spill): it runs 128x128 for that option.
 template <typename E>
 void forward_sm90(const Params& p, Stream stream) {
-  const int option = p.tiles.fwd - kFirstSm90Tiles;
+  const int option = p.tiles.fwd - kFirstSm90.fwd;
   if (p.d == 64) {
     if (option == 1) return launch_sm90<E, 64, 3, 128>(p, stream);
     if (option == 2) return launch_sm90<E, 64, 2, 64>(p, stream);

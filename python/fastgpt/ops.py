@@ -387,11 +387,12 @@ def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
     """Picks the tile shapes of the GPU's bfloat16/float16 flash attention kernels at head dim 64, process-wide, so
     that a benchmark can time each on the GPU at hand (bench/bench_flash_attention.py --tiles). Each argument is an
     option's name or index (flash_attention_tile_options()); None keeps the current one. Option 0 of each is the
-    default; head dim 128 runs option 0 except for the "sm90" forwards. Every dkdv and dq option gives the same bits,
-    and so do the mma.sync forward options with the same key block. The "sm90" forwards (Hopper's wgmma) need a GPU
-    of compute capability 9.0 and a build with sm_90a code: choosing one elsewhere raises ValueError (and a call on
-    another device of the process runs the default). -> the previous choice, {"fwd": name, "dkdv": name,
-    "dq": name}, which can be passed back as flash_attention_tiles(**previous). Needs a build with CUDA."""
+    default; head dim 128 runs option 0 except for the "sm90" ones. The mma.sync dkdv and dq options give the same
+    bits, and so do the mma.sync forward options with the same key block. The "sm90" options are Hopper kernels
+    (warpgroup MMA, wgmma; dkdv and dq: the deterministic backward's passes): they need a GPU of compute capability
+    9.0 and a build with sm_90a code, choosing one elsewhere raises ValueError, and a call on another device of the
+    process runs the default. -> the previous choice, {"fwd": name, "dkdv": name, "dq": name}, which can be passed
+    back as flash_attention_tiles(**previous). Needs a build with CUDA."""
     options = flash_attention_tile_options()
     current = _ops.flash_attention_tiles()
     chosen = []
@@ -412,9 +413,9 @@ def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
 
 def flash_attention_tile_options():
     """-> {"fwd": [names], "dkdv": [...], "dq": [...]}: the tile shapes flash_attention_tiles takes, option 0 first.
-    fwd: rows per warp x keys per block, then the Hopper ones, "sm90" rows per CTA x keys per block; dkdv: keys per
-    warp x queries per step; dq (the deterministic backward's dq pass): queries per warp x keys per block. Needs a
-    build with CUDA."""
+    fwd: rows per warp x keys per block; dkdv: keys per warp x queries per step; dq (the deterministic backward's dq
+    pass): queries per warp x keys per block; then each one's Hopper ("sm90") kernels, per CTA instead of per warp.
+    Needs a build with CUDA."""
     fwd, dkdv, dq = _ops.flash_attention_tile_options()
     return {"fwd": list(fwd), "dkdv": list(dkdv), "dq": list(dq)}
 

@@ -148,14 +148,15 @@ void run_tiles(int B, int H, int T, bool causal, bool bthd, DType dt, double tol
   fflush(stdout);
 }
 
-// The Hopper forward (flash_attention_sm90a.cu's wgmma kernels: fwd options 3 "sm90 128x128", 4 "sm90 192x128",
-// 5 "sm90 128x64"), then the default backward from its out and lse: run() checks all against the reference. Its
-// sums are not the mma.sync kernels' (wgmma's order), so bits are not compared.
+// The Hopper kernels (wgmma): fwd options 3 "sm90 128x128", 4 "sm90 192x128", 5 "sm90 128x64" of
+// flash_attention_sm90a.cu, dkdv option 2 and dq option 3 ("sm90 128x64") of flash_attention_bwd_sm90a.cu (the
+// deterministic backward; the atomic one keeps its mma.sync kernel), each with the others' choices: run() checks all
+// against the reference. Their sums are not the mma.sync kernels' (wgmma's order), so bits are not compared.
 template <typename E>
 void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt, double tol, unsigned seed,
-              std::initializer_list<int> fwd_options) {
-  for (int fwd : fwd_options) {
-    cuda::set_flash_tiles({fwd, 0, 0});
+              std::initializer_list<cuda::FlashTiles> list) {
+  for (const cuda::FlashTiles& t : list) {
+    cuda::set_flash_tiles(t);
     run<E>(B, H, T, d, causal, bthd, det, dt, tol, seed);
   }
   cuda::set_flash_tiles({0, 0, 0});
@@ -585,7 +586,7 @@ int main(int argc, char** argv) {
     if (mode == "quick") {
       run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
       run_tiles<__nv_bfloat16>(1, 1, 150, true, false, DType::bf16, 3e-2, seed++, {{1, 1, 1}, {2, 1, 2}});
-      run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {3});
+      run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {{3, 2, 3}});
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
       run_layernorm_cases(seed);
@@ -616,7 +617,7 @@ int main(int argc, char** argv) {
       run<__nv_bfloat16>(1, 1, 100, 128, false, true, true, DType::bf16, 3e-2, seed++);
       run<__half>(1, 1, 130, 64, false, true, true, DType::f16, 5e-3, seed++);
       run_tiles<__half>(1, 1, 140, false, true, DType::f16, 5e-3, seed++, {{1, 1, 2}});
-      run_sm90<__half>(1, 1, 140, 128, false, true, false, DType::f16, 5e-3, seed++, {5});
+      run_sm90<__half>(1, 1, 140, 128, false, true, true, DType::f16, 5e-3, seed++, {{5, 2, 3}});
       run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
       run_fused(1, 20, 64, 2, true, seed++);
       run_decode_cases(seed);
@@ -630,10 +631,11 @@ int main(int argc, char** argv) {
       for (int d : {64, 128})
         for (int T : {1, 30, 64, 129, 200, 300})
           for (int causal : {0, 1})
-            run_sm90<__nv_bfloat16>(1, 2, T, d, causal, (T + causal) % 2, causal, DType::bf16, 3e-2, seed++,
-                                    {3, 4, 5});
-      run_sm90<__half>(2, 1, 150, 64, true, true, false, DType::f16, 5e-3, seed++, {3, 4, 5});
-      run_sm90<__half>(1, 2, 100, 128, false, false, true, DType::f16, 5e-3, seed++, {3, 5});
+            run_sm90<__nv_bfloat16>(1, 2, T, d, causal, (T + causal) % 2, true, DType::bf16, 3e-2, seed++,
+                                    {{3, 2, 0}, {4, 0, 3}, {5, 2, 3}});
+      run_sm90<__half>(2, 1, 150, 64, true, true, true, DType::f16, 5e-3, seed++, {{3, 2, 3}, {4, 0, 0}, {5, 0, 0}});
+      run_sm90<__half>(1, 2, 100, 128, false, false, true, DType::f16, 5e-3, seed++, {{3, 2, 3}, {5, 0, 3}});
+      run_sm90<__nv_bfloat16>(1, 2, 150, 64, true, true, false, DType::bf16, 3e-2, seed++, {{3, 2, 3}});  // atomic
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
     } else if (mode == "decode") {

@@ -1,0 +1,284 @@
+// Flash attention's deterministic backward for Hopper (sm_90a only; see CMakeLists.txt): flash_attention_bwd.cu's
+// dkdv_kernel and dq_kernel with their products on warpgroup MMA (wgmma.cuh) reading 128-byte swizzled tiles
+// (flash_attention_sm90.cuh) instead of mma.sync and ldmatrix. Each warpgroup owns 64 keys (dkdv) or 64 queries (dq);
+// the CTA's warpgroups share the double-buffered blocks of the other side.
+// - dkdv: S^T = K Q^T and dP^T = V dO^T (both operands K-major from shared memory), P^T = exp2(S^T scale log2e -
+//   lse2) and dS^T = P^T (dP^T - delta) in the accumulators, which are the A operands of dV += P^T dO and
+//   dK += dS^T Q (dO and Q read MN-major from the same tiles).
+// - dq: S = Q K^T and dP = dO V^T, dS = P (dP - delta), dQ += dS K (K read MN-major).
+// Each sums its blocks in sequence order in one CTA: bit-reproducible, as the mma.sync pair, though not the same
+// bits (wgmma's order inside a product). Chosen with the dkdv / dq tile options "sm90 ..." of kTileOptions
+// (flash_attention.cu), for the deterministic backward, on a device of compute capability 9.0. Written and run only
+// in the warp emulator so far (tests/warp_emu); the first GPU run decides whether it is faster.
+#include "cuda/check.h"
+#include "cuda/flash_attention_sm90.cuh"
+
+namespace fastgpt::cuda::flash {
+
+namespace {
+
+// Keys per CTA x queries per step (dkdv), queries per CTA x keys per block (dq): 128 x 64, two warpgroups.
+constexpr int kWG = 2, kNT = 128 * kWG, kRows = 64 * kWG, kStep = 64;
+
+template <int D>
+constexpr int dkdv_sm90_smem() {  // K and V, Q and dO twice each, lse2 and delta of a step, alignment
+  return sm90::tile_bytes<2 * kRows + 4 * kStep, D>() + 2 * kStep * 4 + 1024;
+}
+template <int D>
+constexpr int dq_sm90_smem() {  // Q and dO, K and V twice each, alignment
+  return sm90::tile_bytes<2 * kRows + 4 * kStep, D>() + 1024;
+}
+
+template <typename E, int D>
+__global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
+  constexpr int KB = kRows, BR = kStep;  // keys per CTA, queries per step
+  constexpr int kKBytes = sm90::tile_bytes<KB, D>(), kQBytes = sm90::tile_bytes<BR, D>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* sK = sm90::aligned(smem_raw);  // (KB, D) swizzled
+  unsigned char* sV = sK + kKBytes;             // (KB, D)
+  unsigned char* sQ = sV + kKBytes;             // 2 x (BR, D)
+  unsigned char* sdO = sQ + 2 * kQBytes;        // 2 x (BR, D)
+  float* sL = reinterpret_cast<float*>(sdO + 2 * kQBytes);  // (BR) lse in log2 units
+  float* sDl = sL + BR;                                     // (BR) delta
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T, k0 = blockIdx.y * KB;
+  const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
+  const E* Q = static_cast<const E*>(p.q) + in_off;
+  const E* dO = static_cast<const E*>(p.dout) + out_off;
+  const int i_first = p.causal ? k0 / BR : 0, n_q = (T + BR - 1) / BR;
+
+  sm90::load<E, KB, D, kNT>(sK, static_cast<const E*>(p.k) + in_off, p.is.st, k0, T, tid);
+  sm90::load<E, KB, D, kNT>(sV, static_cast<const E*>(p.v) + in_off, p.is.st, k0, T, tid);
+  sm90::load<E, BR, D, kNT>(sQ, Q, p.is.st, i_first * BR, T, tid);
+  sm90::load<E, BR, D, kNT>(sdO, dO, p.os.st, i_first * BR, T, tid);
+  cp_async_commit();
+
+  const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV), aQ = wgmma::shared_addr(sQ),
+                 adO = wgmma::shared_addr(sdO);
+  float dk[D / 2], dv[D / 2];  // this warp's 16 keys x D: tile t (columns 8t..8t+7) in [4t..4t+3]
+#pragma unroll
+  for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
+  const float sl2 = p.scale * kLog2e;
+  const int wk0 = k0 + wg * 64, kw0 = wk0 + warp * 16;  // the warpgroup's and the warp's first key
+
+  for (int i = i_first; i < n_q; i++) {
+    const int buf = (i - i_first) & 1, q0 = i * BR;
+    if (i + 1 < n_q) {
+      sm90::load<E, BR, D, kNT>(sQ + (buf ^ 1) * kQBytes, Q, p.is.st, q0 + BR, T, tid);
+      sm90::load<E, BR, D, kNT>(sdO + (buf ^ 1) * kQBytes, dO, p.os.st, q0 + BR, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    if (tid < BR) {
+      const int q = q0 + tid;
+      sL[tid] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
+      sDl[tid] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
+    }
+    wgmma::fence_proxy_async();
+    __syncthreads();
+
+    // Warpgroup-uniform: some query of the step sees some key of the warpgroup.
+    if (!(p.causal && q0 + BR - 1 < wk0)) {
+      const uint32_t qb = aQ + buf * kQBytes, ob = adO + buf * kQBytes;
+      float st[BR / 2], dpt[BR / 2];  // S^T and dP^T (then P^T, dS^T): this warp's 16 keys x BR queries
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) {
+        wgmma::Mma<E, BR>::ss(st, sm90::kmajor<KB>(aK, wg * 64, kk), sm90::kmajor<BR>(qb, 0, kk), kk > 0);
+        wgmma::Mma<E, BR>::ss(dpt, sm90::kmajor<KB>(aV, wg * 64, kk), sm90::kmajor<BR>(ob, 0, kk), kk > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int e = 0; e < BR / 2; e++) wgmma::keep(st[e]), wgmma::keep(dpt[e]);
+
+#pragma unroll
+      for (int t = 0; t < BR / 8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8, x = 4 * t + e;
+          const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[x] * sl2 - sL[ql]) : 0.f;
+          st[x] = pv;
+          dpt[x] = pv * (dpt[x] - sDl[ql]);
+        }
+
+      // dV += P^T dO and dK += dS^T Q, 16 queries (two 8-row groups of dO and Q) per wgmma.
+      uint32_t ap[BR / 16][4], ad[BR / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < BR / 16; ks++) {
+        a_from_acc<E>(ap[ks], st + 8 * ks, st + 8 * ks + 4);
+        a_from_acc<E>(ad[ks], dpt + 8 * ks, dpt + 8 * ks + 4);
+      }
+      wgmma::fence();
+#pragma unroll
+      for (int ks = 0; ks < BR / 16; ks++) {
+        wgmma::Mma<E, D>::rs(dv, ap[ks], sm90::mnmajor<BR>(ob, ks), 1);
+        wgmma::Mma<E, D>::rs(dk, ad[ks], sm90::mnmajor<BR>(qb, ks), 1);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int e = 0; e < D / 2; e++) wgmma::keep(dk[e]), wgmma::keep(dv[e]);
+#pragma unroll
+      for (int ks = 0; ks < BR / 16; ks++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) wgmma::keep(ap[ks][e]), wgmma::keep(ad[ks][e]);
+    }
+    __syncthreads();  // buffers and sL/sDl are free before the next step refills them
+  }
+
+  E* dK = static_cast<E*>(p.dk) + in_off;
+  E* dV = static_cast<E*>(p.dv) + in_off;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int key = kw0 + g + r * 8;
+    if (key >= T) continue;
+#pragma unroll
+    for (int t = 0; t < D / 8; t++) {
+      const int64_t o = (int64_t)key * p.is.st + t * 8 + 2 * c;
+      *reinterpret_cast<uint32_t*>(dK + o) = Pack<E>::two(dk[4 * t + 2 * r] * p.scale, dk[4 * t + 2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dV + o) = Pack<E>::two(dv[4 * t + 2 * r], dv[4 * t + 2 * r + 1]);
+    }
+  }
+}
+
+template <typename E, int D>
+__global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
+  constexpr int QB = kRows, BC = kStep;  // queries per CTA, keys per block
+  constexpr int kQBytes = sm90::tile_bytes<QB, D>(), kKBytes = sm90::tile_bytes<BC, D>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* sQ = sm90::aligned(smem_raw);  // (QB, D) swizzled
+  unsigned char* sdO = sQ + kQBytes;            // (QB, D)
+  unsigned char* sK = sdO + kQBytes;            // 2 x (BC, D)
+  unsigned char* sV = sK + 2 * kKBytes;         // 2 x (BC, D)
+
+  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * QB, bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
+  const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
+  const E* K = static_cast<const E*>(p.k) + in_off;
+  const E* V = static_cast<const E*>(p.v) + in_off;
+  const int nblocks = ((p.causal ? min(T, q0 + QB) : T) + BC - 1) / BC;
+
+  sm90::load<E, QB, D, kNT>(sQ, static_cast<const E*>(p.q) + in_off, p.is.st, q0, T, tid);
+  sm90::load<E, QB, D, kNT>(sdO, static_cast<const E*>(p.dout) + out_off, p.os.st, q0, T, tid);
+  sm90::load<E, BC, D, kNT>(sK, K, p.is.st, 0, T, tid);
+  sm90::load<E, BC, D, kNT>(sV, V, p.is.st, 0, T, tid);
+  cp_async_commit();
+
+  const uint32_t aQ = wgmma::shared_addr(sQ), adO = wgmma::shared_addr(sdO), aK = wgmma::shared_addr(sK),
+                 aV = wgmma::shared_addr(sV);
+  const int wq0 = q0 + wg * 64, w0 = wq0 + warp * 16;  // the warpgroup's and the warp's first query
+  float lse2[2], dl[2];                               // rows g and g + 8
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int q = w0 + g + r * 8;
+    lse2[r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
+    dl[r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
+  }
+  float dq[D / 2];  // this warp's 16 queries x D
+#pragma unroll
+  for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
+  const float sl2 = p.scale * kLog2e;
+
+  for (int j = 0; j < nblocks; j++) {
+    const int buf = j & 1, k0 = j * BC;
+    if (j + 1 < nblocks) {
+      sm90::load<E, BC, D, kNT>(sK + (buf ^ 1) * kKBytes, K, p.is.st, k0 + BC, T, tid);
+      sm90::load<E, BC, D, kNT>(sV + (buf ^ 1) * kKBytes, V, p.is.st, k0 + BC, T, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    wgmma::fence_proxy_async();
+    __syncthreads();
+
+    // Warpgroup-uniform: some key of the block is visible to some row of the warpgroup.
+    if (!(p.causal && k0 > wq0 + 63)) {
+      const uint32_t kb = aK + buf * kKBytes, vb = aV + buf * kKBytes;
+      float s[BC / 2], dp[BC / 2];  // S = Q K^T, dP = dO V^T (then dS): this warp's 16 rows x BC keys
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) {
+        wgmma::Mma<E, BC>::ss(s, sm90::kmajor<QB>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
+        wgmma::Mma<E, BC>::ss(dp, sm90::kmajor<QB>(adO, wg * 64, kk), sm90::kmajor<BC>(vb, 0, kk), kk > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int e = 0; e < BC / 2; e++) wgmma::keep(s[e]), wgmma::keep(dp[e]);
+#pragma unroll
+      for (int t = 0; t < BC / 8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1, x = 4 * t + e;
+          const float pv = visible(w0 + g + r * 8, key, T, p.causal) ? exp2f(s[x] * sl2 - lse2[r]) : 0.f;
+          dp[x] = pv * (dp[x] - dl[r]);  // dS
+        }
+      uint32_t ad[BC / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(ad[ks], dp + 8 * ks, dp + 8 * ks + 4);
+      wgmma::fence();
+#pragma unroll
+      for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(dq, ad[ks], sm90::mnmajor<BC>(kb, ks), 1);
+      wgmma::commit();
+      wgmma::wait<0>();
+#pragma unroll
+      for (int e = 0; e < D / 2; e++) wgmma::keep(dq[e]);
+#pragma unroll
+      for (int ks = 0; ks < BC / 16; ks++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) wgmma::keep(ad[ks][e]);
+    }
+    __syncthreads();
+  }
+
+  E* dQ = static_cast<E*>(p.dq) + in_off;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int q = w0 + g + r * 8;
+    if (q >= T) continue;
+#pragma unroll
+    for (int t = 0; t < D / 8; t++)
+      *reinterpret_cast<uint32_t*>(dQ + (int64_t)q * p.is.st + t * 8 + 2 * c) =
+          Pack<E>::two(dq[4 * t + 2 * r] * p.scale, dq[4 * t + 2 * r + 1] * p.scale);
+  }
+}
+
+}  // namespace
+
+template <typename E>
+void dkdv_sm90(const Params& p, Stream stream) {
+  const auto run = [&](auto kernel, int bytes) {
+    FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    kernel<<<dim3(p.B * p.H, (p.T + kRows - 1) / kRows), kNT, bytes, stream>>>(p);  // B * H on x
+    FASTGPT_CUDA_CHECK_LAUNCH();
+  };
+  if (p.d == 64)
+    run(dkdv_sm90_kernel<E, 64>, dkdv_sm90_smem<64>());
+  else
+    run(dkdv_sm90_kernel<E, 128>, dkdv_sm90_smem<128>());
+}
+
+template <typename E>
+void dq_sm90(const Params& p, Stream stream) {
+  const auto run = [&](auto kernel, int bytes) {
+    FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    kernel<<<dim3(p.B * p.H, (p.T + kRows - 1) / kRows), kNT, bytes, stream>>>(p);
+    FASTGPT_CUDA_CHECK_LAUNCH();
+  };
+  if (p.d == 64)
+    run(dq_sm90_kernel<E, 64>, dq_sm90_smem<64>());
+  else
+    run(dq_sm90_kernel<E, 128>, dq_sm90_smem<128>());
+}
+
+template void dkdv_sm90<__nv_bfloat16>(const Params&, Stream);
+template void dkdv_sm90<__half>(const Params&, Stream);
+template void dq_sm90<__nv_bfloat16>(const Params&, Stream);
+template void dq_sm90<__half>(const Params&, Stream);
+
+}  // namespace fastgpt::cuda::flash
