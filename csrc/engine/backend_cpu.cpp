@@ -57,8 +57,11 @@ class CpuBackend final : public Backend {
     std::memset(p, 0, size);
     return p;
   }
+  // Never throws: it runs in Buffer's destructor (noexcept; a throw there ends the process). A free inside a capture
+  // breaks the recording instead, as it does a CUDA stream capture, and capture() says so when the body returns
+  // (or the body's next allocation throws first).
   void release(void* p) override {
-    no_capture("freeing memory");
+    if (recording_ && !broken_) broken_ = "freeing memory";
     std::free(p);
   }
   void zero(void* p, int64_t bytes) override {
@@ -91,6 +94,7 @@ class CpuBackend final : public Backend {
     if (recording_) throw std::logic_error("capture() inside a capture");
     std::vector<std::function<void()>> calls;
     recording_ = &calls;
+    broken_ = nullptr;
     try {
       body();
     } catch (...) {
@@ -98,6 +102,7 @@ class CpuBackend final : public Backend {
       throw;
     }
     recording_ = nullptr;
+    if (broken_) no_capture_error(broken_);
     return std::make_unique<CpuGraph>(std::move(calls));
   }
 
@@ -227,11 +232,14 @@ class CpuBackend final : public Backend {
     else
       f();
   }
+  [[noreturn]] static void no_capture_error(const char* what) {
+    throw std::logic_error(std::string(what) + " inside a graph capture: a graph can only replay queued work");
+  }
   void no_capture(const char* what) const {
-    if (recording_)
-      throw std::logic_error(std::string(what) + " inside a graph capture: a graph can only replay queued work");
+    if (recording_) no_capture_error(what);
   }
   std::vector<std::function<void()>>* recording_ = nullptr;
+  const char* broken_ = nullptr;  // what broke the current recording without throwing (release)
   std::vector<uint8_t> staging_;
 };
 
