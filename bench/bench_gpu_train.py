@@ -6,7 +6,8 @@ attention, fused AdamW). fastgpt's fused step is one AdamW.train_step call (the 
 device, one-launch AdamW), recorded as a CUDA graph and replayed in "fastgpt bf16 graph"; unfused it is
 forward_backward, clip_grad_norm, step. The fused model recomputes GELU in backward (GPT(recompute=1), its default);
 "fastgpt bf16 recompute=0" keeps every activation and "recompute=2" also recomputes the LayerNorms: the time and
-memory of each setting.
+memory of each setting. "fastgpt bf16 graph sm90" is the graph step with Hopper's wgmma flash attention kernels
+(--sm90-tiles; H100/H200 only).
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -23,6 +24,7 @@ TF32/bf16): a sanity line, not a test.
     python3 bench/bench_gpu_train.py --B max --profile    # and where each side's GPU time goes (gpu_check's run)
 """
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -38,12 +40,13 @@ from _profile import print_breakdown, profile_steps
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
-VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 recompute=0",
-            "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32", "torch eager tf32",
-            "torch compiled bf16")
+VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph sm90",
+            "fastgpt bf16 recompute=0", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32",
+            "torch eager tf32", "torch compiled bf16")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 # --profile's variants: issue 10's pair (and the graph), and fp32's like-for-like pair.
-PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "torch compiled bf16", "fastgpt fp32", "torch eager fp32")
+PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph sm90", "torch compiled bf16",
+            "fastgpt fp32", "torch eager fp32")
 PROFILE_STEPS = 2
 
 
@@ -63,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps; tok/s is B*T / median step time")
     p.add_argument("--seed", type=int, default=None, help="weights and data seed (default: fresh random)")
     p.add_argument("--no-compile", action="store_true", help="skip the 'torch compiled bf16' variant")
+    p.add_argument("--sm90-tiles", type=lambda v: tuple(x.strip() for x in v.split(",")),
+                   default=("sm90 128x64", "sm90 128x64", "sm90 128x64"), metavar="FWD,DKDV,DQ",
+                   help="flash attention tiles of 'fastgpt bf16 graph sm90' (fastgpt.ops.flash_attention_tiles;\n"
+                        "the Hopper kernels, which only an H100/H200 runs: elsewhere that variant fails, saying why)")
     p.add_argument("--profile", action="store_true",
                    help=f"{PROFILE_STEPS} more steps of each of these variants under torch.profiler after its timing,\n"
                         f"and a table of their GPU time per op group and largest kernels:\n{', '.join(PROFILED)}")
@@ -111,6 +118,7 @@ def main(argv=None):
         return 0
 
     import fastgpt
+    from fastgpt import ops
     sys.path.insert(0, str(REPO / "tests"))
     from reference_gpt import RefConfig, RefGPT
 
@@ -199,7 +207,7 @@ def main(argv=None):
         def step(i):
             x, y = (a[:b] for a in np_batches[i])  # leading rows of a C-contiguous array: contiguous
             if model.fused:  # nothing in it waits for the device; run_steps' synchronize does
-                return opt.train_step(x, y, lr=LR, max_norm=CLIP, graph=name.endswith("graph"))
+                return opt.train_step(x, y, lr=LR, max_norm=CLIP, graph="graph" in name.split())
             model.zero_grad()
             loss = model.forward_backward(x, y)  # returns after reading the loss back: synced
             opt.clip_grad_norm(CLIP)
@@ -269,6 +277,19 @@ def main(argv=None):
                                "peak_mem_how": "torch.cuda.max_memory_allocated",
                                "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
+    @contextlib.contextmanager
+    def sm90_tiles(name):
+        """The "... sm90" variant runs with --sm90-tiles chosen (a ValueError off sm_90: the variant fails, saying
+        why), and the previous tiles come back after it."""
+        if not name.endswith("sm90"):
+            yield
+            return
+        before = ops.flash_attention_tiles(**dict(zip(("fwd", "dkdv", "dq"), args.sm90_tiles)))
+        try:
+            yield
+        finally:
+            ops.flash_attention_tiles(**before)
+
     res = {}
     for name in VARIANTS:
         if name == "torch compiled bf16" and args.no_compile:
@@ -283,8 +304,9 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats(dev)
             print(f"  {name} B{b}: running ...", end="", flush=True)
             try:
-                times, losses, extra = (fastgpt_variant(name, b) if name.startswith("fastgpt") else
-                                        torch_variant(name, b))
+                with sm90_tiles(name):
+                    times, losses, extra = (fastgpt_variant(name, b) if name.startswith("fastgpt") else
+                                            torch_variant(name, b))
             except Exception as e:  # out of memory, a CUDA error, no CUDA in this fastgpt build, a compile failure
                 msg = f"{type(e).__name__}: {e}".strip()
                 oom = "out of memory" in msg.lower()
