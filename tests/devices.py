@@ -12,6 +12,12 @@ needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a fa
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
+def sm90_device():
+    """Whether the GPU here runs fastgpt's Hopper ("sm90") kernels: compute capability 9.0 (a build on this machine
+    compiles for the GPU it sees, architecture 90, so it has their sm_90a code)."""
+    return HAVE_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
 def on(device, a):
     if device == "cpu" or a is None:
         return a

@@ -7,16 +7,12 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
+from devices import sm90_device
 from fastgpt import _C, ops
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import bench_flash_attention as bench  # noqa: E402
-
-
-def sm90_device():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import _C, ops
-from devices import HAVE_CUDA, host, needs_cuda
+from devices import host, needs_cuda, sm90_device
 from reference_gpt import lse_err, rel_err
 
 TOL = 1e-5
@@ -306,12 +306,6 @@ def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # a refusal changes nothing
     with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 3\), got 5"):  # the engine's own check
         _C.ops.flash_attention_tiles((0, 5, 0))
-
-
-def sm90_device():
-    """Whether the GPU here can run the sm90 kernels: compute capability 9.0 (the build must then have sm_90a code:
-    a build on this machine compiles for the GPU it sees, architecture 90)."""
-    return HAVE_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")

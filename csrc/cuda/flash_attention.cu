@@ -330,17 +330,6 @@ bool any_sm90(const FlashTiles& t) {
   return t.fwd >= flash::kFirstSm90.fwd || t.dkdv >= flash::kFirstSm90.dkdv || t.dq >= flash::kFirstSm90.dq;
 }
 
-flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s) {
-  flash::Params p{};
-  p.is = is;
-  p.os = os;
-  p.B = s.B, p.H = s.H, p.T = s.T, p.d = s.d;
-  p.causal = s.causal;
-  p.scale = 1.f / std::sqrt((float)s.d);
-  p.tiles = flash_tiles();
-  return p;
-}
-
 // Everything the kernels assume, checked before any launch (the binding relies on these for GPU arrays).
 // The tensor-core kernels need sm_80 (mma.sync m16n8k16, cp.async); the current device decides, per call, because
 // ops run on whatever device their tensors live on.
@@ -366,6 +355,24 @@ bool sm90_kernels() {
 #else
   return false;
 #endif
+}
+
+flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s, bool tc) {
+  flash::Params p{};
+  p.is = is;
+  p.os = os;
+  p.B = s.B, p.H = s.H, p.T = s.T, p.d = s.d;
+  p.causal = s.causal;
+  p.scale = 1.f / std::sqrt((float)s.d);
+  p.tiles = flash_tiles();
+  // The sm90 options run only where the Hopper kernels do; elsewhere (another device of the process, fp32, no sm_90a
+  // code) those kernels take their mma.sync default.
+  if (any_sm90(p.tiles) && !(tc && sm90_kernels())) {
+    if (p.tiles.fwd >= flash::kFirstSm90.fwd) p.tiles.fwd = 0;
+    if (p.tiles.dkdv >= flash::kFirstSm90.dkdv) p.tiles.dkdv = 0;
+    if (p.tiles.dq >= flash::kFirstSm90.dq) p.tiles.dq = 0;
+  }
+  return p;
 }
 
 // tc: the bf16/fp16 tensor-core kernels run; otherwise the simt kernels (any dtype).
@@ -431,22 +438,18 @@ void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const
                              Stream stream) {
   const bool tc = dtype != DType::f32 && tensor_cores();
   check_args(shape, dtype, tc, is, os, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
-  flash::Params p = make_params(is, os, shape);
+  flash::Params p = make_params(is, os, shape, tc);
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
   if (shape.B * shape.H * shape.T == 0) return;
-  // An sm90 option chosen on an H100 runs the mma.sync default on any other device this process calls on.
-  const bool sm90 = tc && p.tiles.fwd >= flash::kFirstSm90.fwd && sm90_kernels();
-  if (!sm90 && p.tiles.fwd >= flash::kFirstSm90.fwd) p.tiles.fwd = 0;
+#ifdef FASTGPT_SM90A
+  if (p.tiles.fwd >= flash::kFirstSm90.fwd)  // make_params keeps it only where it runs: bf16/fp16 on sm_90
+    return dtype == DType::bf16 ? flash::forward_sm90<__nv_bfloat16>(p, stream)
+                                : flash::forward_sm90<__half>(p, stream);
+#endif
   switch (dtype) {
     case DType::bf16:
-#ifdef FASTGPT_SM90A
-      if (sm90) return flash::forward_sm90<__nv_bfloat16>(p, stream);
-#endif
       return tc ? flash::forward_tc<__nv_bfloat16>(p, stream) : flash::forward_simt<__nv_bfloat16>(p, stream);
     case DType::f16:
-#ifdef FASTGPT_SM90A
-      if (sm90) return flash::forward_sm90<__half>(p, stream);
-#endif
       return tc ? flash::forward_tc<__half>(p, stream) : flash::forward_simt<__half>(p, stream);
     case DType::f32:
       return flash::forward_simt<float>(p, stream);
@@ -462,17 +465,13 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
              {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
   const int64_t rows = (int64_t)shape.B * shape.H * shape.T;
   if (rows == 0) return;
-  flash::Params p = make_params(is, os, shape);
+  flash::Params p = make_params(is, os, shape, tc);
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
   p.out = const_cast<void*>(out), p.lse = const_cast<float*>(lse);  // only read in backward
   Scratch delta(rows, stream);
   Scratch accum(tc && !deterministic ? rows * shape.d : 0, stream);  // the simt path is deterministic anyway
   p.delta = delta.ptr;
   p.dq_accum = accum.ptr;
-  if (!(tc && any_sm90(p.tiles) && sm90_kernels())) {  // as in the forward: the mma.sync defaults elsewhere
-    if (p.tiles.dkdv >= flash::kFirstSm90.dkdv) p.tiles.dkdv = 0;
-    if (p.tiles.dq >= flash::kFirstSm90.dq) p.tiles.dq = 0;
-  }
   switch (dtype) {
     case DType::bf16:
       flash::compute_delta<__nv_bfloat16>(p, stream);

@@ -100,6 +100,88 @@ __device__ __forceinline__ void a_from_acc(uint32_t* a, const float* lo, const f
   a[3] = Pack<E>::two(hi[2], hi[3]);
 }
 
+// ---- Steps the tensor-core kernels share on one warp's 16-row accumulator tile: rows g and g + 8, columns 2c and
+// 2c + 1 of each 8-wide tile t (mma.sync's m16n8 accumulators and wgmma's per-warp rows are laid out alike).
+
+// Forward: S to log2 units (times scale * log2 e), and -inf where a key is hidden from a query: keys past T and
+// (causal) keys after the query. k0 is the block's first key, row0 the tile's first query; `mask` false skips the
+// test (no element can be hidden).
+template <int NT>
+__device__ __forceinline__ void scale_and_mask(float (&s)[NT][4], int k0, int row0, int g, int c, int T, bool causal,
+                                               bool mask, float sl2) {
+#pragma unroll
+  for (int t = 0; t < NT; t++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = k0 + t * 8 + 2 * c + (e & 1), row = row0 + g + (e >> 1) * 8;
+      s[t][e] *= sl2;
+      if (mask && (key >= T || (causal && key > row))) s[t][e] = -INFINITY;
+    }
+}
+
+// Forward: the online softmax of one key block. Each row's values are spread over the 4 lanes of its group; m (log2
+// units) and l are the running max and this lane's share of the sum (the group's shares are added once at the end),
+// O is rescaled, and s becomes P.
+template <int NT, int ND>
+__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[ND][4], float (&m)[2], float (&l)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float mx = m[r];
+#pragma unroll
+    for (int t = 0; t < NT; t++) mx = fmaxf(mx, fmaxf(s[t][2 * r], s[t][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
+    const float alpha = exp2f(m[r] - base);
+    m[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+      s[t][2 * r] = exp2f(s[t][2 * r] - base);
+      s[t][2 * r + 1] = exp2f(s[t][2 * r + 1] - base);
+      sum += s[t][2 * r] + s[t][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + sum;
+#pragma unroll
+    for (int t = 0; t < ND; t++) {
+      o[t][2 * r] *= alpha;
+      o[t][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// Forward's end: O normalised into rows [row0, row0 + 16) of `out` (row stride st; rows past T dropped) and each
+// row's lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2 into lse[row].
+template <typename E, int ND>
+__device__ __forceinline__ void store_rows(const float (&o)[ND][4], const float (&m)[2], const float (&l)[2],
+                                           int row0, int g, int c, int T, E* out, int64_t st, float* lse) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float tot = l[r];
+    tot += __shfl_xor_sync(0xffffffffu, tot, 1);
+    tot += __shfl_xor_sync(0xffffffffu, tot, 2);
+    const int row = row0 + g + r * 8;
+    if (row >= T) continue;
+    const float inv = 1.f / tot;
+    E* orow = out + (int64_t)row * st;
+#pragma unroll
+    for (int t = 0; t < ND; t++)
+      *reinterpret_cast<uint32_t*>(orow + t * 8 + 2 * c) = Pack<E>::two(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
+    if (c == 0) lse[row] = (m[r] + log2f(tot)) * kLn2;
+  }
+}
+
+// Backward (dkdv): the lse (in log2 units) and delta of queries [q0, q0 + n) into shared memory, by threads 0..n-1;
+// zeros past T.
+__device__ __forceinline__ void stage_lse_delta(float* sL, float* sDl, const Params& p, int bh, int q0, int n,
+                                                int tid) {
+  if (tid < n) {
+    const int q = q0 + tid;
+    sL[tid] = q < p.T ? p.lse[(int64_t)bh * p.T + q] * kLog2e : 0.f;
+    sDl[tid] = q < p.T ? p.delta[(int64_t)bh * p.T + q] : 0.f;
+  }
+}
+
 // c (16 x 8, fp32) += a (16 x 16) * b (16 x 8).
 // (mma.sync m16n8k16 and cp.async are sm_80 instructions. A build for older GPUs (sm_75) compiles these kernels with
 // a trap in their place; the dispatch in flash_attention.cu never launches them there.)

@@ -73,11 +73,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
     } else {
       cp_async_wait<0>();
     }
-    if (tid < BR) {
-      const int q = q0 + tid;
-      sL[tid] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
-      sDl[tid] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
-    }
+    stage_lse_delta(sL, sDl, p, bh, q0, BR, tid);
     __syncthreads();
     const E* q_s = sQ + buf * BR * P;
     const E* do_s = sdO + buf * BR * P;
@@ -372,14 +368,13 @@ template <typename E, int D>
 void launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
   if (deterministic) {
+    // d 128's mma.sync options past the first fall back to it; the sm90 ones stay.
+    const int dkdv = D == 64 || p.tiles.dkdv >= kFirstSm90.dkdv ? p.tiles.dkdv : 0;
+    const int dq = D == 64 || p.tiles.dq >= kFirstSm90.dq ? p.tiles.dq : 0;
 #ifdef FASTGPT_SM90A
-    const bool dkdv90 = p.tiles.dkdv >= kFirstSm90.dkdv, dq90 = p.tiles.dq >= kFirstSm90.dq;
-    if (dkdv90) dkdv_sm90<E>(p, stream);
-    if (dq90) dq_sm90<E>(p, stream);
-#else
-    const bool dkdv90 = false, dq90 = false;
+    if (dkdv >= kFirstSm90.dkdv) dkdv_sm90<E>(p, stream);
+    if (dq >= kFirstSm90.dq) dq_sm90<E>(p, stream);
 #endif
-    const int dkdv = dkdv90 ? -1 : D == 64 ? p.tiles.dkdv : 0, dq = dq90 ? -1 : D == 64 ? p.tiles.dq : 0;
     if constexpr (D == 64) {
       if (dkdv == 1) launch_dkdv<E, D, 2, 32, false>(p, stream);
       if (dq == 1) launch_dq<E, D, 2, 64>(p, stream);

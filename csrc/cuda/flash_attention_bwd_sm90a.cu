@@ -56,9 +56,7 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
 
   const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV), aQ = wgmma::shared_addr(sQ),
                  adO = wgmma::shared_addr(sdO);
-  float dk[D / 2], dv[D / 2];  // this warp's 16 keys x D: tile t (columns 8t..8t+7) in [4t..4t+3]
-#pragma unroll
-  for (int i = 0; i < D / 2; i++) dk[i] = dv[i] = 0.f;
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D (wgmma's accumulators, in order)
   const float sl2 = p.scale * kLog2e;
   const int wk0 = k0 + wg * 64, kw0 = wk0 + warp * 16;  // the warpgroup's and the warp's first key
 
@@ -72,60 +70,54 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     } else {
       cp_async_wait<0>();
     }
-    if (tid < BR) {
-      const int q = q0 + tid;
-      sL[tid] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
-      sDl[tid] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
-    }
+    stage_lse_delta(sL, sDl, p, bh, q0, BR, tid);
     wgmma::fence_proxy_async();
     __syncthreads();
 
     // Warpgroup-uniform: some query of the step sees some key of the warpgroup.
     if (!(p.causal && q0 + BR - 1 < wk0)) {
       const uint32_t qb = aQ + buf * kQBytes, ob = adO + buf * kQBytes;
-      float st[BR / 2], dpt[BR / 2];  // S^T and dP^T (then P^T, dS^T): this warp's 16 keys x BR queries
+      float st[BR / 8][4], dpt[BR / 8][4];  // S^T and dP^T (then P^T, dS^T): this warp's 16 keys x BR queries
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; kk++) {
-        wgmma::Mma<E, BR>::ss(st, sm90::kmajor<KB>(aK, wg * 64, kk), sm90::kmajor<BR>(qb, 0, kk), kk > 0);
-        wgmma::Mma<E, BR>::ss(dpt, sm90::kmajor<KB>(aV, wg * 64, kk), sm90::kmajor<BR>(ob, 0, kk), kk > 0);
+        wgmma::Mma<E, BR>::ss(&st[0][0], sm90::kmajor<KB>(aK, wg * 64, kk), sm90::kmajor<BR>(qb, 0, kk), kk > 0);
+        wgmma::Mma<E, BR>::ss(&dpt[0][0], sm90::kmajor<KB>(aV, wg * 64, kk), sm90::kmajor<BR>(ob, 0, kk), kk > 0);
       }
       wgmma::commit();
       wgmma::wait<0>();
-#pragma unroll
-      for (int e = 0; e < BR / 2; e++) wgmma::keep(st[e]), wgmma::keep(dpt[e]);
+      wgmma::keep(st);
+      wgmma::keep(dpt);
 
 #pragma unroll
       for (int t = 0; t < BR / 8; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8, x = 4 * t + e;
-          const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[x] * sl2 - sL[ql]) : 0.f;
-          st[x] = pv;
-          dpt[x] = pv * (dpt[x] - sDl[ql]);
+          const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8;
+          const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;
+          st[t][e] = pv;
+          dpt[t][e] = pv * (dpt[t][e] - sDl[ql]);
         }
 
       // dV += P^T dO and dK += dS^T Q, 16 queries (two 8-row groups of dO and Q) per wgmma.
       uint32_t ap[BR / 16][4], ad[BR / 16][4];
 #pragma unroll
       for (int ks = 0; ks < BR / 16; ks++) {
-        a_from_acc<E>(ap[ks], st + 8 * ks, st + 8 * ks + 4);
-        a_from_acc<E>(ad[ks], dpt + 8 * ks, dpt + 8 * ks + 4);
+        a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
+        a_from_acc<E>(ad[ks], dpt[2 * ks], dpt[2 * ks + 1]);
       }
       wgmma::fence();
 #pragma unroll
       for (int ks = 0; ks < BR / 16; ks++) {
-        wgmma::Mma<E, D>::rs(dv, ap[ks], sm90::mnmajor<BR>(ob, ks), 1);
-        wgmma::Mma<E, D>::rs(dk, ad[ks], sm90::mnmajor<BR>(qb, ks), 1);
+        wgmma::Mma<E, D>::rs(&dv[0][0], ap[ks], sm90::mnmajor<BR>(ob, ks), 1);
+        wgmma::Mma<E, D>::rs(&dk[0][0], ad[ks], sm90::mnmajor<BR>(qb, ks), 1);
       }
       wgmma::commit();
       wgmma::wait<0>();
-#pragma unroll
-      for (int e = 0; e < D / 2; e++) wgmma::keep(dk[e]), wgmma::keep(dv[e]);
-#pragma unroll
-      for (int ks = 0; ks < BR / 16; ks++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) wgmma::keep(ap[ks][e]), wgmma::keep(ad[ks][e]);
+      wgmma::keep(dk);
+      wgmma::keep(dv);
+      wgmma::keep(ap);
+      wgmma::keep(ad);
     }
     __syncthreads();  // buffers and sL/sDl are free before the next step refills them
   }
@@ -139,8 +131,8 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
 #pragma unroll
     for (int t = 0; t < D / 8; t++) {
       const int64_t o = (int64_t)key * p.is.st + t * 8 + 2 * c;
-      *reinterpret_cast<uint32_t*>(dK + o) = Pack<E>::two(dk[4 * t + 2 * r] * p.scale, dk[4 * t + 2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dV + o) = Pack<E>::two(dv[4 * t + 2 * r], dv[4 * t + 2 * r + 1]);
+      *reinterpret_cast<uint32_t*>(dK + o) = Pack<E>::two(dk[t][2 * r] * p.scale, dk[t][2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dV + o) = Pack<E>::two(dv[t][2 * r], dv[t][2 * r + 1]);
     }
   }
 }
@@ -178,9 +170,7 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
     lse2[r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
     dl[r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
   }
-  float dq[D / 2];  // this warp's 16 queries x D
-#pragma unroll
-  for (int i = 0; i < D / 2; i++) dq[i] = 0.f;
+  float dq[D / 8][4] = {};  // this warp's 16 queries x D
   const float sl2 = p.scale * kLog2e;
 
   for (int j = 0; j < nblocks; j++) {
@@ -199,39 +189,35 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
     // Warpgroup-uniform: some key of the block is visible to some row of the warpgroup.
     if (!(p.causal && k0 > wq0 + 63)) {
       const uint32_t kb = aK + buf * kKBytes, vb = aV + buf * kKBytes;
-      float s[BC / 2], dp[BC / 2];  // S = Q K^T, dP = dO V^T (then dS): this warp's 16 rows x BC keys
+      float s[BC / 8][4], dp[BC / 8][4];  // S = Q K^T, dP = dO V^T (then dS): this warp's 16 rows x BC keys
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; kk++) {
-        wgmma::Mma<E, BC>::ss(s, sm90::kmajor<QB>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
-        wgmma::Mma<E, BC>::ss(dp, sm90::kmajor<QB>(adO, wg * 64, kk), sm90::kmajor<BC>(vb, 0, kk), kk > 0);
+        wgmma::Mma<E, BC>::ss(&s[0][0], sm90::kmajor<QB>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
+        wgmma::Mma<E, BC>::ss(&dp[0][0], sm90::kmajor<QB>(adO, wg * 64, kk), sm90::kmajor<BC>(vb, 0, kk), kk > 0);
       }
       wgmma::commit();
       wgmma::wait<0>();
-#pragma unroll
-      for (int e = 0; e < BC / 2; e++) wgmma::keep(s[e]), wgmma::keep(dp[e]);
+      wgmma::keep(s);
+      wgmma::keep(dp);
 #pragma unroll
       for (int t = 0; t < BC / 8; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1, x = 4 * t + e;
-          const float pv = visible(w0 + g + r * 8, key, T, p.causal) ? exp2f(s[x] * sl2 - lse2[r]) : 0.f;
-          dp[x] = pv * (dp[x] - dl[r]);  // dS
+          const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
+          const float pv = visible(w0 + g + r * 8, key, T, p.causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;
+          dp[t][e] = pv * (dp[t][e] - dl[r]);  // dS
         }
       uint32_t ad[BC / 16][4];
 #pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(ad[ks], dp + 8 * ks, dp + 8 * ks + 4);
+      for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(ad[ks], dp[2 * ks], dp[2 * ks + 1]);
       wgmma::fence();
 #pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(dq, ad[ks], sm90::mnmajor<BC>(kb, ks), 1);
+      for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(&dq[0][0], ad[ks], sm90::mnmajor<BC>(kb, ks), 1);
       wgmma::commit();
       wgmma::wait<0>();
-#pragma unroll
-      for (int e = 0; e < D / 2; e++) wgmma::keep(dq[e]);
-#pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) wgmma::keep(ad[ks][e]);
+      wgmma::keep(dq);
+      wgmma::keep(ad);
     }
     __syncthreads();
   }
@@ -244,7 +230,7 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
 #pragma unroll
     for (int t = 0; t < D / 8; t++)
       *reinterpret_cast<uint32_t*>(dQ + (int64_t)q * p.is.st + t * 8 + 2 * c) =
-          Pack<E>::two(dq[4 * t + 2 * r] * p.scale, dq[4 * t + 2 * r + 1] * p.scale);
+          Pack<E>::two(dq[t][2 * r] * p.scale, dq[t][2 * r + 1] * p.scale);
   }
 }
 

@@ -90,46 +90,12 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
         }
       }
 
-      // Scale to log2 units and mask: keys past T, and (causal) keys after the query.
+      // Scale to log2 units and mask, then the online softmax (flash_attention.cuh).
       const bool need_mask = k0 + BC > T || (p.causal && k0 + BC > w0);
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++)
+      for (int mt = 0; mt < MT; mt++) scale_and_mask(s[mt], k0, w0 + mt * 16, g, c, T, p.causal, need_mask, sl2);
 #pragma unroll
-        for (int t = 0; t < BC / 8; t++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const int key = k0 + t * 8 + 2 * c + (e & 1), row = w0 + mt * 16 + g + (e >> 1) * 8;
-            s[mt][t][e] *= sl2;
-            if (need_mask && (key >= T || (p.causal && key > row))) s[mt][t][e] = -INFINITY;
-          }
-
-      // Online softmax: each row's values are spread over the 4 lanes of its group.
-#pragma unroll
-      for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-          float mx = m[mt][r];
-#pragma unroll
-          for (int t = 0; t < BC / 8; t++) mx = fmaxf(mx, fmaxf(s[mt][t][2 * r], s[mt][t][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
-          const float alpha = exp2f(m[mt][r] - base);
-          m[mt][r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int t = 0; t < BC / 8; t++) {
-            s[mt][t][2 * r] = exp2f(s[mt][t][2 * r] - base);
-            s[mt][t][2 * r + 1] = exp2f(s[mt][t][2 * r + 1] - base);
-            sum += s[mt][t][2 * r] + s[mt][t][2 * r + 1];
-          }
-          l[mt][r] = l[mt][r] * alpha + sum;  // this lane's share; the group's shares are added once at the end
-#pragma unroll
-          for (int t = 0; t < D / 8; t++) {
-            o[mt][t][2 * r] *= alpha;
-            o[mt][t][2 * r + 1] *= alpha;
-          }
-        }
+      for (int mt = 0; mt < MT; mt++) online_softmax(s[mt], o[mt], m[mt], l[mt]);
 
       // O += P V, 16 keys at a time: P's accumulators of tiles 2ks, 2ks+1 are the A fragment.
 #pragma unroll
@@ -152,26 +118,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
     __syncthreads();  // every warp is done with this buffer before iteration j + 1 prefetches into it
   }
 
-  // Normalise and store; rows past T are dropped. lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2.
   E* O = static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh;
 #pragma unroll
   for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      float tot = l[mt][r];
-      tot += __shfl_xor_sync(0xffffffffu, tot, 1);
-      tot += __shfl_xor_sync(0xffffffffu, tot, 2);
-      const int row = w0 + mt * 16 + g + r * 8;
-      if (row >= T) continue;
-      const float inv = 1.f / tot;
-      E* orow = O + (int64_t)row * p.os.st;
-#pragma unroll
-      for (int t = 0; t < D / 8; t++) {
-        const uint32_t v2 = Pack<E>::two(o[mt][t][2 * r] * inv, o[mt][t][2 * r + 1] * inv);
-        *reinterpret_cast<uint32_t*>(orow + t * 8 + 2 * c) = v2;
-      }
-      if (c == 0) p.lse[(int64_t)bh * T + row] = (m[mt][r] + log2f(tot)) * kLn2;
-    }
+    store_rows(o[mt], m[mt], l[mt], w0 + mt * 16, g, c, T, O, p.os.st, p.lse + (int64_t)bh * T);
 }
 
 template <typename E, int D, int MT, int BC>

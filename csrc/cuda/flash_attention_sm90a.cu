@@ -44,9 +44,7 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
   cp_async_commit();
 
   const uint32_t aQ = wgmma::shared_addr(sQ), aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV);
-  float o[D / 2];  // this warp's 16 rows x D of O: tile t (columns 8t..8t+7) in o[4t..4t+3]
-#pragma unroll
-  for (int i = 0; i < D / 2; i++) o[i] = 0.f;
+  float o[D / 8][4] = {};  // this warp's 16 rows x D of O (wgmma's N / 2 accumulators per lane, in order)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8; m in log2 units
   const float sl2 = p.scale * kLog2e;
   const int wg0 = q0 + wg * 64, w0 = wg0 + warp * 16;  // the warpgroup's and the warp's first query
@@ -67,91 +65,36 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
     // Warpgroup-uniform (wgmma needs all 128 threads): some key of the block is visible to some row of it.
     if (!(p.causal && k0 > wg0 + 63)) {
       const uint32_t kb = aK + buf * kKVBytes, vb = aV + buf * kKVBytes;
-      float s[BC / 2];  // S = Q K^T for this warp's 16 rows x BC keys, tile t in s[4t..4t+3]
+      float s[BC / 8][4];  // S = Q K^T for this warp's 16 rows x BC keys
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; kk++)
-        wgmma::Mma<E, BC>::ss(s, sm90::kmajor<BR>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
+        wgmma::Mma<E, BC>::ss(&s[0][0], sm90::kmajor<BR>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
       wgmma::commit();
       wgmma::wait<0>();
-#pragma unroll
-      for (int i = 0; i < BC / 2; i++) wgmma::keep(s[i]);
+      wgmma::keep(s);
 
-      // Scale to log2 units and mask: keys past T, and (causal) keys after the query.
-      const bool need_mask = k0 + BC > T || (p.causal && k0 + BC > w0);
-#pragma unroll
-      for (int t = 0; t < BC / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int key = k0 + t * 8 + 2 * c + (e & 1), row = w0 + g + (e >> 1) * 8;
-          s[4 * t + e] *= sl2;
-          if (need_mask && (key >= T || (p.causal && key > row))) s[4 * t + e] = -INFINITY;
-        }
-
-      // Online softmax: each row's values are spread over the 4 lanes of its group.
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        float mx = m[r];
-#pragma unroll
-        for (int t = 0; t < BC / 8; t++) mx = fmaxf(mx, fmaxf(s[4 * t + 2 * r], s[4 * t + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
-        const float alpha = exp2f(m[r] - base);
-        m[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int t = 0; t < BC / 8; t++) {
-          s[4 * t + 2 * r] = exp2f(s[4 * t + 2 * r] - base);
-          s[4 * t + 2 * r + 1] = exp2f(s[4 * t + 2 * r + 1] - base);
-          sum += s[4 * t + 2 * r] + s[4 * t + 2 * r + 1];
-        }
-        l[r] = l[r] * alpha + sum;  // this lane's share; the group's shares are added once at the end
-#pragma unroll
-        for (int t = 0; t < D / 8; t++) {
-          o[4 * t + 2 * r] *= alpha;
-          o[4 * t + 2 * r + 1] *= alpha;
-        }
-      }
+      // Scale to log2 units and mask, then the online softmax (flash_attention.cuh, as the mma.sync kernel).
+      scale_and_mask(s, k0, w0, g, c, T, p.causal, k0 + BC > T || (p.causal && k0 + BC > w0), sl2);
+      online_softmax(s, o, m, l);
 
       // O += P V, 16 keys (two 8-row groups of V, 2048 bytes) per wgmma; P's tiles 2ks, 2ks+1 are its A fragment.
       uint32_t pa[BC / 16][4];
 #pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(pa[ks], s + 8 * ks, s + 8 * ks + 4);
+      for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(pa[ks], s[2 * ks], s[2 * ks + 1]);
       wgmma::fence();
 #pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++)
-        wgmma::Mma<E, D>::rs(o, pa[ks], sm90::mnmajor<BC>(vb, ks), 1);
+      for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(&o[0][0], pa[ks], sm90::mnmajor<BC>(vb, ks), 1);
       wgmma::commit();
       wgmma::wait<0>();
-#pragma unroll
-      for (int i = 0; i < D / 2; i++) wgmma::keep(o[i]);
-#pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) wgmma::keep(pa[ks][i]);
+      wgmma::keep(o);
+      wgmma::keep(pa);
     }
     __syncthreads();  // every warpgroup is done with this buffer before iteration j + 1 prefetches into it
   }
 
-  // Normalise and store; rows past T are dropped. lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2.
-  E* O = static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh;
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float tot = l[r];
-    tot += __shfl_xor_sync(0xffffffffu, tot, 1);
-    tot += __shfl_xor_sync(0xffffffffu, tot, 2);
-    const int row = w0 + g + r * 8;
-    if (row >= T) continue;
-    const float inv = 1.f / tot;
-    E* orow = O + (int64_t)row * p.os.st;
-#pragma unroll
-    for (int t = 0; t < D / 8; t++) {
-      const uint32_t v2 = Pack<E>::two(o[4 * t + 2 * r] * inv, o[4 * t + 2 * r + 1] * inv);
-      *reinterpret_cast<uint32_t*>(orow + t * 8 + 2 * c) = v2;
-    }
-    if (c == 0) p.lse[(int64_t)bh * T + row] = (m[r] + log2f(tot)) * kLn2;
-  }
+  store_rows(o, m, l, w0, g, c, T, static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh, p.os.st,
+             p.lse + (int64_t)bh * T);
 }
 
 template <typename E, int D, int WG, int BC>

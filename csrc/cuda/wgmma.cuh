@@ -119,4 +119,13 @@ FASTGPT_WGMMA_DEFINE(__half, "f16")
 
 // ---- end of PTX
 
+// keep() on every register of an accumulator or fragment array.
+template <typename T, int N, int M>
+__device__ __forceinline__ void keep(T (&a)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int j = 0; j < M; j++) keep(a[i][j]);
+}
+
 }  // namespace fastgpt::cuda::wgmma
