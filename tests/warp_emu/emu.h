@@ -255,8 +255,9 @@ inline WarpGroup& warpgroup() {
 }
 // One element of a 128-byte swizzled operand at (unswizzled) shared address addr: the swizzle XORs address bits 4-6
 // (the 16-byte chunk in a 128-byte row) with bits 7-9 (the row in an 8-row group).
+inline uint32_t wg_swizzle(uint32_t addr) { return addr ^ (((addr >> 7) & 7) << 4); }
 inline float wg_load(uint32_t addr, bool half) {
-  const uint32_t at = addr ^ (((addr >> 7) & 7) << 4);
+  const uint32_t at = wg_swizzle(addr);
   if (at % 2 || at + 2 > tl_block->smem_bytes) die("wgmma reads outside shared memory");
   if (tl_block->dirty[at]) die("wgmma reads shared memory written by cp.async without a fence.proxy.async after it");
   const int wg = tl_tid.x / 128;
@@ -269,31 +270,49 @@ inline float wg_load(uint32_t addr, bool half) {
   memcpy(&b, tl_block->smem + at, 2);
   return half ? tof<__half>(b) : tof<__nv_bfloat16>(b);
 }
-// Element (mn, k), k < 16, of the operand a descriptor describes: K-major (k runs along a 128-byte row; 8-row
-// groups SBO apart) or MN-major (mn runs along rows, 64 per row block, blocks LBO apart; k down 8 rows, then SBO on).
-inline float wg_operand(uint64_t desc, int mn, int k, bool mn_major, bool half) {
+// The (unswizzled) shared address of element (mn, k), k < 16, of the 16-bit operand a descriptor describes: K-major
+// (k runs along a 128-byte row; 8-row groups SBO apart) or MN-major (mn runs along rows, 64 per row block, blocks LBO
+// apart; k down 8 rows, then SBO on). cute_check.cpp holds this and the two register maps below to CUTLASS's.
+inline uint32_t wg_operand_addr(uint64_t desc, int mn, int k, bool mn_major) {
   const uint32_t start = (uint32_t)(desc & 0x3FFF) << 4, lbo = (uint32_t)((desc >> 16) & 0x3FFF) << 4,
                  sbo = (uint32_t)((desc >> 32) & 0x3FFF) << 4;
   if ((desc >> 62) != 1) die("emulated wgmma reads only 128-byte swizzled operands (descriptor mode 1)");
   if ((desc >> 49) & 7) die("emulated wgmma: descriptor base offset must be 0");
-  if (!mn_major) return wg_load(start + (mn % 8) * 128 + (mn / 8) * sbo + k * 2, half);
-  return wg_load(start + (mn % 64) * 2 + (mn / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo, half);
+  if (!mn_major) return start + (mn % 8) * 128 + (mn / 8) * sbo + k * 2;
+  return start + (mn % 64) * 2 + (mn / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo;
+}
+inline float wg_operand(uint64_t desc, int mn, int k, bool mn_major, bool half) {
+  return wg_load(wg_operand_addr(desc, mn, k, mn_major), half);
+}
+// Accumulator i of thread t (0-127) of a warpgroup: row and column of the 64 x N product (mma.m16n8's C layout per
+// warp, N / 8 tiles of 4 one after the other).
+inline void wg_acc_coord(int t, int i, int& row, int& col) {
+  row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
+}
+// Where element (row, k) of a 64 x 16 A from registers lives: thread (0-127), register (0-3), upper half or not
+// (mma.m16n8k16's A layout per warp).
+inline void wg_a_home(int row, int k, int& thread, int& reg, bool& upper) {
+  const int r = row % 16;
+  thread = 32 * (row / 16) + 4 * (r % 8) + (k % 8) / 2, reg = (r >= 8) + 2 * (k >= 8), upper = k % 2;
 }
 inline void wg_exec(const WgOp& op) {
   WarpGroup& w = warpgroup();
-  const int lt = tl_tid.x % 128, wl = lt / 32, g = lane() / 4, c = lane() % 4;
+  const int lt = tl_tid.x % 128;
   w.ops[lt] = &op;
   w.bar.arrive_and_wait();  // every thread's registers as they are now
   auto A = [&](int row, int k) {
     if (!op.rs) return wg_operand(op.da, row, k, false, op.half);
-    const int r = row % 16, ln = 4 * (r % 8) + (k % 8) / 2, reg = (r >= 8) + 2 * (k >= 8);
-    const uint32_t v = w.ops[32 * (row / 16) + ln]->a[reg];
-    const uint16_t b = (k % 2) ? v >> 16 : v & 0xffff;
+    int t, reg;
+    bool upper;
+    wg_a_home(row, k, t, reg, upper);
+    const uint32_t v = w.ops[t]->a[reg];
+    const uint16_t b = upper ? v >> 16 : v & 0xffff;
     return op.half ? tof<__half>(b) : tof<__nv_bfloat16>(b);
   };
   float out[64];
   for (int i = 0; i < op.n / 2; i++) {
-    const int row = 16 * wl + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
+    int row, col;
+    wg_acc_coord(lt, i, row, col);
     double acc = 0;
     for (int k = 0; k < 16; k++) acc += (double)A(row, k) * wg_operand(op.db, col, k, op.rs, op.half);
     out[i] = (float)((op.accumulate ? op.d[i] : 0.f) + acc);

@@ -10,7 +10,8 @@
 # shared-memory declarations and the <<<>>> launches are swapped (by the sed/awk below, so those lines keep their
 # current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|tiles|f32|sm75|decode|ce|ln|adamw|big|peaky|grid, LAZY 0|1.
+#   MODE quick|mix|tc|tiles|f32|sm75|sm90|decode|ce|ln|adamw|big|peaky|grid, LAZY 0|1; or MODE cute (cute_check.cpp,
+#   with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the emulator's wgmma against CUTLASS.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../../csrc" && pwd)
@@ -47,6 +48,14 @@ fi
 cp "$here/emu_test.cpp" "$out/test.cpp"
 cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU reference the adamw kernels are compared with
 flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes -DFASTGPT_SM90A=1)
+if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wgmma against CuTe (cute_check.cpp)
+  : "${CUTLASS_INCLUDE:?the cute mode needs CUTLASS_INCLUDE, the CUTLASS include directory}"
+  cccl=()
+  [ -d "$cuda_inc/cccl" ] && cccl=(-I"$cuda_inc/cccl")  # CUDA 13 keeps libcu++ (cuda/std) there
+  g++ "${flags[@]}" "${cccl[@]}" -I"$CUTLASS_INCLUDE" -Wno-deprecated-declarations "$here/cute_check.cpp" \
+    -o "$out/cute_check"
+  exec "$out/cute_check"
+fi
 objs=() pids=()
 for f in "${units[@]}" cpu_adamw test; do
   if ! [ "$out/$f.o" -nt "$out/$f.cpp" ]; then

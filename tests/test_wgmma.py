@@ -1,0 +1,88 @@
+"""The Hopper flash attention kernels' use of wgmma (csrc/cuda/wgmma.cuh, flash_attention_sm90.cuh), held to CUTLASS.
+
+The sm90 kernels have not run on a GPU; the warp emulator checks them against one reading of the PTX ISA, the same
+reading they were written from. These tests put CUTLASS's code, which runs on Hopper in CUTLASS's own kernels, in
+place of that reading (CUTLASS's headers come with the `nvidia-cutlass` test dependency):
+- tests/warp_emu/cute_check.cpp: the tile loader's placement of every element against CuTe's 128-byte swizzled
+  K-major and MN-major layouts, every descriptor the kernels pass against the one CuTe's TiledMMA partition makes for
+  the same slice, the element the emulator reads through each descriptor against CuTe's address of it, and the
+  emulator's accumulator and register-A maps against CuTe's CLayout_64xN and ALayout_64x16;
+- tests/warp_emu/cute_ptx.cu: the PTX wgmma instruction of each wgmma.cuh call against CUTLASS's for the same
+  operation (m64n64k16 and m64n128k16, bf16 and f16, both operands from shared memory or A from registers with an
+  MN-major B), compiled by nvcc for sm_90a.
+They say nothing of speed, and nothing of what the emulator cannot model; a GPU run is still the verification."""
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent / "warp_emu"
+
+
+def _cutlass_include():
+    spec = importlib.util.find_spec("cutlass_library")  # not imported: only its files are needed
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+    return path if (path / "cute" / "tensor.hpp").exists() else None
+
+
+def _cuda_home():
+    home = os.environ.get("CUDA_HOME")
+    if not home and shutil.which("nvcc"):
+        home = str(Path(shutil.which("nvcc")).resolve().parent.parent)
+    return Path(home) if home and (Path(home) / "include" / "cuda_bf16.h").exists() else None
+
+
+needs_cutlass = pytest.mark.skipif(_cutlass_include() is None,
+                                   reason="needs CUTLASS's headers (pip install nvidia-cutlass)")
+
+
+@needs_cutlass
+@pytest.mark.skipif(not (shutil.which("g++") and shutil.which("bash") and _cuda_home()),
+                    reason="needs g++ and the CUDA toolkit headers")
+def test_sm90_tiles_descriptors_and_emulator_match_cute(tmp_path):
+    env = dict(os.environ, CUTLASS_INCLUDE=str(_cutlass_include()))
+    r = subprocess.run(["bash", str(HERE / "run.sh"), str(tmp_path), "cute"], capture_output=True, text=True,
+                       timeout=600, env=env)
+    report = r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, report
+    m = re.search(r"cute checks (\d+) failures (\d+)", r.stdout)
+    assert m, report
+    assert int(m.group(2)) == 0, report
+    # every (row, column) of five tile shapes, every descriptor slice and register: far more than a stub would make
+    assert int(m.group(1)) > 300_000, report
+
+
+def _wgmma_lines(ptx):
+    """The PTX wgmma instruction (and its scale-d predicate) of each kernel, register numbers and spacing dropped."""
+    out, name = {}, None
+    for line in ptx.splitlines():
+        entry = re.match(r"\.visible \.entry _Z\d+(\w+?)P", line)
+        if entry:
+            name = entry.group(1)
+            out[name] = []
+        elif name and re.match(r"\s*(wgmma\.|setp\.ne\.b32 p,)", line):
+            out[name].append(" ".join(re.sub(r"%(f|rd|r|p)\d+", r"%\1", line).replace(",", " , ").split()))
+    return out
+
+
+@needs_cutlass
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_wgmma_instructions_are_cutlass_instructions(tmp_path):
+    ptx = tmp_path / "cute_ptx.ptx"
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{HERE.parent.parent / 'csrc'}",
+                        f"-I{_cutlass_include()}", str(HERE / "cute_ptx.cu"), "-o", str(ptx)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = _wgmma_lines(ptx.read_text())
+    pairs = sorted(n[len("ours_"):] for n in lines if n.startswith("ours_"))
+    assert pairs == sorted(f"{k}_{n}_{t}" for k in ("ss", "rs") for n in (64, 128) for t in ("BF16", "F16")), lines
+    for p in pairs:
+        ours, cutlass = lines["ours_" + p], lines["cute_" + p]
+        assert len(ours) == 2 and any(x.startswith("wgmma.mma_async") for x in ours), (p, ours)
+        assert ours == cutlass, (p, ours, cutlass)

@@ -1,0 +1,53 @@
+// The wgmma instructions csrc/cuda/wgmma.cuh emits, beside CUTLASS's for the same operation: each pair of kernels
+// below compiles (nvcc -ptx, sm_90a) to a PTX wgmma line that must be the same once register names are dropped
+// (run.sh's "cute" mode compares them). That holds the immediates CUTLASS passes (scale-a, scale-b, transposes: a
+// K-major A and B from shared memory, or A from registers with an MN-major B) and the operand order to ours.
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include <utility>
+
+#include "cuda/wgmma.cuh"
+
+namespace wg = fastgpt::cuda::wgmma;
+namespace G = cute::SM90::GMMA;
+
+template <class Op, int N, class... A, size_t... I>
+__device__ void call_cute(float* d, std::index_sequence<I...>, int accumulate, A... a) {
+  Op::fma(a..., d[I]..., accumulate ? G::ScaleOut::One : G::ScaleOut::Zero);
+}
+
+// ours_<kind>_<n>_<type> and cute_<kind>_<n>_<type>: one wgmma each, on descriptors and fragments from memory.
+#define FASTGPT_PAIR(E, T, N)                                                                                      \
+  __global__ void ours_ss_##N##_##T(float* o, uint64_t a, uint64_t b, int acc) {                                  \
+    float d[N / 2];                                                                                                \
+    for (int i = 0; i < N / 2; i++) d[i] = o[i];                                                                   \
+    wg::Mma<E, N>::ss(d, a, b, acc);                                                                               \
+    for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
+  }                                                                                                                \
+  __global__ void cute_ss_##N##_##T(float* o, uint64_t a, uint64_t b, int acc) {                                  \
+    float d[N / 2];                                                                                                \
+    for (int i = 0; i < N / 2; i++) d[i] = o[i];                                                                   \
+    call_cute<G::MMA_64x##N##x16_F32##T##T##_SS<G::Major::K, G::Major::K>, N>(d, std::make_index_sequence<N / 2>{}, \
+                                                                              acc, a, b);                          \
+    for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
+  }                                                                                                                \
+  __global__ void ours_rs_##N##_##T(float* o, const uint32_t* f, uint64_t b, int acc) {                           \
+    float d[N / 2];                                                                                                \
+    for (int i = 0; i < N / 2; i++) d[i] = o[i];                                                                   \
+    const uint32_t a[4] = {f[0], f[1], f[2], f[3]};                                                                \
+    wg::Mma<E, N>::rs(d, a, b, acc);                                                                               \
+    for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
+  }                                                                                                                \
+  __global__ void cute_rs_##N##_##T(float* o, const uint32_t* f, uint64_t b, int acc) {                           \
+    float d[N / 2];                                                                                                \
+    for (int i = 0; i < N / 2; i++) d[i] = o[i];                                                                   \
+    const uint32_t a0 = f[0], a1 = f[1], a2 = f[2], a3 = f[3];                                                     \
+    call_cute<G::MMA_64x##N##x16_F32##T##T##_RS<G::Major::K, G::Major::MN>, N>(                                    \
+        d, std::make_index_sequence<N / 2>{}, acc, a0, a1, a2, a3, b);                                             \
+    for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
+  }
+
+FASTGPT_PAIR(__nv_bfloat16, BF16, 64)
+FASTGPT_PAIR(__nv_bfloat16, BF16, 128)
+FASTGPT_PAIR(__half, F16, 64)
+FASTGPT_PAIR(__half, F16, 128)
