@@ -119,11 +119,11 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[NT][4], int k0, int ro
     }
 }
 
-// Forward: the online softmax of one key block. Each row's values are spread over the 4 lanes of its group; m (log2
-// units) and l are the running max and this lane's share of the sum (the group's shares are added once at the end),
-// O is rescaled, and s becomes P.
-template <int NT, int ND>
-__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[ND][4], float (&m)[2], float (&l)[2]) {
+// Forward: the online softmax of one key block, without O. Each row's values are spread over the 4 lanes of its
+// group; m (log2 units) and l are the running max and this lane's share of the sum (the group's shares are added
+// once at the end); s becomes P, and alpha the factor O must be rescaled by (before P V is added to it).
+template <int NT>
+__device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     float mx = m[r];
@@ -132,7 +132,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[ND]
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
-    const float alpha = exp2f(m[r] - base);
+    alpha[r] = exp2f(m[r] - base);
     m[r] = mx;
     float sum = 0.f;
 #pragma unroll
@@ -141,13 +141,28 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[ND]
       s[t][2 * r + 1] = exp2f(s[t][2 * r + 1] - base);
       sum += s[t][2 * r] + s[t][2 * r + 1];
     }
-    l[r] = l[r] * alpha + sum;
-#pragma unroll
-    for (int t = 0; t < ND; t++) {
-      o[t][2 * r] *= alpha;
-      o[t][2 * r + 1] *= alpha;
-    }
+    l[r] = l[r] * alpha[r] + sum;
   }
+}
+
+// O's rows g and g + 8 times alpha[0] and alpha[1].
+template <int ND>
+__device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int t = 0; t < ND; t++) {
+    o[t][0] *= alpha[0];
+    o[t][1] *= alpha[0];
+    o[t][2] *= alpha[1];
+    o[t][3] *= alpha[1];
+  }
+}
+
+// Forward: the online softmax of one key block, O rescaled at once (the kernels whose P V follows in order).
+template <int NT, int ND>
+__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[ND][4], float (&m)[2], float (&l)[2]) {
+  float alpha[2];
+  softmax_rows(s, m, l, alpha);
+  rescale_rows(o, alpha);
 }
 
 // Forward's end: O normalised into rows [row0, row0 + 16) of `out` (row stride st; rows past T dropped) and each

@@ -4,7 +4,8 @@
 // cp.async into 128-byte swizzled shared memory, which wgmma reads directly: no ldmatrix, and one instruction
 // multiplies 64 rows by BC keys (S = Q K^T, both operands from shared memory) or 64 rows by d (O += P V, P from the
 // S accumulators in registers, V read transposed). The online softmax, masking, causal block skip and store are the
-// mma.sync kernel's, per warp, on the same accumulator layout. Chosen with the fwd tile options "sm90 ..."
+// mma.sync kernel's, per warp, on the same accumulator layout. As in FlashAttention-3, a block's softmax runs while
+// the previous block's P V is still on the tensor cores (the loop's comment). Chosen with the fwd tile options "sm90 ..."
 // (flash_attention.cu's kTileOptions) on a device of compute capability 9.0, from a build that has sm_90a code.
 // Written and run only in the warp emulator so far (tests/warp_emu); the first GPU run decides whether it is faster.
 #include "cuda/check.h"
@@ -17,6 +18,29 @@ namespace {
 template <int D, int WG, int BC>
 constexpr int sm90_smem_bytes() {
   return sm90::tile_bytes<64 * WG + 4 * BC, D>() + 1024;  // Q, K and V twice each, and room to align
+}
+
+// S = Q K^T for warpgroup wg's 64 rows of the (BR, D) Q tile at aQ and the (BC, D) K tile at kb: one wgmma per 16
+// columns of d, both operands K-major.
+template <typename E, int BR, int BC, int D>
+__device__ __forceinline__ void qk_product(float (&s)[BC / 8][4], uint32_t aQ, uint32_t kb, int wg) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk++)
+    wgmma::Mma<E, BC>::ss(&s[0][0], sm90::kmajor<BR>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
+}
+
+// O += P V: 16 keys (two 8-row groups of the (BC, D) V tile at vb, read MN-major) per wgmma, P from registers.
+template <typename E, int BC, int D>
+__device__ __forceinline__ void pv_product(float (&o)[D / 8][4], const uint32_t (&pa)[BC / 16][4], uint32_t vb) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(&o[0][0], pa[ks], sm90::mnmajor<BC>(vb, ks), 1);
+}
+
+// P (in the S accumulators) as wgmma A fragments: tiles 2ks and 2ks + 1 make fragment ks.
+template <typename E, int BC>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[BC / 16][4], const float (&s)[BC / 8][4]) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(pa[ks], s[2 * ks], s[2 * ks + 1]);
 }
 
 template <typename E, int D, int WG, int BC>
@@ -37,60 +61,73 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
   const E* V = static_cast<const E*>(p.v) + in_off;
   const int kv_end = p.causal ? min(T, q0 + BR) : T;
   const int nblocks = (kv_end + BC - 1) / BC;
+  const int wg0 = q0 + wg * 64, w0 = wg0 + warp * 16;  // the warpgroup's and the warp's first query
+  // The blocks this warpgroup sees (causal: those with a key at or before its last query), a prefix of the CTA's;
+  // warpgroup-uniform, as wgmma needs all 128 threads.
+  const int nvis = p.causal ? min(nblocks, (wg0 + 64 + BC - 1) / BC) : nblocks;
 
   sm90::load<E, BR, D, NT>(sQ, Q, p.is.st, q0, T, tid);
   sm90::load<E, BC, D, NT>(sK, K, p.is.st, 0, T, tid);
-  sm90::load<E, BC, D, NT>(sV, V, p.is.st, 0, T, tid);
   cp_async_commit();
 
   const uint32_t aQ = wgmma::shared_addr(sQ), aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV);
   float o[D / 8][4] = {};  // this warp's 16 rows x D of O (wgmma's N / 2 accumulators per lane, in order)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8; m in log2 units
+  float s[BC / 8][4];       // S = Q K^T for this warp's 16 rows x BC keys, then P
+  uint32_t pa[BC / 16][4];  // P of the block before, as wgmma A fragments (tiles 2ks, 2ks + 1: fragment ks)
   const float sl2 = p.scale * kLog2e;
-  const int wg0 = q0 + wg * 64, w0 = wg0 + warp * 16;  // the warpgroup's and the warp's first query
 
-  for (int j = 0; j < nblocks; j++) {
-    const int buf = j & 1, k0 = j * BC;
-    if (j + 1 < nblocks) {  // prefetch the next block into the other buffer (its wgmma ended before the last sync)
-      sm90::load<E, BC, D, NT>(sK + (buf ^ 1) * kKVBytes, K, p.is.st, k0 + BC, T, tid);
-      sm90::load<E, BC, D, NT>(sV + (buf ^ 1) * kKVBytes, V, p.is.st, k0 + BC, T, tid);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+  // Software pipelined as FlashAttention-3 (intra-warpgroup overlap): step j issues S_j = Q K_j^T and then
+  // O += P_{j-1} V_{j-1}, waits for S_j alone and runs block j's softmax while the tensor cores still multiply
+  // P_{j-1} V_{j-1}; O is rescaled by block j's factor once that product is in. V_j is therefore needed one step
+  // after K_j: step j loads K_{j+1} and V_j, and one barrier per step orders both buffers (each warpgroup has
+  // waited for its products of step j - 1 before it). Each branch below holds its wgmma and their waits whole, so
+  // that ptxas need not serialise them (its C7520 warning).
+  for (int j = 0; j <= nblocks; j++) {
+    cp_async_wait<0>();          // K_j and V_{j - 1}, loaded in step j - 1
     wgmma::fence_proxy_async();  // this thread's copies, then everyone's (the barrier), reach wgmma's reads
     __syncthreads();
-
-    // Warpgroup-uniform (wgmma needs all 128 threads): some key of the block is visible to some row of it.
-    if (!(p.causal && k0 > wg0 + 63)) {
-      const uint32_t kb = aK + buf * kKVBytes, vb = aV + buf * kKVBytes;
-      float s[BC / 8][4];  // S = Q K^T for this warp's 16 rows x BC keys
+    if (j < nblocks) {  // into the buffers of K_{j - 1} and V_{j - 2}, whose products ended before the barrier
+      if (j + 1 < nblocks) sm90::load<E, BC, D, NT>(sK + ((j + 1) & 1) * kKVBytes, K, p.is.st, (j + 1) * BC, T, tid);
+      sm90::load<E, BC, D, NT>(sV + (j & 1) * kKVBytes, V, p.is.st, j * BC, T, tid);
+      cp_async_commit();
+    }
+    const uint32_t kb = aK + (j & 1) * kKVBytes, vb = aV + ((j - 1) & 1) * kKVBytes;
+    const int k0 = j * BC;
+    float alpha[2];
+    if (j == 0) {  // S_0 alone (every warpgroup sees block 0: nvis >= 1)
       wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; kk++)
-        wgmma::Mma<E, BC>::ss(&s[0][0], sm90::kmajor<BR>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
+      qk_product<E, BR, BC, D>(s, aQ, kb, wg);
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::keep(s);
-
-      // Scale to log2 units and mask, then the online softmax (flash_attention.cuh, as the mma.sync kernel).
       scale_and_mask(s, k0, w0, g, c, T, p.causal, k0 + BC > T || (p.causal && k0 + BC > w0), sl2);
-      online_softmax(s, o, m, l);
-
-      // O += P V, 16 keys (two 8-row groups of V, 2048 bytes) per wgmma; P's tiles 2ks, 2ks+1 are its A fragment.
-      uint32_t pa[BC / 16][4];
-#pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(pa[ks], s[2 * ks], s[2 * ks + 1]);
+      softmax_rows(s, m, l, alpha);
+      rescale_rows(o, alpha);
+      pack_p<E, BC>(pa, s);
+    } else if (j < nvis) {  // S_j, with P_{j-1} V_{j-1} behind it
       wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(&o[0][0], pa[ks], sm90::mnmajor<BC>(vb, ks), 1);
+      qk_product<E, BR, BC, D>(s, aQ, kb, wg);
+      wgmma::commit();
+      pv_product<E, BC, D>(o, pa, vb);
+      wgmma::commit();
+      wgmma::wait<1>();  // S_j only: groups retire in order
+      wgmma::keep(s);
+      scale_and_mask(s, k0, w0, g, c, T, p.causal, k0 + BC > T || (p.causal && k0 + BC > w0), sl2);
+      softmax_rows(s, m, l, alpha);
+      wgmma::wait<0>();
+      wgmma::keep(o);
+      wgmma::keep(pa);
+      rescale_rows(o, alpha);
+      pack_p<E, BC>(pa, s);
+    } else if (j == nvis) {  // the last P V
+      wgmma::fence();
+      pv_product<E, BC, D>(o, pa, vb);
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::keep(o);
       wgmma::keep(pa);
     }
-    __syncthreads();  // every warpgroup is done with this buffer before iteration j + 1 prefetches into it
   }
 
   store_rows(o, m, l, w0, g, c, T, static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh, p.os.st,
