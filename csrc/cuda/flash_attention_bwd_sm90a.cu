@@ -6,10 +6,12 @@
 //   lse2) and dS^T = P^T (dP^T - delta) in the accumulators, which are the A operands of dV += P^T dO and
 //   dK += dS^T Q (dO and Q read MN-major from the same tiles).
 // - dq: S = Q K^T and dP = dO V^T, dS = P (dP - delta), dQ += dS K (K read MN-major).
-// Each sums its blocks in sequence order in one CTA: bit-reproducible, as the mma.sync pair, though not the same
-// bits (wgmma's order inside a product). Chosen with the dkdv / dq tile options "sm90 ..." of kTileOptions
-// (flash_attention.cu), for the deterministic backward, on a device of compute capability 9.0. Written and run only
-// in the warp emulator so far (tests/warp_emu); the first GPU run decides whether it is faster.
+// Each product is its own wgmma group, waited for only when its result is needed, so that the exponentials and dS
+// run while the tensor cores finish the next product. Each sums its blocks in sequence order in one CTA:
+// bit-reproducible, as the mma.sync pair, though not the same bits (wgmma's order inside a product). Chosen with the
+// dkdv / dq tile options "sm90 ..." of kTileOptions (flash_attention.cu), for the deterministic backward, on a device
+// of compute capability 9.0. Written and run only in the warp emulator so far (tests/warp_emu); the first GPU run
+// decides whether it is faster.
 #include "cuda/check.h"
 #include "cuda/flash_attention_sm90.cuh"
 
@@ -27,6 +29,14 @@ constexpr int dkdv_sm90_smem() {  // K and V, Q and dO twice each, lse2 and delt
 template <int D>
 constexpr int dq_sm90_smem() {  // Q and dO, K and V twice each, alignment
   return sm90::tile_bytes<2 * kRows + 4 * kStep, D>() + 1024;
+}
+
+// dV += P^T dO for a warpgroup's 64 keys: 16 queries (two 8-row groups of the (BR, D) dO tile at ob, read MN-major)
+// per wgmma, P^T from registers.
+template <typename E, int BR, int D>
+__device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t (&ap)[BR / 16][4], uint32_t ob) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ks++) wgmma::Mma<E, D>::rs(&dv[0][0], ap[ks], sm90::mnmajor<BR>(ob, ks), 1);
 }
 
 template <typename E, int D>
@@ -78,40 +88,49 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     if (!(p.causal && q0 + BR - 1 < wk0)) {
       const uint32_t qb = aQ + buf * kQBytes, ob = adO + buf * kQBytes;
       float st[BR / 8][4], dpt[BR / 8][4];  // S^T and dP^T (then P^T, dS^T): this warp's 16 keys x BR queries
+      uint32_t ap[BR / 16][4], ad[BR / 16][4];  // P^T and dS^T as A fragments
+      // Each product waited for only when its result is needed: P^T's exponentials run while dP^T is on the tensor
+      // cores, and dS^T while dV += P^T dO is. At d 128 (dK, dV, S^T, dP^T and the fragments fill the registers)
+      // ptxas serialises split groups (its C7520 warning): there S^T with dP^T, and dV with dK, are one group each.
+      constexpr bool kSplit = D == 64;
       wgmma::fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; kk++) {
+      for (int kk = 0; kk < D / 16; kk++)
         wgmma::Mma<E, BR>::ss(&st[0][0], sm90::kmajor<KB>(aK, wg * 64, kk), sm90::kmajor<BR>(qb, 0, kk), kk > 0);
+      if constexpr (kSplit) wgmma::commit();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++)
         wgmma::Mma<E, BR>::ss(&dpt[0][0], sm90::kmajor<KB>(aV, wg * 64, kk), sm90::kmajor<BR>(ob, 0, kk), kk > 0);
-      }
       wgmma::commit();
-      wgmma::wait<0>();
+      wgmma::wait<kSplit ? 1 : 0>();  // S^T (groups retire in order)
       wgmma::keep(st);
-      wgmma::keep(dpt);
-
 #pragma unroll
       for (int t = 0; t < BR / 8; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8;
-          const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;
-          st[t][e] = pv;
-          dpt[t][e] = pv * (dpt[t][e] - sDl[ql]);
+          st[t][e] = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;  // P^T
         }
-
-      // dV += P^T dO and dK += dS^T Q, 16 queries (two 8-row groups of dO and Q) per wgmma.
-      uint32_t ap[BR / 16][4], ad[BR / 16][4];
 #pragma unroll
-      for (int ks = 0; ks < BR / 16; ks++) {
-        a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
-        a_from_acc<E>(ad[ks], dpt[2 * ks], dpt[2 * ks + 1]);
+      for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
+      if constexpr (kSplit) {
+        wgmma::fence();
+        dv_product<E, BR, D>(dv, ap, ob);
+        wgmma::commit();
+        wgmma::wait<1>();  // dP^T
       }
+      wgmma::keep(dpt);
+#pragma unroll
+      for (int t = 0; t < BR / 8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dpt[t][e] = st[t][e] * (dpt[t][e] - sDl[t * 8 + 2 * c + (e & 1)]);  // dS^T
+#pragma unroll
+      for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ad[ks], dpt[2 * ks], dpt[2 * ks + 1]);
       wgmma::fence();
+      if constexpr (!kSplit) dv_product<E, BR, D>(dv, ap, ob);
 #pragma unroll
-      for (int ks = 0; ks < BR / 16; ks++) {
-        wgmma::Mma<E, D>::rs(&dv[0][0], ap[ks], sm90::mnmajor<BR>(ob, ks), 1);
+      for (int ks = 0; ks < BR / 16; ks++)  // dK += dS^T Q, 16 queries (two 8-row groups of Q) per wgmma
         wgmma::Mma<E, D>::rs(&dk[0][0], ad[ks], sm90::mnmajor<BR>(qb, ks), 1);
-      }
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::keep(dk);
@@ -190,24 +209,31 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
     if (!(p.causal && k0 > wq0 + 63)) {
       const uint32_t kb = aK + buf * kKBytes, vb = aV + buf * kKBytes;
       float s[BC / 8][4], dp[BC / 8][4];  // S = Q K^T, dP = dO V^T (then dS): this warp's 16 rows x BC keys
+      // S's exponentials run while dP is on the tensor cores (two groups, each waited for when needed).
       wgmma::fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; kk++) {
+      for (int kk = 0; kk < D / 16; kk++)
         wgmma::Mma<E, BC>::ss(&s[0][0], sm90::kmajor<QB>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
-        wgmma::Mma<E, BC>::ss(&dp[0][0], sm90::kmajor<QB>(adO, wg * 64, kk), sm90::kmajor<BC>(vb, 0, kk), kk > 0);
-      }
       wgmma::commit();
-      wgmma::wait<0>();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++)
+        wgmma::Mma<E, BC>::ss(&dp[0][0], sm90::kmajor<QB>(adO, wg * 64, kk), sm90::kmajor<BC>(vb, 0, kk), kk > 0);
+      wgmma::commit();
+      wgmma::wait<1>();  // S (groups retire in order)
       wgmma::keep(s);
-      wgmma::keep(dp);
 #pragma unroll
       for (int t = 0; t < BC / 8; t++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
-          const float pv = visible(w0 + g + r * 8, key, T, p.causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;
-          dp[t][e] = pv * (dp[t][e] - dl[r]);  // dS
+          s[t][e] = visible(w0 + g + r * 8, key, T, p.causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;  // P
         }
+      wgmma::wait<0>();
+      wgmma::keep(dp);
+#pragma unroll
+      for (int t = 0; t < BC / 8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dp[t][e] = s[t][e] * (dp[t][e] - dl[e >> 1]);  // dS
       uint32_t ad[BC / 16][4];
 #pragma unroll
       for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(ad[ks], dp[2 * ks], dp[2 * ks + 1]);

@@ -5,8 +5,8 @@
 // multiplies 64 rows by BC keys (S = Q K^T, both operands from shared memory) or 64 rows by d (O += P V, P from the
 // S accumulators in registers, V read transposed). The online softmax, masking, causal block skip and store are the
 // mma.sync kernel's, per warp, on the same accumulator layout. As in FlashAttention-3, a block's softmax runs while
-// the previous block's P V is still on the tensor cores (the loop's comment). Chosen with the fwd tile options "sm90 ..."
-// (flash_attention.cu's kTileOptions) on a device of compute capability 9.0, from a build that has sm_90a code.
+// the previous block's P V is still on the tensor cores (the loop's comment). Chosen with the fwd tile options
+// "sm90 ..." (flash_attention.cu's kTileOptions) on a device of compute capability 9.0, from a build with sm_90a code.
 // Written and run only in the warp emulator so far (tests/warp_emu); the first GPU run decides whether it is faster.
 #include "cuda/check.h"
 #include "cuda/flash_attention_sm90.cuh"

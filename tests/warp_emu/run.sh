@@ -56,15 +56,21 @@ if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wg
     -o "$out/cute_check"
   exec "$out/cute_check"
 fi
-objs=() pids=()
-for f in "${units[@]}" cpu_adamw test; do
-  if ! [ "$out/$f.o" -nt "$out/$f.cpp" ]; then
+# Built again only when a source, header or flag changed (a digest of them all beside the binary): the test cases
+# that share a build directory compile once.
+digest=$( { printf '%s\n' "${flags[@]}"; cat "$out"/*.cpp "$out"/*.h "$out"/cuda/*;
+            find "$src" \( -name '*.h' -o -name '*.cuh' \) -print0 | sort -z | xargs -0 cat; } | sha256sum)
+if [ "$(cat "$out/emu_test.digest" 2>/dev/null)" != "$digest" ] || ! [ -x "$out/emu_test" ]; then
+  rm -f "$out/emu_test.digest" "$out/emu_test"
+  objs=() pids=()
+  for f in "${units[@]}" cpu_adamw test; do
     rm -f "$out/$f.o"  # a failed compile must not leave an old object to link
     g++ "${flags[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
     pids+=($!)
-  fi
-  objs+=("$out/$f.o")
-done
-for p in "${pids[@]}"; do wait "$p"; done  # set -e: the first failed compile ends the run
-g++ "${flags[@]}" "${objs[@]}" -o "$out/emu_test"
+    objs+=("$out/$f.o")
+  done
+  for p in "${pids[@]}"; do wait "$p"; done  # set -e: the first failed compile ends the run
+  g++ "${flags[@]}" "${objs[@]}" -o "$out/emu_test"
+  echo "$digest" > "$out/emu_test.digest"
+fi
 "$out/emu_test" "$mode" "$lazy"
