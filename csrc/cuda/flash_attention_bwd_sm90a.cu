@@ -260,32 +260,30 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
   }
 }
 
+// Either pass: a CTA of two warpgroups per 128 keys (dkdv) or queries (dq) of each (b, h); B * H on x.
+template <typename Kernel>
+void launch(Kernel kernel, int bytes, const Params& p, Stream stream) {
+  FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<dim3(p.B * p.H, (p.T + kRows - 1) / kRows), kNT, bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 template <typename E>
 void dkdv_sm90(const Params& p, Stream stream) {
-  const auto run = [&](auto kernel, int bytes) {
-    FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    kernel<<<dim3(p.B * p.H, (p.T + kRows - 1) / kRows), kNT, bytes, stream>>>(p);  // B * H on x
-    FASTGPT_CUDA_CHECK_LAUNCH();
-  };
   if (p.d == 64)
-    run(dkdv_sm90_kernel<E, 64>, dkdv_sm90_smem<64>());
+    launch(dkdv_sm90_kernel<E, 64>, dkdv_sm90_smem<64>(), p, stream);
   else
-    run(dkdv_sm90_kernel<E, 128>, dkdv_sm90_smem<128>());
+    launch(dkdv_sm90_kernel<E, 128>, dkdv_sm90_smem<128>(), p, stream);
 }
 
 template <typename E>
 void dq_sm90(const Params& p, Stream stream) {
-  const auto run = [&](auto kernel, int bytes) {
-    FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    kernel<<<dim3(p.B * p.H, (p.T + kRows - 1) / kRows), kNT, bytes, stream>>>(p);
-    FASTGPT_CUDA_CHECK_LAUNCH();
-  };
   if (p.d == 64)
-    run(dq_sm90_kernel<E, 64>, dq_sm90_smem<64>());
+    launch(dq_sm90_kernel<E, 64>, dq_sm90_smem<64>(), p, stream);
   else
-    run(dq_sm90_kernel<E, 128>, dq_sm90_smem<128>());
+    launch(dq_sm90_kernel<E, 128>, dq_sm90_smem<128>(), p, stream);
 }
 
 template void dkdv_sm90<__nv_bfloat16>(const Params&, Stream);

@@ -95,6 +95,8 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
     const uint32_t kb = aK + (j & 1) * kKVBytes, vb = aV + ((j - 1) & 1) * kKVBytes;
     const int k0 = j * BC;
     float alpha[2];
+    // Step 0 is its own branch, not a `j > 0` test around the P V issue: a wait inside a nested branch makes ptxas
+    // serialise every wgmma of the kernel (C7520), even on a uniform condition.
     if (j == 0) {  // S_0 alone (every warpgroup sees block 0: nvis >= 1)
       wgmma::fence();
       qk_product<E, BR, BC, D>(s, aQ, kb, wg);
