@@ -6,7 +6,9 @@ cuDNN) are the bar a flash kernel has to meet. Throughput is reported in TFLOP/s
 (forward 4*B*H*T^2*d, halved when causal; backward 2.5x forward), so numbers compare with published ones.
 
 On a GPU (torch sees one and fastgpt was built with CUDA): head dim --d 64,128 x --T 1024,2048,4096 x causal and
-not, in --dtype bf16 (or fp16; fp32 times fastgpt's CUDA-core kernels, the engine's fp32/tf32 attention). Shapes
+not, in --dtype bf16 (or fp16; or fp32: fastgpt's default "tf32x3" TF32 tensor-core kernels, the engine's fp32
+attention, with rows "fastgpt tf32" (one TF32 product: the engine's tf32 attention) and "fastgpt simt" (CUDA
+cores) beside it, each with its output's max difference from the default's). Shapes
 follow flash-attention's own benchmark: --tokens 16384 per batch (B = 16384 / T) and model width --dim 2048 (H =
 2048 / d), so every case does the same work per token and keeps an H100 busy. Inputs are fresh standard normals
 (seeded, printed). Each implementation runs --warmup untimed calls, then --repeats calls timed with CUDA events; the
@@ -48,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--T", type=ints, default=[1024, 2048, 4096], help="sequence lengths, comma-separated (GPU)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-                   help="GPU input dtype (fp32: fastgpt's CUDA-core kernels, the engine's fp32/tf32 attention)")
+                   help="GPU input dtype (fp32: each of fastgpt's fp32_math choices, the engine's fp32/tf32 attention)")
     p.add_argument("--tokens", type=int, default=16384, help="B*T per case: B = tokens // T (GPU)")
     p.add_argument("--dim", type=int, default=2048, help="model width H*d: H = dim // d (GPU)")
     p.add_argument("--deterministic", action="store_true", help="also time fastgpt's deterministic backward")
@@ -120,6 +122,14 @@ def gpu_rows(args):
                 record("fastgpt deterministic", None,
                        lambda: ops.flash_attention_backward(dout, q, k, v, fg_out, fg_lse, causal=causal,
                                                             deterministic=True))
+            if args.dtype == "fp32":  # the other ways fastgpt multiplies float32 (ops' fp32_math)
+                for math_ in ("tf32", "simt"):
+                    o, l_ = ops.flash_attention_forward(q, k, v, causal=causal, fp32_math=math_)
+                    record(f"fastgpt {math_}", lambda m=math_: ops.flash_attention_forward(q, k, v, causal=causal,
+                                                                                          fp32_math=m),
+                           lambda m=math_, o=o, l_=l_: ops.flash_attention_backward(dout, q, k, v, o, l_,
+                                                                                   causal=causal, fp32_math=m),
+                           out=o)
             if args.tiles and args.dtype != "fp32":  # the tensor-core kernels' shapes
                 tile_rows(record, q, k, v, dout, causal, d)
         for name in (None,) + BACKENDS:

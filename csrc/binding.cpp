@@ -605,9 +605,21 @@ void bind_ops(py::module_& m) {
     return v.dtype == 'b' ? cuda::DType::bf16 : v.dtype == 'h' ? cuda::DType::f16 : cuda::DType::f32;
   };
 #endif
-  m.def("flash_attention_forward", [flash_args IF_CUDA(, dtype_of)](H out_, H lse_, H q_, H k_, H v_,
-                                                                    const std::string& layout, bool causal,
-                                                                    uintptr_t stream) {
+  // How float32 multiplies on a GPU (cuda::F32Math); checked on every device, used by CUDA.
+  auto f32_math = [](const std::string& name) {
+    need(name == "tf32x3" || name == "tf32" || name == "simt",
+         "fp32_math must be 'tf32x3', 'tf32' or 'simt', got '" + name + "'");
+#ifdef FASTGPT_WITH_CUDA
+    return name == "tf32x3" ? cuda::F32Math::tf32x3 : name == "tf32" ? cuda::F32Math::tf32 : cuda::F32Math::simt;
+#else
+    return 0;
+#endif
+  };
+  m.def("flash_attention_forward", [flash_args, f32_math IF_CUDA(, dtype_of)](H out_, H lse_, H q_, H k_, H v_,
+                                                                              const std::string& layout, bool causal,
+                                                                              const std::string& fp32_math,
+                                                                              uintptr_t stream) {
+    const auto math = f32_math(fp32_math);
     View out = view_of(out_, "out", 'a'), lse = view_of(lse_, "lse", 'f'), q = view_of(q_, "q", 'a'),
          k = view_of(k_, "k", 'a'), v = view_of(v_, "v", 'a');
     Flash f = flash_args({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}, lse, layout, causal);
@@ -617,14 +629,18 @@ void bind_ops(py::module_& m) {
 #ifdef FASTGPT_WITH_CUDA
     if (c.cuda)
       return cuda::flash_attention_forward(out.data, f.strides, lse.f(), q.data, k.data, v.data, f.strides, f.shape,
-                                           dtype_of(q), c.stream);
+                                           dtype_of(q), c.stream, math);
 #endif
+    (void)math;  // the CPU computes in fp32
     cpu::flash_attention_forward(out.f(), f.strides, lse.f(), q.f(), k.f(), v.f(), f.strides, f.shape);
   });
-  m.def("flash_attention_backward", [flash_args IF_CUDA(, dtype_of)](H dq_, H dk_, H dv_, H dout_, H q_, H k_, H v_,
-                                                                     H out_, H lse_, const std::string& layout,
-                                                                     bool causal, bool deterministic,
-                                                                     uintptr_t stream) {
+  m.def("flash_attention_backward", [flash_args, f32_math IF_CUDA(, dtype_of)](H dq_, H dk_, H dv_, H dout_, H q_,
+                                                                               H k_, H v_, H out_, H lse_,
+                                                                               const std::string& layout, bool causal,
+                                                                               bool deterministic,
+                                                                               const std::string& fp32_math,
+                                                                               uintptr_t stream) {
+    const auto math = f32_math(fp32_math);
     View dq = view_of(dq_, "dq", 'a'), dk = view_of(dk_, "dk", 'a'), dv = view_of(dv_, "dv", 'a'),
          dout = view_of(dout_, "dout", 'a'), q = view_of(q_, "q", 'a'), k = view_of(k_, "k", 'a'),
          v = view_of(v_, "v", 'a'), out = view_of(out_, "out", 'a'), lse = view_of(lse_, "lse", 'f');
@@ -638,9 +654,9 @@ void bind_ops(py::module_& m) {
     if (c.cuda)
       return cuda::flash_attention_backward(dq.data, dk.data, dv.data, f.strides, dout.data, out.data, f.strides,
                                             q.data, k.data, v.data, lse.f(), f.shape, dtype_of(q), deterministic,
-                                            c.stream);
+                                            c.stream, math);
 #endif
-    (void)deterministic;  // the CPU kernel is always deterministic
+    (void)deterministic, (void)math;  // the CPU kernel is always deterministic, and computes in fp32
     cpu::flash_attention_backward(dq.f(), dk.f(), dv.f(), f.strides, dout.f(), out.f(), f.strides, q.f(), k.f(),
                                   v.f(), lse.f(), f.shape);
   });

@@ -1,5 +1,6 @@
 """Runs every flash attention kernel variant once on small shapes, for compute-sanitizer (memcheck, racecheck):
-bf16 and fp16 at d 64 and 128, fp32 at odd d, causal and not, T that is and is not a multiple of the tiles, both
+bf16 and fp16 at d 64 and 128, fp32 at d 64 and 128 (TF32 tensor cores, three products per product and one) and
+at odd d (CUDA cores), causal and not, T that is and is not a multiple of the tiles, both
 layouts, atomic and deterministic backward; and every tile option of the tensor-core kernels (bf16, d 64, T 130;
 the sm90 kernels also fp16, d 128, T 200).
 It checks nothing numerically (the tests do); it exits non-zero only if a call raises.
@@ -11,22 +12,22 @@ import torch
 from fastgpt import ops
 
 
-def run(dtype, d, T, causal, layout, deterministic):
+def run(dtype, d, T, causal, layout, deterministic, fp32_math="tf32x3"):
     B, H = 2, 3
     shape = (B, H, T, d) if layout == "bhtd" else (B, T, H, d)
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
-    out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout)
-    ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout, deterministic=deterministic)
+    out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout, fp32_math=fp32_math)
+    ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout, deterministic=deterministic,
+                                 fp32_math=fp32_math)
 
 
 def main():
     n = 0
     for dtype, d in [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128),
-                     (torch.float32, 12), (torch.float32, 64), (torch.float32, 160)]:
+                     (torch.float32, 12), (torch.float32, 64), (torch.float32, 128), (torch.float32, 160)]:
         for T, causal, layout, det in itertools.product((17, 130), (True, False), ("bhtd", "bthd"), (False, True)):
-            if dtype == torch.float32 and det:
-                continue  # fp32 has one (deterministic) backward
-            run(dtype, d, T, causal, layout, det)
+            # fp32 has one (deterministic) backward: det picks its TF32 choice instead (CUDA cores at d 12, 160).
+            run(dtype, d, T, causal, layout, det and dtype != torch.float32, "tf32" if det else "tf32x3")
             n += 1
     # The tensor-core kernels' other tile shapes (d 64; ops.flash_attention_tiles), deterministic backward: each
     # forward shape, then each (dkdv, dq) pair, the other kernels at their defaults. The Hopper ("sm90") kernels

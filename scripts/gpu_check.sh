@@ -110,7 +110,8 @@ if [ $build = ok ] && has bench; then
   # --tiles: every tile shape of the tensor-core kernels at d 64 beside the default (which to make the default).
   b=FAIL; timeout 180 python3 bench/bench_flash_attention.py --tiles --json "$out/bench_flash_attention.json" \
     >> "$out/bench.log" 2>&1 && b=ok
-  # fp32 (the CUDA-core kernels of the engine's fp32/tf32 precisions) at GPT-2's shape, against torch's fp32 SDPA.
+  # fp32 at GPT-2's shape, against torch's fp32 SDPA: the TF32 tensor-core kernels (three products per product: the
+  # engine's fp32 attention; one: its tf32) and the CUDA-core ones.
   timeout 60 python3 bench/bench_flash_attention.py --dtype fp32 --d 64 --T 1024 --causal yes \
     --json "$out/bench_flash_attention_fp32.json" >> "$out/bench.log" 2>&1 || b=FAIL
   res[bench_flash]=$b

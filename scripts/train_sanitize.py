@@ -4,7 +4,9 @@ grad-norm clipping and AdamW, all on the model's own stream, one step through ea
 forward_backward's chunks of 37 rows, backward's recomputed chunks); then 20 tokens of generation through the KV
 cache (prefill, decode steps, the window sliding past block_size). The fused model (the residual add with the
 LayerNorm after it, the GELU in cuBLASLt epilogues in 16 bits) in every precision, then the unfused one in bf16 for
-the kernels it alone runs (residual add, GELU). It checks nothing numerically (the tests do); it
+the kernels it alone runs (residual add, GELU); all at head size 32 (attention on CUDA cores, or widened to fp32),
+then fp32, tf32 and bf16 again at head size 64 (attention on tensor cores: TF32 in fp32/tf32). It checks nothing
+numerically (the tests do); it
 exits non-zero only if a call raises or a loss is not finite.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/train_sanitize.py"""
 import math
@@ -16,10 +18,13 @@ import fastgpt
 
 def main():
     cfg = fastgpt.GPTConfig(block_size=64, vocab_size=211, n_layer=2, n_head=2, n_embd=64)
+    cfg64 = fastgpt.GPTConfig(block_size=64, vocab_size=211, n_layer=2, n_head=2, n_embd=128)  # head size 64
     rng = np.random.default_rng(0)
-    for precision, fused in (("fp32", True), ("tf32", True), ("bf16", True), ("fp16", True), ("bf16", False)):
+    runs = [(p, True, cfg) for p in ("fp32", "tf32", "bf16", "fp16")] + [("bf16", False, cfg)] + [
+        (p, True, cfg64) for p in ("fp32", "tf32", "bf16")]
+    for precision, fused, cfg in runs:
         model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused)
-        name = precision if fused else f"{precision} unfused"
+        name = (precision if fused else f"{precision} unfused") + f" hs {cfg.n_embd // cfg.n_head}"
         opt = fastgpt.AdamW(model, lr=1e-3)
         model.classifier_rows = 37  # chunks that do not divide B*T = 96
         for step in range(3):

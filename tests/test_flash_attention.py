@@ -4,7 +4,8 @@ and "bthd" (B, T, H, d), against scaled dot-product attention computed in float6
 CPU (float32): out, lse, dq, dk, dv within 1e-5 relative error of float64 attention (explicit softmax, itself checked
 against torch's float64 SDPA; lse: logsumexp of the scaled, masked scores), over lengths 1, 17 and others not a
 multiple of the 64-row blocks, head dims 12/64/128.
-GPU (skipped without one): float32 the same way; bfloat16/float16 by flash-attention's rule, since half precision has
+GPU (skipped without one): float32 the same way (at d 64/128 on TF32 tensor cores, three products per product; the
+one-product "tf32" choice within 5e-3); bfloat16/float16 by flash-attention's rule, since half precision has
 no fixed tolerance: fastgpt's error against a float64 reference may be at most twice torch's own half-precision SDPA
 error against that reference, plus a slack of 1e-5 * max(1, max|ref|) for results torch gets exactly. The
 deterministic backward must repeat bit for bit, and the ops must run on the caller's stream. The tensor-core
@@ -257,6 +258,51 @@ def test_cuda_float32_matches_float64(rng, B, H, T, layout, d, causal):
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads),
                                reference(q, k, v, dout, causal, layout)):
         assert_close(name, host(got), host(want))
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_float32_math_choices(rng, d, causal):
+    # fp32_math: "tf32x3" (the default: TF32 tensor cores, three products per product) and "simt" (CUDA cores) are
+    # fp32-accurate; "tf32" (one TF32 product) is within 5e-3 and measurably less accurate than "tf32x3" (so the
+    # TF32 kernels ran: at d 64/128 on sm_80+ nothing falls back). Each backward repeats bit for bit.
+    q, k, v, dout = cuda_inputs(2, 3, 300, d, "bthd", torch.float32, rng)
+    ref = reference(q, k, v, dout, causal, "bthd")
+    sm80 = torch.cuda.get_device_capability()[0] >= 8
+    errs = {}
+    for math_ in ("tf32x3", "tf32", "simt"):
+        out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout="bthd", fp32_math=math_)
+        runs = [ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout="bthd",
+                                             fp32_math=math_) for _ in range(2)]
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), math_
+        got = (out, lse) + tuple(runs[0])
+        if math_ == "tf32" and sm80:
+            for name, g, want in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+                err = lse_err(g, want) if name == "lse" else rel_err(g, want)
+                assert err < 5e-3, (name, err)
+        else:
+            for name, g, want in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+                assert_close(name, host(g), host(want))
+        errs[math_] = rel_err(out, ref[0])
+    if sm80:
+        assert errs["tf32"] > 10 * errs["tf32x3"], errs
+
+
+def test_fp32_math_is_checked_and_the_cpu_computes_in_fp32(rng):
+    q, k, v, dout = (randn(rng, (1, 2, 20, 64)) for _ in range(4))
+    with pytest.raises(ValueError, match="fp32_math must be one of"):
+        ops.flash_attention_forward(q, k, v, fp32_math="fp16")
+    out, lse = ops.flash_attention_forward(q, k, v)
+    with pytest.raises(ValueError, match="fp32_math must be one of"):
+        ops.flash_attention_backward(dout, q, k, v, out, lse, fp32_math="TF32")
+    # The CPU has no TF32: every choice gives its float32 bits.
+    out2, lse2 = ops.flash_attention_forward(q, k, v, fp32_math="tf32")
+    assert np.array_equal(out, out2) and np.array_equal(lse, lse2)
+    g1 = ops.flash_attention_backward(dout, q, k, v, out, lse)
+    g2 = ops.flash_attention_backward(dout, q, k, v, out, lse, fp32_math="tf32")
+    assert all(np.array_equal(a, b) for a, b in zip(g1, g2))
 
 
 @needs_cuda

@@ -223,7 +223,8 @@ def test_cpu_flash_kernel_refuses_16_bit_arrays():
     from fastgpt import _C
     q = np.zeros((1, 1, 4, 8), np.float16)
     with pytest.raises(ValueError, match="float32 on the CPU"):
-        _C.ops.flash_attention_forward(q.copy(), np.zeros((1, 1, 4), np.float32), q, q, q, "bhtd", True, 0)
+        _C.ops.flash_attention_forward(q.copy(), np.zeros((1, 1, 4), np.float32), q, q, q, "bhtd", True, "tf32x3",
+                                       0)
 
 
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
@@ -313,6 +314,35 @@ def test_bad_precision_input():
             model.forward(bad)
 
 
+def ten_steps(config, device, precision, seed, x, y):
+    """The losses of 10 AdamW steps (lr 1e-3, clip 1.0) on batches x[step % 2], y[step % 2]."""
+    model = fastgpt.GPT(config, device=device, precision=precision, seed=seed)
+    opt = fastgpt.AdamW(model, lr=1e-3)
+    out = []
+    for step in range(10):
+        model.zero_grad()
+        out.append(model.forward(x[step % 2], y[step % 2], return_logits=False)[1])
+        model.backward()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+    return out
+
+
+@needs_cuda
+def test_cuda_fp32_and_tf32_attention_at_head_size_64_train_like_cpu(rng):
+    # Head size 64 (GPT-2's): fp32 and tf32 attention run on TF32 tensor cores (three products per product in fp32,
+    # one in tf32; CONFIG's head size 16 runs on CUDA cores). 10 steps against the CPU's fp32: fp32 within 1e-5
+    # relative (as test_train_steps' head size 16), tf32 within 2e-2; both repeat bitwise.
+    config = fastgpt.GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=128)
+    seed = int(rng.integers(1 << 31))
+    x, y = rng.integers(0, config.vocab_size, (2, 4, 64)), rng.integers(0, config.vocab_size, (2, 4, 64))
+    cpu = np.array(ten_steps(config, "cpu", "fp32", seed, x, y))
+    for prec, tol in (("fp32", 1e-5), ("tf32", 2e-2)):
+        gpu, again = ten_steps(config, "cuda", prec, seed, x, y), ten_steps(config, "cuda", prec, seed, x, y)
+        assert gpu == again, prec
+        assert np.abs((np.array(gpu) - cpu) / cpu).max() <= tol, prec
+
+
 @needs_cuda
 @pytest.mark.parametrize("prec", ["tf32", "bf16", "fp16"])
 def test_cuda_precisions_train_like_cpu(rng, prec):
@@ -320,20 +350,7 @@ def test_cuda_precisions_train_like_cpu(rng, prec):
     # fp32), and a bitwise repeat (deterministic kernels, keyed stochastic rounding).
     seed = int(rng.integers(1 << 31))
     x, y = rng.integers(0, CONFIG.vocab_size, (2, 4, 32)), rng.integers(0, CONFIG.vocab_size, (2, 4, 32))
-
-    def run(device, precision):
-        model = fastgpt.GPT(CONFIG, device=device, precision=precision, seed=seed)
-        opt = fastgpt.AdamW(model, lr=1e-3)
-        out = []
-        for step in range(10):
-            model.zero_grad()
-            out.append(model.forward(x[step % 2], y[step % 2], return_logits=False)[1])
-            model.backward()
-            opt.clip_grad_norm(1.0)
-            opt.step()
-        return out
-
-    gpu, again = run("cuda", prec), run("cuda", prec)
-    cpu = run("cpu", "fp32" if prec == "tf32" else prec)
+    gpu, again = ten_steps(CONFIG, "cuda", prec, seed, x, y), ten_steps(CONFIG, "cuda", prec, seed, x, y)
+    cpu = ten_steps(CONFIG, "cpu", "fp32" if prec == "tf32" else prec, seed, x, y)
     assert gpu == again
     assert np.abs(np.array(gpu) - np.array(cpu)).max() <= 2e-2

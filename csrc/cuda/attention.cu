@@ -1,7 +1,8 @@
 // The engine's attention op on the GPU: the flash kernels (flash_attention.cu) applied to the fused projection
 // qkv (B, T, 3C) through strides, so no per-head copies of q, k, v and no T x T scores are made. The twin of
 // csrc/cpu/attention.cpp.
-// float: the fp32 flash path on CUDA cores. bf16/fp16: the tensor-core flash path in the storage type itself
+// float: the fp32 flash path, multiplying as `f32` says (TF32 tensor cores, three products per product or one, where
+// the layout allows, else CUDA cores). bf16/fp16: the tensor-core flash path in the storage type itself
 // (fp32 accumulation, lse in fp32), backward with deterministic = true (a separate dq pass, no atomics) so that
 // training is bit-reproducible. The tensor-core kernels need head size 64 or 128 and 16-byte aligned rows; when
 // that does not hold, 16-bit operands are widened into fp32 scratch (cudaMallocAsync, stream-ordered, freed on
@@ -48,11 +49,12 @@ float* widened(Scratch& dst, const S* src, int64_t n, Stream stream) {
 }  // namespace
 
 template <typename S>
-void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal, Stream stream) {
+void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal, Stream stream,
+                       F32Math f32) {
   const AttentionShape shape{B, NH, T, C / NH, causal};
   if (std::is_same_v<S, float> || tensor_core_ok(C, NH, {out, qkv})) {
     flash_attention_forward(out, out_strides(T, C, NH), lse, qkv, qkv + C, qkv + 2 * C, qkv_strides(T, C, NH), shape,
-                            dtype_of<S>(), stream);
+                            dtype_of<S>(), stream, f32);
     return;
   }
   // 16-bit without a tensor-core layout: the fp32 path on widened copies, out rounded once.
@@ -64,13 +66,13 @@ void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, in
 
 template <typename S>
 void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
-                        int NH, bool causal, Stream stream) {
+                        int NH, bool causal, Stream stream, F32Math f32) {
   const AttentionShape shape{B, NH, T, C / NH, causal};
   if (std::is_same_v<S, float> || tensor_core_ok(C, NH, {dqkv, dout, qkv, out})) {
     // deterministic: the fp32 path always is; the tensor-core path then computes dq in its own pass, no atomics.
     flash_attention_backward(dqkv, dqkv + C, dqkv + 2 * C, qkv_strides(T, C, NH), dout, out, out_strides(T, C, NH),
                              qkv, qkv + C, qkv + 2 * C, lse, shape, dtype_of<S>(), !std::is_same_v<S, float>,
-                             stream);
+                             stream, f32);
     return;
   }
   const int64_t BT = (int64_t)B * T;
@@ -81,9 +83,9 @@ void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, cons
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                                 \
-  template void attention_forward<S>(S*, float*, const S*, int, int, int, int, bool, Stream);                 \
+  template void attention_forward<S>(S*, float*, const S*, int, int, int, int, bool, Stream, F32Math);        \
   template void attention_backward<S>(S*, const S*, const S*, const S*, const float*, int, int, int, int, bool, \
-                                      Stream);
+                                      Stream, F32Math);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

@@ -1,5 +1,6 @@
 // Flash attention on the GPU: the entry points (dispatch by dtype, head dim and GPU, scratch for backward), delta,
-// and the path on CUDA cores ("simt") that serves the engine's fp32 precision and any head dim up to 256. The
+// and the path on CUDA cores ("simt") that serves fp32 at any head dim up to 256 (at d 64 and 128 on sm_80+, fp32
+// runs on TF32 tensor cores unless F32Math::simt is asked for: flash_attention_tf32.cu). The
 // bf16/fp16 tensor-core kernels are in flash_attention_fwd.cu and flash_attention_bwd.cu; they need sm_80
 // (mma.sync m16n8k16, cp.async), so on older GPUs (T4: sm_75) bf16/fp16 take the simt path too, which reads and
 // writes 16-bit elements and computes in fp32.
@@ -357,6 +358,18 @@ bool sm90_kernels() {
 #endif
 }
 
+// Whether float32 attention runs on the TF32 tensor-core kernels (flash_attention_tf32.cu): asked for, and their
+// layout holds (head dim 64 or 128, rows 16-byte aligned: strides multiples of 4 floats, aligned base pointers).
+bool tf32_kernels(F32Math f32, const AttentionShape& s, const HeadStrides& is, const HeadStrides& os,
+                  std::initializer_list<const void*> ptrs) {
+  if (f32 == F32Math::simt || (s.d != 64 && s.d != 128)) return false;
+  for (const HeadStrides& st : {is, os})
+    if (st.sb % 4 != 0 || st.sh % 4 != 0 || st.st % 4 != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return tensor_cores();
+}
+
 flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s, bool tc) {
   flash::Params p{};
   p.is = is;
@@ -435,9 +448,10 @@ FlashTiles set_flash_tiles(const FlashTiles& tiles) {
 
 void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
                              const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,
-                             Stream stream) {
+                             Stream stream, F32Math f32) {
   const bool tc = dtype != DType::f32 && tensor_cores();
   check_args(shape, dtype, tc, is, os, {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+  const bool tf32 = dtype == DType::f32 && tf32_kernels(f32, shape, is, os, {q, k, v, out});
   flash::Params p = make_params(is, os, shape, tc);
   p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
   if (shape.B * shape.H * shape.T == 0) return;
@@ -452,17 +466,18 @@ void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const
     case DType::f16:
       return tc ? flash::forward_tc<__half>(p, stream) : flash::forward_simt<__half>(p, stream);
     case DType::f32:
-      return flash::forward_simt<float>(p, stream);
+      return tf32 ? flash::forward_tf32(p, f32 == F32Math::tf32x3, stream) : flash::forward_simt<float>(p, stream);
   }
 }
 
 void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
                               const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
-                              Stream stream) {
+                              Stream stream, F32Math f32) {
   const bool tc = dtype != DType::f32 && tensor_cores();
   check_args(shape, dtype, tc, is, os,
              {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
+  const bool tf32 = dtype == DType::f32 && tf32_kernels(f32, shape, is, os, {q, k, v, out, dout, dq, dk, dv});
   const int64_t rows = (int64_t)shape.B * shape.H * shape.T;
   if (rows == 0) return;
   flash::Params p = make_params(is, os, shape, tc);
@@ -482,7 +497,7 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
       return tc ? flash::backward_tc<__half>(p, deterministic, stream) : flash::backward_simt<__half>(p, stream);
     case DType::f32:
       flash::compute_delta<float>(p, stream);
-      return flash::backward_simt<float>(p, stream);
+      return tf32 ? flash::backward_tf32(p, f32 == F32Math::tf32x3, stream) : flash::backward_simt<float>(p, stream);
   }
 }
 

@@ -42,6 +42,11 @@ struct Params {
   Tiles tiles;
 };
 
+// float32 on tensor cores (flash_attention_tf32.cu; sm_80 and newer, head dim 64 or 128, rows 16-byte aligned):
+// TF32 products, three per product when `split` (fp32 accuracy) or one. The backward is the deterministic one's two
+// passes.
+void forward_tf32(const Params& p, bool split, Stream stream);
+void backward_tf32(const Params& p, bool split, Stream stream);
 // Tensor-core launchers (one per file), instantiated for __nv_bfloat16 and __half; sm_80 and newer only.
 template <typename E>
 void forward_tc(const Params& p, Stream stream);
@@ -165,6 +170,18 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[ND]
   rescale_rows(o, alpha);
 }
 
+// Two adjacent outputs (columns 2c, 2c + 1 of an accumulator tile) stored as E: one 32-bit store of a 16-bit pair,
+// or a float2 (8 bytes).
+template <typename E>
+__device__ __forceinline__ void store_two(E* dst, float lo, float hi) {
+  *reinterpret_cast<uint32_t*>(dst) = Pack<E>::two(lo, hi);
+}
+__device__ __forceinline__ void store_two(float* dst, float lo, float hi) {
+  float2 v;
+  v.x = lo, v.y = hi;
+  *reinterpret_cast<float2*>(dst) = v;
+}
+
 // Forward's end: O normalised into rows [row0, row0 + 16) of `out` (row stride st; rows past T dropped) and each
 // row's lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2 into lse[row].
 template <typename E, int ND>
@@ -181,8 +198,26 @@ __device__ __forceinline__ void store_rows(const float (&o)[ND][4], const float 
     E* orow = out + (int64_t)row * st;
 #pragma unroll
     for (int t = 0; t < ND; t++)
-      *reinterpret_cast<uint32_t*>(orow + t * 8 + 2 * c) = Pack<E>::two(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
+      store_two(orow + t * 8 + 2 * c, o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
     if (c == 0) lse[row] = (m[r] + log2f(tot)) * kLn2;
+  }
+}
+
+// Backward (dkdv)'s end: one warp's 16 keys [key0, key0 + 16) of dK (times scale) and dV from their accumulator
+// tiles into dk, dv (row stride st; keys past T dropped).
+template <typename E, int ND>
+__device__ __forceinline__ void store_dk_dv(const float (&dk)[ND][4], const float (&dv)[ND][4], int key0, int g,
+                                            int c, int T, E* dK, E* dV, int64_t st, float scale) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int key = key0 + g + r * 8;
+    if (key >= T) continue;
+#pragma unroll
+    for (int t = 0; t < ND; t++) {
+      const int64_t o = (int64_t)key * st + t * 8 + 2 * c;
+      store_two(dK + o, dk[t][2 * r] * scale, dk[t][2 * r + 1] * scale);
+      store_two(dV + o, dv[t][2 * r], dv[t][2 * r + 1]);
+    }
   }
 }
 
@@ -220,6 +255,23 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, const u
   FASTGPT_SM80_ASM(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// TF32 (sm_80): x rounded to TF32 (10 mantissa bits, to nearest, ties away from zero: cvt.rna), as the 32-bit
+// pattern mma.sync's .tf32 operands take; and such a pattern (or any float's) as a float.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r = 0;
+  FASTGPT_SM80_ASM("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float as_float(uint32_t bits) { return __uint_as_float(bits); }
+// c (16 x 8, fp32) += a (16 x 8, TF32) * b (8 x 8, TF32). Fragments (PTX ISA, "mma.m16n8k8", .tf32): a0 (g, c),
+// a1 (g + 8, c), a2 (g, c + 4), a3 (g + 8, c + 4); b0 (k c, n g), b1 (k c + 4, n g); c as m16n8k16's.
+__device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
+  FASTGPT_SM80_ASM(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }

@@ -188,22 +188,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
     __syncthreads();  // buffers, sL/sDl and sdS are free before the next step refills them
   }
 
-  E* dK = static_cast<E*>(p.dk) + in_off;
-  E* dV = static_cast<E*>(p.dv) + in_off;
 #pragma unroll
   for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int key = kw0 + mt * 16 + g + r * 8;
-      if (key >= T) continue;
-#pragma unroll
-      for (int t = 0; t < D / 8; t++) {
-        const int64_t o = (int64_t)key * p.is.st + t * 8 + 2 * c;
-        *reinterpret_cast<uint32_t*>(dK + o) =
-            Pack<E>::two(dk[mt][t][2 * r] * p.scale, dk[mt][t][2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dV + o) = Pack<E>::two(dv[mt][t][2 * r], dv[mt][t][2 * r + 1]);
-      }
-    }
+    store_dk_dv(dk[mt], dv[mt], kw0 + mt * 16, g, c, T, static_cast<E*>(p.dk) + in_off, static_cast<E*>(p.dv) + in_off,
+                p.is.st, p.scale);
 }
 
 // Deterministic dQ: 16 * MT queries per warp, key blocks of BC in order, K and V double-buffered.

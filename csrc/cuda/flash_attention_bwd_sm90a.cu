@@ -141,19 +141,7 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     __syncthreads();  // buffers and sL/sDl are free before the next step refills them
   }
 
-  E* dK = static_cast<E*>(p.dk) + in_off;
-  E* dV = static_cast<E*>(p.dv) + in_off;
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int key = kw0 + g + r * 8;
-    if (key >= T) continue;
-#pragma unroll
-    for (int t = 0; t < D / 8; t++) {
-      const int64_t o = (int64_t)key * p.is.st + t * 8 + 2 * c;
-      *reinterpret_cast<uint32_t*>(dK + o) = Pack<E>::two(dk[t][2 * r] * p.scale, dk[t][2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dV + o) = Pack<E>::two(dv[t][2 * r], dv[t][2 * r + 1]);
-    }
-  }
+  store_dk_dv(dk, dv, kw0, g, c, T, static_cast<E*>(p.dk) + in_off, static_cast<E*>(p.dv) + in_off, p.is.st, p.scale);
 }
 
 template <typename E, int D>

@@ -65,19 +65,24 @@ void residual_layernorm_forward(S* res, S* out, float* mean, float* rstd, const 
 // Flash attention (flash_attention.cu, the twin of csrc/cpu/flash_attention.cpp): q, k, v, out and their
 // gradients are (B, H, T, d) views described by HeadStrides, in `dtype`; lse (B, H, T) is float32, contiguous.
 // bf16/fp16: tensor cores (mma.sync m16n8k16, fp32 accumulation), d 64 or 128, rows 16-byte aligned (st and every
-// base pointer a multiple of 8 elements). fp32: CUDA cores, any d <= 256, no alignment needed.
+// base pointer a multiple of 8 elements). fp32: `f32` says how (F32Math); any d <= 256, no alignment needed.
 // Backward: deterministic=false sums dq with fp32 atomics (order varies run to run); true runs a separate dq pass
 // (bit-reproducible, more FLOPs). The fp32 path is always deterministic.
 using HeadStrides = cpu::HeadStrides;
 using AttentionShape = cpu::AttentionShape;
 using DType = fastgpt::DType;
+// How float32 attention multiplies. tf32x3: TF32 tensor cores, three products per product (hi/lo split: fp32
+// accuracy, as PyTorch's own fp32 attention on sm_80+); tf32: one TF32 product (inputs rounded to 10 mantissa bits,
+// ~1e-3 relative; the engine's "tf32" precision); simt: fp32 FMAs on CUDA cores. The tensor-core ones run where
+// they can (sm_80+, d 64 or 128, strides multiples of 4 elements, 16-byte aligned pointers), simt elsewhere.
+enum class F32Math { tf32x3, tf32, simt };
 void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
                              const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,
-                             Stream stream);
+                             Stream stream, F32Math f32 = F32Math::tf32x3);
 void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
                               const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
-                              Stream stream);
+                              Stream stream, F32Math f32 = F32Math::tf32x3);
 
 // The tensor-core kernels' tile shapes at head dim 64 (flash_attention.cuh): a process-wide choice, so that a
 // benchmark can time each on the GPU at hand; option 0 of each is the default, and d 128 always runs option 0.
@@ -93,13 +98,14 @@ FlashTiles flash_tiles();
 FlashTiles set_flash_tiles(const FlashTiles& tiles);
 FlashTileOptions flash_tile_options();
 
-// The engine's attention on the fused qkv (B, T, 3C): the flash kernels through strides (attention.cu); fp32 on
-// CUDA cores, bf16/fp16 on the tensor-core kernels (head size 64 or 128).
+// The engine's attention on the fused qkv (B, T, 3C): the flash kernels through strides (attention.cu); fp32 as
+// `f32` says (the fp32 precision tf32x3, tf32 tf32), bf16/fp16 on the tensor-core kernels (head size 64 or 128).
 template <typename S>
-void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal, Stream stream);
+void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal, Stream stream,
+                       F32Math f32 = F32Math::tf32x3);
 template <typename S>
 void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
-                        int NH, bool causal, Stream stream);
+                        int NH, bool causal, Stream stream, F32Math f32 = F32Math::tf32x3);
 
 // Generation against a KV cache (attention_decode.cu, the twin of csrc/cpu/attention_decode.cpp): kcache, vcache
 // (B, NH, Tmax, hs); append writes the k/v thirds of qkv (B, T, 3C) at positions [t0, t0 + T); forward attends new

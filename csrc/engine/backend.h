@@ -31,7 +31,7 @@ class Backend {
   virtual std::string name() const = 0;
   // Throws std::invalid_argument, naming the device and what it supports, if it cannot run this precision.
   virtual void check_precision(const std::string& precision) const = 0;
-  // Matmuls on TF32 tensor cores (fp32 storage): the "tf32" precision. Only a GPU has them.
+  // Matmuls and attention on TF32 tensor cores (fp32 storage): the "tf32" precision. Only a GPU has them.
   virtual void set_tf32(bool on) = 0;
   // The stream (cudaStream_t) the backend queues its work on; nullptr for the CPU. A communicator queues its
   // collectives there, so they are ordered after the kernels that produced their buffers.

@@ -220,12 +220,12 @@ class CudaBackend final : public Backend {
   }
   void attention_forward_(DType d, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
                           bool causal) override {
-    FASTGPT_TYPED(d, cuda::attention_forward(P<S>(out), lse, P<S>(qkv), B, T, C, NH, causal, stream_));
+    FASTGPT_TYPED(d, cuda::attention_forward(P<S>(out), lse, P<S>(qkv), B, T, C, NH, causal, stream_, f32_math()));
   }
   void attention_backward_(DType d, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T, int C,
                            int NH, bool causal) override {
     FASTGPT_TYPED(d, cuda::attention_backward(P<S>(dqkv), P<S>(dout), P<S>(qkv), P<S>(out), lse, B, T, C, NH, causal,
-                                              stream_));
+                                              stream_, f32_math()));
   }
   void attention_decode_append_(DType d, void* kcache, void* vcache, cv* qkv, int B, int T, int t0, int Tmax, int C,
                                 int NH) override {
@@ -253,6 +253,9 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // fp32 attention: TF32 tensor cores, one product per product in the tf32 precision, three (fp32 accuracy) in fp32.
+  cuda::F32Math f32_math() const { return tf32_ ? cuda::F32Math::tf32 : cuda::F32Math::tf32x3; }
+
   int device_;
   cudaStream_t stream_ = nullptr;
   bool tf32_ = false;

@@ -6,8 +6,9 @@ PyTorch GPT-2 as they are. The training step is three calls into C++ (forward, b
 never loops over layers.
 
 precision (llm.c's mixed-precision recipe, chosen at run time; one engine for all):
-  "fp32"  float32 everywhere.
-  "tf32"  float32 storage, matmuls on TF32 tensor cores (a GPU only).
+  "fp32"  float32 everywhere (on a GPU of sm_80 or newer, attention at head size 64/128 runs on TF32 tensor cores
+          with three products per product, fp32-accurate, as PyTorch's own float32 attention does).
+  "tf32"  float32 storage, matmuls and attention on TF32 tensor cores (a GPU only).
   "bf16"  activations and the weights the kernels read in bfloat16; matmuls accumulate in fp32; LayerNorm
           statistics, softmax, log-sum-exp and the loss in fp32; fp32 master weights, gradients and AdamW moments.
           After each optimizer step the bf16 weights are written from the masters with stochastic rounding.

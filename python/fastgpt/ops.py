@@ -355,31 +355,49 @@ def _flash_dims(q, layout):
     return B, H, T, d
 
 
-def flash_attention_forward(q, k, v, causal=True, layout="bhtd"):
+_FP32_MATH = ("tf32x3", "tf32", "simt")
+
+
+def _check_fp32_math(fp32_math):
+    if fp32_math not in _FP32_MATH:
+        raise ValueError(f"fp32_math must be one of {_FP32_MATH}, got {fp32_math!r}")
+
+
+def flash_attention_forward(q, k, v, causal=True, layout="bhtd", fp32_math="tf32x3"):
     """Scaled dot-product attention softmax(q k^T / sqrt(d)) v with the flash algorithm: no T x T matrix is stored.
     q, k, v: (B, H, T, d) (layout "bhtd") or (B, T, H, d) ("bthd"), one shape and dtype. On a GPU: float32, bfloat16
     or float16 (half precision needs d 64 or 128); on the CPU everything runs in float32.
+    fp32_math: how float32 multiplies on a GPU. "tf32x3" (default): TF32 tensor cores, three products per product
+    (each operand split into a TF32 part and a TF32 remainder), as accurate as fp32, as PyTorch's own float32
+    attention; "tf32": one TF32 product (inputs rounded to 10 mantissa bits, ~1e-3 relative; fastest); "simt": fp32
+    on CUDA cores. The tensor-core choices need sm_80 or newer, d 64 or 128 and 16-byte aligned rows; elsewhere
+    float32 runs on CUDA cores. Other dtypes, and the CPU, ignore it.
     -> (out like q, lse (B, H, T) float32: the log-sum-exp of each scaled score row, all backward needs)."""
     _check_layout(layout)  # before any input is converted
+    _check_fp32_math(fp32_math)
     d = _where(q, k, v)
     q, k, v = d.floating(q, "q"), d.floating(k, "k"), d.floating(v, "v")
     B, H, T, _ = _flash_dims(q, layout)
     out, lse = d.empty(_shape(q), like=q), d.empty((B, H, T))
     _ops.flash_attention_forward(d.arg(out), d.arg(lse), d.arg(q), d.arg(k), d.arg(v), layout, bool(causal),
-                                 d.stream)
+                                 fp32_math, d.stream)
     return out, lse
 
 
-def flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bhtd", deterministic=False):
+def flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bhtd", deterministic=False,
+                             fp32_math="tf32x3"):
     """-> (dq, dk, dv), shaped and typed like q. deterministic=True makes the GPU half-precision backward
-    bit-reproducible (a separate dq pass instead of atomic adds; slower). The CPU and GPU float32 paths always are."""
+    bit-reproducible (a separate dq pass instead of atomic adds; slower). The CPU and GPU float32 paths always are.
+    fp32_math: as flash_attention_forward's (float32 on a GPU)."""
     _check_layout(layout)
+    _check_fp32_math(fp32_math)
     d = _where(dout, q, k, v, out, lse)
     dout, q, k, v, out = (d.floating(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out")))
     lse = d.f32(lse, "lse")
     dq, dk, dv = (d.empty(_shape(q), like=q) for _ in range(3))
     _ops.flash_attention_backward(d.arg(dq), d.arg(dk), d.arg(dv), d.arg(dout), d.arg(q), d.arg(k), d.arg(v),
-                                  d.arg(out), d.arg(lse), layout, bool(causal), bool(deterministic), d.stream)
+                                  d.arg(out), d.arg(lse), layout, bool(causal), bool(deterministic), fp32_math,
+                                  d.stream)
     return dq, dk, dv
 
 

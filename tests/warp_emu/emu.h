@@ -158,36 +158,69 @@ inline float tof(uint16_t b) {
   memcpy(&e, &b, 2);
   return float(e);
 }
-template <typename E>
-inline void mma_emu(float* d, const uint32_t* a, const uint32_t* b) {
+// One mma.sync m16n8kK as a warp collective (op names it for the divergence check): every lane deposits its A
+// (4 registers), B (2) and C (4), then computes its 4 accumulators from everyone's, A(row, k) and Bm(k, n) reading
+// the deposited registers (w.slot[lane][0-3] A, [4-5] B) by the instruction's fragment table; products in double,
+// added to C once.
+template <int K, class FA, class FB>
+inline void mma_collective(int op, float* d, const uint32_t* a, const uint32_t* b, FA A, FB Bm) {
   Warp& w = warp();
   uint64_t* s = w.slot[lane()];
   for (int i = 0; i < 4; i++) s[i] = a[i];
   for (int i = 0; i < 2; i++) s[4 + i] = b[i];
   for (int i = 0; i < 4; i++) memcpy(&s[6 + i], &d[i], 4);
-  deposit(sizeof(E) == 2 && std::is_same<E, __half>::value ? 5 : 6);
-  auto A = [&](int r, int k) {
-    const int ln = 4 * (r % 8) + (k % 8) / 2, reg = (r >= 8) + 2 * (k >= 8);
-    const uint32_t v = (uint32_t)w.slot[ln][reg];
-    return tof<E>((k % 2) ? v >> 16 : v & 0xffff);
-  };
-  auto Bm = [&](int k, int n) {
-    const int ln = 4 * n + (k % 8) / 2, reg = (k >= 8);
-    const uint32_t v = (uint32_t)w.slot[ln][4 + reg];
-    return tof<E>((k % 2) ? v >> 16 : v & 0xffff);
-  };
+  deposit(op);
   const int g = lane() / 4, c = lane() % 4;
   float out[4];
   for (int i = 0; i < 4; i++) {
     const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
     double acc = 0;
-    for (int k = 0; k < 16; k++) acc += (double)A(row, k) * Bm(k, col);
+    for (int k = 0; k < K; k++) acc += (double)A(w, row, k) * Bm(w, k, col);
     float cin;
     memcpy(&cin, &w.slot[lane()][6 + i], 4);
     out[i] = (float)(cin + acc);
   }
   done();
   for (int i = 0; i < 4; i++) d[i] = out[i];
+}
+// m16n8k16 on 16-bit E: A (16 x 16) and B (16 x 8) registers hold two elements each, the lower column (row) low.
+template <typename E>
+inline void mma_emu(float* d, const uint32_t* a, const uint32_t* b) {
+  auto half = [](uint32_t v, int k) { return tof<E>((k % 2) ? v >> 16 : v & 0xffff); };
+  mma_collective<16>(std::is_same<E, __half>::value ? 5 : 6, d, a, b,
+                     [&](Warp& w, int r, int k) {
+                       return half((uint32_t)w.slot[4 * (r % 8) + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k);
+                     },
+                     [&](Warp& w, int k, int n) {
+                       return half((uint32_t)w.slot[4 * n + (k % 8) / 2][4 + (k >= 8)], k);
+                     });
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+// cvt.rna.tf32.f32: to nearest with ties away from zero at 10 mantissa bits (add half of the dropped range to the
+// magnitude, then truncate); NaN becomes the canonical NaN, infinities stay.
+inline uint32_t tf32_round(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return (u & 0x7fffffu) ? 0x7fffffffu : u;
+  return (u + 0x1000u) & 0xffffe000u;
+}
+// mma.sync.m16n8k8 .tf32 (PTX ISA fragment tables): A (16 x 8) a0 (g, c), a1 (g + 8, c), a2 (g, c + 4),
+// a3 (g + 8, c + 4); B (8 x 8) b0 (k c, n g), b1 (k c + 4, n g); C as m16n8k16's. An operand that is not a TF32
+// pattern (low 13 bits set) is an error: the kernels must round with cvt.rna first (the hardware's use of the
+// dropped bits is unspecified).
+inline void mma_tf32_emu(float* d, const uint32_t* a, const uint32_t* b) {
+  auto val = [](uint64_t v) {
+    const uint32_t u = (uint32_t)v;
+    if ((u & 0x1fffu) && u != 0x7fffffffu) die("mma tf32 operand is not rounded to TF32 (cvt.rna.tf32.f32)");
+    return bits_float(u);
+  };
+  mma_collective<8>(
+      8, d, a, b, [&](Warp& w, int r, int k) { return val(w.slot[4 * (r % 8) + k % 4][(r >= 8) + 2 * (k >= 4)]); },
+      [&](Warp& w, int k, int n) { return val(w.slot[4 * n + k % 4][4 + (k >= 4)]); });
 }
 struct Copy {
   void* dst;

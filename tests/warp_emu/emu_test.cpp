@@ -1,5 +1,6 @@
 // Checks the flash attention kernels, run in the warp emulator (emu.h; see run.sh), against a float64 reference:
-// out, lse, dq, dk, dv by relative error, per dtype (bf16 3e-2, fp16 5e-3, fp32 1e-4: half inputs are rounded
+// out, lse, dq, dk, dv by relative error, per dtype (bf16 3e-2, fp16 5e-3, fp32 1e-4, fp32 on TF32 tensor cores
+// 5e-6 with three products per product and 4e-3 with one: half inputs are rounded
 // before the reference sees them, so these bound the kernels' own error), over both layouts, causal or not, T that
 // is and is not a multiple of the tiles, atomic and deterministic dq, and the engine's fused qkv path; also the
 // KV-cache decode, cross-entropy and LayerNorm kernels (plain and fused with the residual add) and the optimizer
@@ -63,6 +64,7 @@ static Ref reference(const std::vector<double>& q, const std::vector<double>& k,
 
 static int failures = 0;
 static float g_amp = 2.f;
+static cuda::F32Math g_f32 = cuda::F32Math::simt;  // how float32 cases multiply (the tf32 modes set it)
 static double relerr(const std::vector<double>& got, const std::vector<double>& ref) {
   double mx = 0, e = 0;
   for (size_t i = 0; i < ref.size(); i++) {
@@ -99,9 +101,9 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
   std::fill(dk.begin(), dk.end(), nanv); std::fill(dv.begin(), dv.end(), nanv);
   std::vector<float> lse((size_t)B * H * T, NAN);
   cpu::AttentionShape sh{B, H, T, d, causal};
-  cuda::flash_attention_forward(out.data(), s, lse.data(), q.data(), k.data(), v.data(), s, sh, dt, nullptr);
+  cuda::flash_attention_forward(out.data(), s, lse.data(), q.data(), k.data(), v.data(), s, sh, dt, nullptr, g_f32);
   cuda::flash_attention_backward(dq.data(), dk.data(), dv.data(), s, dout.data(), out.data(), s, q.data(), k.data(),
-                                 v.data(), lse.data(), sh, dt, det, nullptr);
+                                 v.data(), lse.data(), sh, dt, det, nullptr, g_f32);
   Ref r = reference(lq, lk, lv, ldo, B, H, T, d, causal);
   auto logical = [&](const std::vector<E>& a) {
     std::vector<double> o(n);
@@ -115,8 +117,13 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
   bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
   if (!ok) failures++;
   const cuda::FlashTiles tiles = cuda::flash_tiles();
-  printf("%s dt=%d cc=%d.x B=%d H=%d T=%d d=%d causal=%d %s det=%d lazy=%d tiles=%d%d%d: out %.2e lse %.2e dq %.2e "
-         "dk %.2e dv %.2e\n", ok ? "ok  " : "FAIL", (int)dt, emu::g_cc_major, B, H, T, d, causal,
+  printf("%s dt=%d%s cc=%d.x B=%d H=%d T=%d d=%d causal=%d %s det=%d lazy=%d tiles=%d%d%d: out %.2e lse %.2e dq %.2e "
+         "dk %.2e dv %.2e\n", ok ? "ok  " : "FAIL", (int)dt,
+         dt != DType::f32                  ? ""
+         : g_f32 == cuda::F32Math::tf32x3 ? " tf32x3"
+         : g_f32 == cuda::F32Math::tf32   ? " tf32"
+                                           : "",
+         emu::g_cc_major, B, H, T, d, causal,
          bthd ? "bthd" : "bhtd", det, emu::g_lazy_cp, tiles.fwd, tiles.dkdv, tiles.dq, eo, el, eq, ek, ev);
   fflush(stdout);
   return got;
@@ -163,6 +170,19 @@ void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DTyp
 }
 
 // engine's fused qkv path (fp32)
+void run_fused(int B, int T, int C, int NH, bool causal, unsigned seed);
+
+// float32 on TF32 tensor cores (flash_attention_tf32.cu): three products per product within 5e-6 of float64, one
+// within 4e-3; and the engine's fused qkv at head size 64, which takes the three-product kernels.
+void run_tf32_cases(unsigned& seed) {
+  g_f32 = cuda::F32Math::tf32x3;
+  run<float>(1, 1, 100, 64, true, false, true, DType::f32, 5e-6, seed++);
+  g_f32 = cuda::F32Math::tf32;
+  run<float>(1, 1, 70, 128, false, true, true, DType::f32, 4e-3, seed++);
+  g_f32 = cuda::F32Math::simt;
+  run_fused(1, 40, 128, 2, true, seed++);
+}
+
 void run_fused(int B, int T, int C, int NH, bool causal, unsigned seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> U(-1.f, 1.f);
@@ -612,6 +632,15 @@ int main(int argc, char** argv) {
         for (int T : {1, 17, 40, 70})
           for (int causal : {0, 1}) run<float>(1, 2, T, d, causal, (T + d) % 2, false, DType::f32, 1e-4, seed++);
       for (int causal : {0, 1}) run_fused(2, 50, 96, 3, causal, seed++);
+    } else if (mode == "tf32") {  // float32 on TF32 tensor cores, three products per product and one
+      // (T from 2: at T 1, dq and dk are a difference that is exactly zero, which the relative error cannot measure.)
+      for (cuda::F32Math f : {cuda::F32Math::tf32x3, cuda::F32Math::tf32}) {
+        g_f32 = f;
+        const double tol = f == cuda::F32Math::tf32x3 ? 5e-6 : 4e-3;
+        for (int d : {64, 128})
+          for (int T : {2, 17, 64, 100, 130})
+            for (int causal : {0, 1}) run<float>(1, 2, T, d, causal, (T + causal) % 2, true, DType::f32, tol, seed++);
+      }
     } else if (mode == "mix") {
       run<__nv_bfloat16>(1, 2, 100, 128, true, false, false, DType::bf16, 3e-2, seed++);
       run<__nv_bfloat16>(1, 1, 100, 128, false, true, true, DType::bf16, 3e-2, seed++);
@@ -620,6 +649,7 @@ int main(int argc, char** argv) {
       run_sm90<__half>(1, 1, 140, 128, false, true, true, DType::f16, 5e-3, seed++, {{5, 2, 3}});
       run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
       run_fused(1, 20, 64, 2, true, seed++);
+      run_tf32_cases(seed);
       run_decode_cases(seed);
     } else if (mode == "tiles") {  // every option, both causal settings, T below, at and past the tiles
       for (int T : {1, 30, 64, 129, 200})
