@@ -131,9 +131,9 @@ __device__ __forceinline__ void rows_dot(float (&acc)[NB][4], const float* a, in
   }
 }
 
-// The loop's next step: rows [row0, row0 + ROWS) of x and y into dx and dy (the buffers the last step freed) while
-// this step's wait for the copies before them, or (more false) the wait for the last ones. The caller's barrier
-// then hands them to every warp.
+// A loop step's copies: rows [row0, row0 + ROWS) of x and y start into dx and dy (the buffers the last step freed)
+// and this step's own rows, copied before them, are waited for; or (more false) only that wait. The caller's barrier
+// then hands this step's rows to every warp.
 template <int ROWS, int D>
 __device__ __forceinline__ void next_blocks(bool more, float* dx, const float* x, int64_t xst, float* dy,
                                             const float* y, int64_t yst, int row0, int T, int tid) {

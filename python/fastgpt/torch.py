@@ -70,8 +70,10 @@ class FlashAttentionFunction(torch.autograd.Function):
 def flash_attention(q, k, v, causal=True, layout="bhtd", deterministic=None):
     """softmax(q k^T / sqrt(d)) v, differentiable. q, k, v: one shape, device and floating dtype; (B, H, T, d) as
     for F.scaled_dot_product_attention, or (B, T, H, d) with layout="bthd" (saves the head transposes). On a GPU,
-    bfloat16/float16 need d 64 or 128. deterministic (default: torch.are_deterministic_algorithms_enabled()) makes
-    the GPU half-precision backward bit-reproducible; the CPU and float32 paths always are."""
+    bfloat16/float16 need d 64 or 128; float32 runs as ops.flash_attention_forward's default fp32_math says (TF32
+    tensor cores, three products per product: fp32-accurate, as torch's own float32 SDPA on these GPUs).
+    deterministic (default: torch.are_deterministic_algorithms_enabled()) makes the GPU half-precision backward
+    bit-reproducible; the CPU and float32 paths always are."""
     _check(q, k, v, layout)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
