@@ -203,21 +203,18 @@ __device__ __forceinline__ void store_rows(const float (&o)[ND][4], const float 
   }
 }
 
-// Backward (dkdv)'s end: one warp's 16 keys [key0, key0 + 16) of dK (times scale) and dV from their accumulator
-// tiles into dk, dv (row stride st; keys past T dropped).
+// Backward's end: one warp's 16 rows [row0, row0 + 16) of an accumulator (rows g and g + 8 of each 16 x 8 tile)
+// times `scale` into dst (row stride st; rows past T dropped): dK, dV (scale 1: the same bits) and dQ.
 template <typename E, int ND>
-__device__ __forceinline__ void store_dk_dv(const float (&dk)[ND][4], const float (&dv)[ND][4], int key0, int g,
-                                            int c, int T, E* dK, E* dV, int64_t st, float scale) {
+__device__ __forceinline__ void store_tile_rows(const float (&acc)[ND][4], int row0, int g, int c, int T, E* dst,
+                                                int64_t st, float scale) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
-    const int key = key0 + g + r * 8;
-    if (key >= T) continue;
+    const int row = row0 + g + r * 8;
+    if (row >= T) continue;
 #pragma unroll
-    for (int t = 0; t < ND; t++) {
-      const int64_t o = (int64_t)key * st + t * 8 + 2 * c;
-      store_two(dK + o, dk[t][2 * r] * scale, dk[t][2 * r + 1] * scale);
-      store_two(dV + o, dv[t][2 * r], dv[t][2 * r + 1]);
-    }
+    for (int t = 0; t < ND; t++)
+      store_two(dst + (int64_t)row * st + t * 8 + 2 * c, acc[t][2 * r] * scale, acc[t][2 * r + 1] * scale);
   }
 }
 

@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
         for (int t = 0; t < BR / 8; t++)
 #pragma unroll
           for (int r = 0; r < 2; r++)
-            *reinterpret_cast<uint32_t*>(sdS + (wkey + mt * 16 + g + r * 8) * (BR + kPad) + t * 8 + 2 * c) =
-                Pack<E>::two(dpt[mt][t][2 * r], dpt[mt][t][2 * r + 1]);
+            store_two(sdS + (wkey + mt * 16 + g + r * 8) * (BR + kPad) + t * 8 + 2 * c, dpt[mt][t][2 * r],
+                      dpt[mt][t][2 * r + 1]);
       __syncthreads();
       constexpr int kWq = BR / 16, kWd = kWarps / kWq, Dw = D / kWd;  // warps along queries and along d
       const int wq = warp % kWq, d0 = (warp / kWq) * Dw;
@@ -189,9 +189,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
   }
 
 #pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-    store_dk_dv(dk[mt], dv[mt], kw0 + mt * 16, g, c, T, static_cast<E*>(p.dk) + in_off, static_cast<E*>(p.dv) + in_off,
-                p.is.st, p.scale);
+  for (int mt = 0; mt < MT; mt++) {
+    store_tile_rows(dk[mt], kw0 + mt * 16, g, c, T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
+    store_tile_rows(dv[mt], kw0 + mt * 16, g, c, T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
+  }
 }
 
 // Deterministic dQ: 16 * MT queries per warp, key blocks of BC in order, K and V double-buffered.
@@ -302,18 +303,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
     __syncthreads();
   }
 
-  E* dQ = static_cast<E*>(p.dq) + in_off;
 #pragma unroll
   for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int q = w0 + mt * 16 + g + r * 8;
-      if (q >= T) continue;
-#pragma unroll
-      for (int t = 0; t < D / 8; t++)
-        *reinterpret_cast<uint32_t*>(dQ + (int64_t)q * p.is.st + t * 8 + 2 * c) =
-            Pack<E>::two(dq[mt][t][2 * r] * p.scale, dq[mt][t][2 * r + 1] * p.scale);
-    }
+    store_tile_rows(dq[mt], w0 + mt * 16, g, c, T, static_cast<E*>(p.dq) + in_off, p.is.st, p.scale);
 }
 
 // dq (strided, E) <- dq_accum (B, H, T, D) fp32, after the atomic dkdv pass.

@@ -141,7 +141,8 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     __syncthreads();  // buffers and sL/sDl are free before the next step refills them
   }
 
-  store_dk_dv(dk, dv, kw0, g, c, T, static_cast<E*>(p.dk) + in_off, static_cast<E*>(p.dv) + in_off, p.is.st, p.scale);
+  store_tile_rows(dk, kw0, g, c, T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
+  store_tile_rows(dv, kw0, g, c, T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
 }
 
 template <typename E, int D>
@@ -236,16 +237,7 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
     __syncthreads();
   }
 
-  E* dQ = static_cast<E*>(p.dq) + in_off;
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int q = w0 + g + r * 8;
-    if (q >= T) continue;
-#pragma unroll
-    for (int t = 0; t < D / 8; t++)
-      *reinterpret_cast<uint32_t*>(dQ + (int64_t)q * p.is.st + t * 8 + 2 * c) =
-          Pack<E>::two(dq[t][2 * r] * p.scale, dq[t][2 * r + 1] * p.scale);
-  }
+  store_tile_rows(dq, w0, g, c, T, static_cast<E*>(p.dq) + in_off, p.is.st, p.scale);
 }
 
 // Either pass: a CTA of two warpgroups per 128 keys (dkdv) or queries (dq) of each (b, h); B * H on x.

@@ -264,8 +264,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_tf32_kernel(Params p) {
     __syncthreads();  // buffers and sL/sDl are free before the next step refills them
   }
 
-  store_dk_dv(dk, dv, kw0, g, c, T, static_cast<float*>(p.dk) + in_off, static_cast<float*>(p.dv) + in_off, p.is.st,
-              p.scale);
+  store_tile_rows(dk, kw0, g, c, T, static_cast<float*>(p.dk) + in_off, p.is.st, p.scale);
+  store_tile_rows(dv, kw0, g, c, T, static_cast<float*>(p.dv) + in_off, p.is.st, 1.f);
 }
 
 template <int D>
@@ -332,15 +332,7 @@ __global__ void __launch_bounds__(kThreads) dq_tf32_kernel(Params p) {
     __syncthreads();
   }
 
-  float* dQ = static_cast<float*>(p.dq) + in_off;
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int q = w0 + g + r * 8;
-    if (q >= T) continue;
-#pragma unroll
-    for (int t = 0; t < D / 8; t++)
-      store_two(dQ + (int64_t)q * p.is.st + t * 8 + 2 * c, dq[t][2 * r] * p.scale, dq[t][2 * r + 1] * p.scale);
-  }
+  store_tile_rows(dq, w0, g, c, T, static_cast<float*>(p.dq) + in_off, p.is.st, p.scale);
 }
 
 template <typename K>
