@@ -102,14 +102,27 @@ inline float shfl_xor(unsigned mask, float v, int m) {
   done();
   return r;
 }
-inline float shfl(unsigned mask, float v, int src) {
+template <typename T>  // __shfl_sync on a 4-byte value (float, or the embedding backward's token ids)
+inline T shfl(unsigned mask, T v, int src) {
+  static_assert(sizeof(T) == 4, "shfl: 4-byte values");
   if (mask != 0xffffffffu) die("mask");
   if (src < 0 || src > 31) die("shfl src");
   Warp& w = warp();
   memcpy(&w.slot[lane()][0], &v, 4);
   deposit(2);
-  float r;
+  T r;
   memcpy(&r, &w.slot[src][0], 4);
+  done();
+  return r;
+}
+// __ballot_sync: bit i of the result is lane i's predicate, the same word in every lane.
+inline unsigned ballot(unsigned mask, int pred) {
+  if (mask != 0xffffffffu) die("mask");
+  Warp& w = warp();
+  w.slot[lane()][0] = pred != 0;
+  deposit(8);
+  unsigned r = 0;
+  for (int i = 0; i < 32; i++) r |= unsigned(w.slot[i][0] != 0) << i;
   done();
   return r;
 }
@@ -510,6 +523,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define __shfl_xor_sync emu::shfl_xor
 #define __shfl_sync emu::shfl
 #define __shfl_down_sync emu::shfl_down
+#define __ballot_sync emu::ballot
+#define __ffs __builtin_ffs
 #define cudaMemcpyAsync emu::MemcpyAsync
 #define cudaStreamSynchronize emu::StreamSynchronize
 #define cudaStreamIsCapturing emu::StreamIsCapturing

@@ -3,13 +3,15 @@
 // 5e-6 with three products per product and 4e-3 with one: half inputs are rounded
 // before the reference sees them, so these bound the kernels' own error), over both layouts, causal or not, T that
 // is and is not a multiple of the tiles, atomic and deterministic dq, and the engine's fused qkv path; also the
-// KV-cache decode, cross-entropy and LayerNorm kernels (plain and fused with the residual add) and the optimizer
-// step's (adamw.cu, against the CPU reference compiled in beside them). Outputs and shared
-// memory start as NaN, so an element a kernel forgets to write fails. Modes (argv[1]) pick the case lists.
+// KV-cache decode, cross-entropy and LayerNorm kernels (plain and fused with the residual add), the optimizer
+// step's (adamw.cu) and the embedding's (encoder.cu), the last two against the CPU references compiled in beside
+// them. Outputs and shared memory start as NaN, so an element a kernel forgets to write fails. Modes (argv[1])
+// pick the case lists.
 #include <cuda_runtime.h>  // before the emulator's macros (cuda/scratch.h includes it again)
 #include "emu.h"
 #include "cuda/ops.h"
 #include "cuda/scratch.h"
+#include <algorithm>
 #include <random>
 #include <string>
 using namespace fastgpt;
@@ -446,6 +448,67 @@ void run_layernorm_cases(unsigned& seed) {
   run_residual_layernorm<f16>(11, 80, 2e-3, seed++);
 }
 
+// The embedding's kernels (encoder.cu) against the CPU reference (cpu/encoder.cpp, compiled in beside them): the
+// forward and both gradients must be the CPU's bits, added onto gradients that already hold values. CUB's sort
+// (encoder_sort.cu) cannot run here; these two stand-ins keep its contract, a stable sort of the positions by id.
+namespace fastgpt::cuda {
+size_t sort_positions_scratch_bytes(int64_t n, int) { return (size_t)n * sizeof(int32_t); }
+void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scratch, const int32_t* idx, int64_t n,
+                             int, Stream) {
+  int32_t* pos = static_cast<int32_t*>(scratch);
+  for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)i;
+  std::stable_sort(pos, pos + n, [&](int32_t a, int32_t b) { return idx[a] < idx[b]; });
+  for (int64_t i = 0; i < n; i++) tok_sorted[i] = idx[pos[i]], pos_sorted[i] = pos[i];
+}
+}  // namespace fastgpt::cuda
+
+// hot: the share of positions given token `hot` (a run longer than a warp's 32 indices, as "\n" in real text);
+// offset: dout starts this many elements into its buffer (1 makes 16-bit rows 2-byte aligned: one value per lane).
+template <typename S>
+void run_encoder(int B, int T, int C, int V, double hot, int offset, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> tok(0, V - 1);
+  std::uniform_real_distribution<double> u;
+  const int64_t BT = (int64_t)B * T;
+  const int maxT = T + 3;
+  std::vector<int32_t> idx(BT);
+  for (auto& t : idx) t = u(rng) < hot ? V / 2 : tok(rng);
+  auto fill = [&](size_t k) {
+    std::vector<S> v(k);
+    for (auto& x : v) x = from_float<S>(nd(rng));
+    return v;
+  };
+  const std::vector<S> wte = fill((size_t)V * C), wpe = fill((size_t)maxT * C), dbuf = fill(BT * C + offset);
+  const S* dout = dbuf.data() + offset;
+  std::vector<float> dwte0((size_t)V * C), dwpe0((size_t)maxT * C);
+  for (auto& x : dwte0) x = nd(rng);
+  for (auto& x : dwpe0) x = nd(rng);
+  const S nan = from_float<S>(NAN);
+  std::vector<S> out1(BT * C, nan), out2(BT * C, nan);
+  std::vector<float> dwte1 = dwte0, dwte2 = dwte0, dwpe1 = dwpe0, dwpe2 = dwpe0;
+  cpu::encoder_forward<S>(out1.data(), idx.data(), wte.data(), wpe.data(), B, T, C);
+  cuda::encoder_forward<S>(out2.data(), idx.data(), wte.data(), wpe.data(), B, T, C, nullptr);
+  cpu::encoder_backward<S>(dwte1.data(), dwpe1.data(), dout, idx.data(), B, T, C);
+  cuda::encoder_backward<S>(dwte2.data(), dwpe2.data(), dout, idx.data(), B, T, C, V, nullptr);
+  const bool same = memcmp(out1.data(), out2.data(), out1.size() * sizeof(S)) == 0 &&
+                    memcmp(dwte1.data(), dwte2.data(), dwte1.size() * 4) == 0 &&
+                    memcmp(dwpe1.data(), dwpe2.data(), dwpe1.size() * 4) == 0 && dwte1 != dwte0;
+  if (!same) failures++;
+  const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
+  printf("%s encoder %s B=%d T=%d C=%d V=%d hot=%.2f offset=%d: %s\n", same ? "ok  " : "FAIL", type, B, T, C, V, hot,
+         offset, same ? "the CPU's bits (forward, dwte, dwpe)" : "DIFFERS from the CPU");
+  fflush(stdout);
+}
+
+void run_encoder_cases(unsigned& seed) {
+  run_encoder<bf16>(2, 150, 96, 50, 0.3, 0, seed++);   // a hot run across warps, 300 positions: two blocks
+  run_encoder<float>(3, 37, 40, 7, 0.0, 0, seed++);    // V 7: every run long; channels past C in the lanes
+  run_encoder<f16>(1, 70, 33, 300, 0.5, 0, seed++);    // odd C: one value per lane
+  run_encoder<bf16>(2, 45, 64, 1000, 0.1, 1, seed++);  // 2-byte aligned dout: one value per lane
+  run_encoder<f16>(1, 300, 8, 4, 1.0, 0, seed++);      // one token everywhere: a single run of all positions
+}
+
 // The optimizer step's kernels (adamw.cu) against the CPU reference (cpu/adamw.cpp, compiled in beside them): the
 // one-launch AdamW over segments with different weight decay (moments offset from the segments' start, the clip
 // factor and step counter read from StepScalars) must give the CPU's bits in every storage type, a skipped step
@@ -611,7 +674,10 @@ int main(int argc, char** argv) {
       run_cross_entropy_cases(seed);
       run_layernorm_cases(seed);
       run_adamw_cases(seed);
+      run_encoder_cases(seed);
       run_workspace();
+    } else if (mode == "encoder") {
+      run_encoder_cases(seed);
     } else if (mode == "adamw") {
       run_adamw_cases(seed);
       run_workspace();

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Runs the tensor-core and fp32 flash attention kernels (csrc/cuda/flash_attention*.cu, attention.cu, cast.cu), the
 # KV-cache decode kernels (attention_decode.cu), the cross-entropy kernels (cross_entropy.cu), the LayerNorm ones
-# (layernorm.cu, residual_layernorm.cu) and the optimizer step's (adamw.cu, beside its CPU reference; and the scratch
-# workspace) on the CPU, in a host emulation of the few CUDA features they use (emu.h: one OS thread per CUDA
-# thread, ldmatrix / mma.sync / shuffles as warp collectives written from the PTX ISA's fragment tables, cp.async
-# copied at issue or as late as wait_group allows), and compares their outputs with a float64 reference
-# (emu_test.cpp). It checks the kernels' index, fragment, masking and barrier logic without a GPU; it says nothing of
-# speed or of the real compiler's code. The kernel sources are used as they are: only the asm helpers, the
-# shared-memory declarations and the <<<>>> launches are swapped (by the sed/awk below, so those lines keep their
-# current spelling).
+# (layernorm.cu, residual_layernorm.cu), the optimizer step's (adamw.cu) and the embedding's (encoder.cu; both
+# beside their CPU references; and the scratch workspace) on the CPU, in a host emulation of the few CUDA features
+# they use (emu.h: one OS thread per CUDA thread, ldmatrix / mma.sync / shuffles / ballots as warp collectives
+# written from the PTX ISA's fragment tables, cp.async copied at issue or as late as wait_group allows), and
+# compares their outputs with a float64 reference or the CPU's bits (emu_test.cpp). It checks the kernels' index,
+# fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real compiler's code. The
+# kernel sources are used as they are: only the asm helpers, the shared-memory declarations and the <<<>>> launches
+# are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|tiles|f32|tf32|sm75|sm90|decode|ce|ln|adamw|big|peaky|grid, LAZY 0|1; or MODE cute (cute_check.cpp,
-#   with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the emulator's wgmma against CUTLASS.
+#   MODE quick|mix|tc|tiles|f32|tf32|sm75|sm90|decode|ce|ln|adamw|encoder|big|peaky|grid, LAZY 0|1; or MODE cute
+#   (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the emulator's wgmma
+#   against CUTLASS.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../../csrc" && pwd)
@@ -27,13 +28,13 @@ cp "$here/emu.h" "$here/emu_ops.h" "$here/emu_wgmma.h" "$out/"
 awk '/^\/\/ ---- PTX/{skip=1; print "#include \"../emu_wgmma.h\""} /^\/\/ ---- end of PTX/{skip=0} !skip{print}' \
   "$src/cuda/wgmma.cuh" > "$out/cuda/wgmma.cuh"
 units=(flash_attention_fwd flash_attention_bwd flash_attention flash_attention_sm90a flash_attention_bwd_sm90a
-       flash_attention_tf32 attention cast attention_decode cross_entropy layernorm residual_layernorm adamw)
+       flash_attention_tf32 attention cast attention_decode cross_entropy layernorm residual_layernorm adamw encoder)
 for f in "${units[@]}"; do
   # cast.cu (the 16-bit fallback of attention.cu widens and narrows through it), attention_decode.cu,
   # cross_entropy.cu and the LayerNorm files do not include the swapped flash_attention.cuh: the CUDA headers and
   # then the emulator come first.
   { { [ $f = cast ] || [ $f = attention_decode ] || [ $f = cross_entropy ] || [ $f = layernorm ] ||
-      [ $f = residual_layernorm ] || [ $f = adamw ]; } &&
+      [ $f = residual_layernorm ] || [ $f = adamw ] || [ $f = encoder ]; } &&
       printf '#include <cuda_runtime.h>\n#include <library_types.h>\n#include "emu.h"\n'
     sed -E -e 's/extern __shared__ __align__\(16\) unsigned char smem_raw\[\];/unsigned char* smem_raw = emu::smem();/' \
       -e 's/extern __shared__ float sm\[\];/float* sm = reinterpret_cast<float*>(emu::smem());/' \
@@ -46,7 +47,8 @@ if grep -q "<<<\|__shared__\|asm volatile" "$out"/*.cpp "$out/cuda/flash_attenti
   exit 2
 fi
 cp "$here/emu_test.cpp" "$out/test.cpp"
-cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU reference the adamw kernels are compared with
+cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU references the adamw and encoder kernels are compared with
+cp "$src/cpu/encoder.cpp" "$out/cpu_encoder.cpp"
 flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes -DFASTGPT_SM90A=1)
 if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wgmma against CuTe (cute_check.cpp)
   : "${CUTLASS_INCLUDE:?the cute mode needs CUTLASS_INCLUDE, the CUTLASS include directory}"
@@ -63,7 +65,7 @@ digest=$( { printf '%s\n' "${flags[@]}"; cat "$out"/*.cpp "$out"/*.h "$out"/cuda
 if [ "$(cat "$out/emu_test.digest" 2>/dev/null)" != "$digest" ] || ! [ -x "$out/emu_test" ]; then
   rm -f "$out/emu_test.digest" "$out/emu_test"
   objs=() pids=()
-  for f in "${units[@]}" cpu_adamw test; do
+  for f in "${units[@]}" cpu_adamw cpu_encoder test; do
     rm -f "$out/$f.o"  # a failed compile must not leave an old object to link
     g++ "${flags[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
     pids+=($!)
