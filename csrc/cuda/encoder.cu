@@ -11,7 +11,7 @@
 // Templates over the storage type S (float, bf16, f16): the forward sums in float and rounds once to S (16-byte
 // packs along the row when C and the pointers allow, else one element per lane); the gradients dwte/dwpe are always
 // float and accumulate (+=) the widened dout.
-#include <algorithm>
+#include <cstdint>
 
 #include "cuda/check.h"
 #include "cuda/encoder.h"
