@@ -142,8 +142,8 @@ void encoder_backward(float* dwte, float* dwpe, const S* dout, const int32_t* id
   Scratch scratch((ids_bytes + sort_bytes + sizeof(float) - 1) / sizeof(float), stream);
   int32_t* tok_sorted = reinterpret_cast<int32_t*>(scratch.ptr);  // (BT)
   int32_t* pos_sorted = tok_sorted + BT;                           // (BT)
-  sort_positions_by_token(tok_sorted, pos_sorted, reinterpret_cast<char*>(scratch.ptr) + ids_bytes, idx, BT, V,
-                          stream);
+  sort_positions_by_token(tok_sorted, pos_sorted, reinterpret_cast<char*>(scratch.ptr) + ids_bytes, sort_bytes, idx,
+                          BT, V, stream);
   const unsigned run_blocks = (unsigned)((BT + 32 * kWarpsPerBlock - 1) / (32 * kWarpsPerBlock));
   constexpr int E = 4 / (int)sizeof(S);  // 2 for 16-bit S (a lane reads 4 bytes of a row), 1 for float
   constexpr int threads = kWarpsPerBlock * 32;

@@ -12,8 +12,8 @@ namespace fastgpt::cuda {
 // (std::invalid_argument otherwise).
 size_t sort_positions_scratch_bytes(int64_t n, int V);
 // tok_sorted (n) = idx sorted ascending, pos_sorted (n) = the position each came from: for equal ids the positions
-// ascend (a stable sort). scratch: sort_positions_scratch_bytes(n, V) bytes, 256-byte aligned.
-void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scratch, const int32_t* idx, int64_t n,
-                             int V, Stream stream);
+// ascend (a stable sort). scratch: scratch_bytes = sort_positions_scratch_bytes(n, V) bytes, 256-byte aligned.
+void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scratch, size_t scratch_bytes,
+                             const int32_t* idx, int64_t n, int V, Stream stream);
 
 }  // namespace fastgpt::cuda

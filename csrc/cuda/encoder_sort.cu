@@ -42,13 +42,12 @@ size_t sort_positions_scratch_bytes(int64_t n, int V) {
   return round_up((size_t)n * sizeof(int32_t)) + cub_bytes((int)n, V);
 }
 
-void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scratch, const int32_t* idx, int64_t n,
-                             int V, Stream stream) {
+void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scratch, size_t scratch_bytes,
+                             const int32_t* idx, int64_t n, int V, Stream stream) {
   if (n <= 0) return;
-  const size_t bytes = sort_positions_scratch_bytes(n, V);
-  int32_t* pos = static_cast<int32_t*>(scratch);                                                  // (n)
+  int32_t* pos = static_cast<int32_t*>(scratch);  // (n)
   void* temp = static_cast<char*>(scratch) + round_up((size_t)n * sizeof(int32_t));
-  size_t temp_bytes = bytes - round_up((size_t)n * sizeof(int32_t));
+  size_t temp_bytes = scratch_bytes - round_up((size_t)n * sizeof(int32_t));
   positions_kernel<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(pos, (int)n);
   FASTGPT_CUDA_CHECK_LAUNCH();
   // Ids are in [0, V) (the caller checks), so unsigned keys over their low key_bits(V) bits sort them.

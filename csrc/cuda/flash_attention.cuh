@@ -229,6 +229,48 @@ __device__ __forceinline__ void stage_lse_delta(float* sL, float* sDl, const Par
   }
 }
 
+// Backward (dq): the lse (in log2 units) and delta of rows `row` and row + 8 (a lane's two rows of its warp's 16);
+// zeros past T.
+__device__ __forceinline__ void load_row_stats(float (&lse2)[2], float (&dl)[2], const Params& p, int bh, int row,
+                                               int T) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int q = row + r * 8;
+    lse2[r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
+    dl[r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
+  }
+}
+
+// Backward, on a warp's 16 rows x 8N columns of m16n8 accumulators (a lane holds rows `row` and row + 8, columns
+// t * 8 + 2c and + 1): the probabilities P = exp2(S * sl2 - lse2), 0 where the query does not see the key, in place
+// of S, and dS = P (dP - delta) in place of dP. Queries on the rows (dq: keys k0 + column), or keys (dkdv: queries
+// q0 + column, their lse and delta staged in shared memory by stage_lse_delta). The Hopper kernels split the two
+// halves around their wgmma waits and keep loops of their own.
+template <int N>
+__device__ __forceinline__ void probs_ds_rows(float (&s)[N][4], float (&dp)[N][4], int k0, int row, int c, int T,
+                                              bool causal, float sl2, const float (&lse2)[2], const float (&dl)[2]) {
+#pragma unroll
+  for (int t = 0; t < N; t++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
+      s[t][e] = visible(row + r * 8, key, T, causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;
+      dp[t][e] = s[t][e] * (dp[t][e] - dl[r]);
+    }
+}
+template <int N>
+__device__ __forceinline__ void probs_ds_cols(float (&st)[N][4], float (&dpt)[N][4], int q0, int row, int c, int T,
+                                              bool causal, float sl2, const float* sL, const float* sDl) {
+#pragma unroll
+  for (int t = 0; t < N; t++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int ql = t * 8 + 2 * c + (e & 1);
+      st[t][e] = visible(q0 + ql, row + (e >> 1) * 8, T, causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;
+      dpt[t][e] = st[t][e] * (dpt[t][e] - sDl[ql]);
+    }
+}
+
 // c (16 x 8, fp32) += a (16 x 16) * b (16 x 8).
 // (mma.sync m16n8k16 and cp.async are sm_80 instructions. A build for older GPUs (sm_75) compiles these kernels with
 // a trap in their place; the dispatch in flash_attention.cu never launches them there.)

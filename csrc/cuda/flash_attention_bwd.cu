@@ -109,15 +109,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
       // P^T = exp2(S^T * scale * log2 e - lse2), dS^T = P^T (dP^T - delta); both stay in st / dpt.
 #pragma unroll
       for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int t = 0; t < BR / 8; t++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + mt * 16 + g + (e >> 1) * 8;
-            const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[mt][t][e] * sl2 - sL[ql]) : 0.f;
-            st[mt][t][e] = pv;
-            dpt[mt][t][e] = pv * (dpt[mt][t][e] - sDl[ql]);
-          }
+        probs_ds_cols(st[mt], dpt[mt], q0, kw0 + mt * 16 + g, c, T, p.causal, sl2, sL, sDl);
 
       // dV += P^T dO and dK += dS^T Q, 16 queries at a time.
 #pragma unroll
@@ -221,13 +213,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
   const int wrow = warp * 16 * MT, w0 = q0 + wrow;  // this warp's first query (in the tile, in the sequence)
   float lse2[MT][2], dl[MT][2];                     // rows g and g + 8 of each m tile
 #pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int q = w0 + mt * 16 + g + r * 8;
-      lse2[mt][r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
-      dl[mt][r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
-    }
+  for (int mt = 0; mt < MT; mt++) load_row_stats(lse2[mt], dl[mt], p, bh, w0 + mt * 16 + g, T);
   float dq[MT][D / 8][4] = {};
   const float sl2 = p.scale * kLog2e;
 
@@ -273,16 +259,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int t = 0; t < BC / 8; t++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
-            const bool vis = visible(w0 + mt * 16 + g + r * 8, key, T, p.causal);
-            const float pv = vis ? exp2f(s[mt][t][e] * sl2 - lse2[mt][r]) : 0.f;
-            dp[mt][t][e] = pv * (dp[mt][t][e] - dl[mt][r]);  // dS
-          }
+      for (int mt = 0; mt < MT; mt++)  // P, dS
+        probs_ds_rows(s[mt], dp[mt], k0, w0 + mt * 16 + g, c, T, p.causal, sl2, lse2[mt], dl[mt]);
 #pragma unroll
       for (int ks = 0; ks < BC / 16; ks++) {  // dQ += dS K
         uint32_t a[MT][4];

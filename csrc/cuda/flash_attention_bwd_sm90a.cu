@@ -172,12 +172,7 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
                  aV = wgmma::shared_addr(sV);
   const int wq0 = q0 + wg * 64, w0 = wq0 + warp * 16;  // the warpgroup's and the warp's first query
   float lse2[2], dl[2];                               // rows g and g + 8
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int q = w0 + g + r * 8;
-    lse2[r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
-    dl[r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
-  }
+  load_row_stats(lse2, dl, p, bh, w0 + g, T);
   float dq[D / 8][4] = {};  // this warp's 16 queries x D
   const float sl2 = p.scale * kLog2e;
 

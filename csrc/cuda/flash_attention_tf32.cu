@@ -247,15 +247,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_tf32_kernel(Params p) {
       float st[BR / 8][4] = {}, dpt[BR / 8][4] = {};  // S^T = K Q^T, dP^T = V dO^T (then P^T, dS^T)
       rows_dot<kSplit, D>(st, sK, wkey, q_s, lane);
       rows_dot<kSplit, D>(dpt, sV, wkey, do_s, lane);
-#pragma unroll
-      for (int t = 0; t < BR / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8;
-          const float pv = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;
-          st[t][e] = pv;
-          dpt[t][e] = pv * (dpt[t][e] - sDl[ql]);
-        }
+      probs_ds_cols(st, dpt, q0, kw0 + g, c, T, p.causal, sl2, sL, sDl);  // P^T, dS^T
       // dV += P^T dO, then dK += dS^T Q, 8 queries at a time (one after the other: P^T's registers are free for
       // the second).
       rows_product<kSplit>(dv, st, do_s, P, g, c);
@@ -298,12 +290,7 @@ __global__ void __launch_bounds__(kThreads) dq_tf32_kernel(Params p) {
 
   const int wrow = warp * 16, w0 = q0 + wrow;
   float lse2[2], dl[2];  // rows g and g + 8
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int q = w0 + g + r * 8;
-    lse2[r] = q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f;
-    dl[r] = q < T ? p.delta[(int64_t)bh * T + q] : 0.f;
-  }
+  load_row_stats(lse2, dl, p, bh, w0 + g, T);
   float dq[D / 8][4] = {};
   const float sl2 = p.scale * kLog2e;
 
@@ -319,14 +306,7 @@ __global__ void __launch_bounds__(kThreads) dq_tf32_kernel(Params p) {
       float s[BC / 8][4] = {}, dp[BC / 8][4] = {};  // S = Q K^T, dP = dO V^T: 16 rows x BC keys
       rows_dot<kSplit, D>(s, sQ, wrow, k_s, lane);
       rows_dot<kSplit, D>(dp, sdO, wrow, v_s, lane);
-#pragma unroll
-      for (int t = 0; t < BC / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
-          const float pv = visible(w0 + g + r * 8, key, T, p.causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;
-          dp[t][e] = pv * (dp[t][e] - dl[r]);  // dS
-        }
+      probs_ds_rows(s, dp, k0, w0 + g, c, T, p.causal, sl2, lse2, dl);  // P, dS
       rows_product<kSplit>(dq, dp, k_s, P, g, c);  // dQ += dS K
     }
     __syncthreads();

@@ -453,8 +453,8 @@ void run_layernorm_cases(unsigned& seed) {
 // (encoder_sort.cu) cannot run here; these two stand-ins keep its contract, a stable sort of the positions by id.
 namespace fastgpt::cuda {
 size_t sort_positions_scratch_bytes(int64_t n, int) { return (size_t)n * sizeof(int32_t); }
-void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scratch, const int32_t* idx, int64_t n,
-                             int, Stream) {
+void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scratch, size_t, const int32_t* idx,
+                             int64_t n, int, Stream) {
   int32_t* pos = static_cast<int32_t*>(scratch);
   for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)i;
   std::stable_sort(pos, pos + n, [&](int32_t a, int32_t b) { return idx[a] < idx[b]; });
