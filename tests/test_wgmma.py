@@ -9,7 +9,7 @@ place of that reading (CUTLASS's headers come with the `nvidia-cutlass` test dep
   emulator's accumulator and register-A maps against CuTe's CLayout_64xN and ALayout_64x16;
 - tests/warp_emu/cute_ptx.cu: the PTX wgmma instruction of each wgmma.cuh call against CUTLASS's for the same
   operation (m64n64k16 and m64n128k16, bf16 and f16, both operands from shared memory or A from registers with an
-  MN-major B), compiled by nvcc for sm_90a.
+  MN-major B; and the fused backward's m64n32k16 with an MN-major A and a K-major B), compiled by nvcc for sm_90a.
 They say nothing of speed, and nothing of what the emulator cannot model; a GPU run is still the verification."""
 import importlib.util
 import os
@@ -81,7 +81,8 @@ def test_wgmma_instructions_are_cutlass_instructions(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = _wgmma_lines(ptx.read_text())
     pairs = sorted(n[len("ours_"):] for n in lines if n.startswith("ours_"))
-    assert pairs == sorted(f"{k}_{n}_{t}" for k in ("ss", "rs") for n in (64, 128) for t in ("BF16", "F16")), lines
+    want = [f"{k}_{n}_{t}" for k in ("ss", "rs") for n in (64, 128) for t in ("BF16", "F16")]
+    assert pairs == sorted(want + [f"amn_32_{t}" for t in ("BF16", "F16")]), lines
     for p in pairs:
         ours, cutlass = lines["ours_" + p], lines["cute_" + p]
         assert len(ours) == 2 and any(x.startswith("wgmma.mma_async") for x in ours), (p, ours)

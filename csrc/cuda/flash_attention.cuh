@@ -34,7 +34,9 @@ struct Params {
   void *dq, *dk, *dv;      // strides `is`
   float* lse;              // (B, H, T): written by forward, read by backward
   float* delta;            // (B, H, T) scratch: rowsum(dout * out), backward only
-  float* dq_accum;         // (B, H, T, d) fp32 scratch for the atomic dq path, else nullptr
+  float* dq_accum;         // (B, H, T, d) fp32 scratch for the atomic dq path, (B, H, ceil(T / 64) 64, d) for the
+                           // fused sm90 backward, else nullptr
+  int* dq_turn;            // (B, H, ceil(T / 64)): the fused sm90 backward's turn counters, else nullptr
   HeadStrides is, os;
   int B, H, T, d;
   bool causal;
@@ -54,14 +56,18 @@ template <typename E>
 void backward_tc(const Params& p, bool deterministic, Stream stream);
 // The Hopper kernels (flash_attention_sm90a.cu, flash_attention_bwd_sm90a.cu; compiled for sm_90a only, where
 // FASTGPT_SM90A is defined): the tile options from kFirstSm90 on (per kernel), on a device of compute capability
-// 9.0; dkdv_sm90 and dq_sm90 are the deterministic backward's two passes.
+// 9.0; dkdv_sm90 and dq_sm90 are the deterministic backward's two passes, backward_fused_sm90 (the dkdv option
+// kFusedSm90) both in one, deterministic too; it needs dq_accum and dq_turn.
 constexpr Tiles kFirstSm90{3, 2, 3};
+constexpr int kFusedSm90 = 3;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
 template <typename E>
 void dkdv_sm90(const Params& p, Stream stream);
 template <typename E>
 void dq_sm90(const Params& p, Stream stream);
+template <typename E>
+void backward_fused_sm90(const Params& p, Stream stream);
 // The CUDA-core path (flash_attention.cu), for float, __nv_bfloat16 and __half: fp32 at any d <= 256, and 16-bit
 // elements on GPUs without the tensor-core kernels (older than sm_80).
 template <typename E>

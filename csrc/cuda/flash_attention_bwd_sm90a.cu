@@ -12,6 +12,20 @@
 // dkdv / dq tile options "sm90 ..." of kTileOptions (flash_attention.cu), for the deterministic backward, on a device
 // of compute capability 9.0. Written and run only in the warp emulator so far (tests/warp_emu); the first GPU run
 // decides whether it is faster.
+// - fused (the dkdv option "sm90 fused", either backward): the dkdv kernel also makes dQ, so S and dP are computed
+//   once (five products per block pair, where the two passes take seven). Each step's dS^T goes to shared memory
+//   and warpgroup w multiplies dQ_i[:, w D/2 ...) = dS_i K_j over the CTA's 128 keys, 32 columns per wgmma: dS read
+//   MN-major from dS^T, K K-major from a transposed copy made once per CTA (MN-major, 32 columns would be half of
+//   the 128-byte swizzle's 64, which CUTLASS's canonical layouts do not allow). The CTAs that meet query step i add
+//   their parts into an fp32 buffer in a fixed order, highest key block first, taking turns on a counter per
+//   (b, h, i); the last (key block 0) writes dq. So the sums are bit-reproducible without the second pass, as
+//   FlashAttention-3's deterministic mode does. Why the order
+//   cannot hang: a CTA waits only for CTAs of higher key blocks of its (b, h), which come earlier in the grid (x
+//   counts the key blocks down), so the hardware, which starts CTAs in grid order, has started them; and causal
+//   key block j + 1 meets step i two steps before j does, so the turn is usually free when j gets there.
+#include <cstdint>
+#include <stdexcept>
+
 #include "cuda/check.h"
 #include "cuda/flash_attention_sm90.cuh"
 
@@ -22,13 +36,37 @@ namespace {
 // Keys per CTA x queries per step (dkdv), queries per CTA x keys per block (dq): 128 x 64, two warpgroups.
 constexpr int kWG = 2, kNT = 128 * kWG, kRows = 64 * kWG, kStep = 64;
 
-template <int D>
-constexpr int dkdv_sm90_smem() {  // K and V, Q and dO twice each, lse2 and delta of a step, alignment
-  return sm90::tile_bytes<2 * kRows + 4 * kStep, D>() + 2 * kStep * 4 + 1024;
+template <int D, bool kDq>
+constexpr int dkdv_sm90_smem() {  // K and V, Q and dO twice each, (fused) dS^T and K^T, lse2 and delta, alignment
+  return sm90::tile_bytes<2 * kRows + 4 * kStep, D>() +
+         (kDq ? sm90::tile_bytes<kRows, kStep>() + sm90::tile_bytes<D, kRows>() : 0) + 2 * kStep * 4 + 1024;
 }
 template <int D>
 constexpr int dq_sm90_smem() {  // Q and dO, K and V twice each, alignment
   return sm90::tile_bytes<2 * kRows + 4 * kStep, D>() + 1024;
+}
+
+// A warp's 16 keys (rows r0 ..) x BR queries of dS^T, as dK's A fragments (mma.m16n8k16's A layout: registers 0-3
+// are rows g, g + 8, g, g + 8 and queries 2c, 2c, 2c + 8, 2c + 8 of 16 queries each, two per register), into the
+// swizzled (KB, BR) tile at sS: the A operand (MN-major: queries along its rows) of the fused backward's dQ.
+template <int KB, int BR>
+__device__ __forceinline__ void store_ds(unsigned char* sS, const uint32_t (&ad)[BR / 16][4], int r0, int g, int c) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ks++)
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+      wgmma::st_shared_b32(sS + sm90::offset<KB>(r0 + g + 8 * (r & 1), ks * 16 + 2 * c + 8 * (r >> 1)), ad[ks][r]);
+}
+
+// dst (D, KB) = src (KB, D)^T, both swizzled tiles of 16-bit elements: each thread moves pairs of keys of one column.
+template <int KB, int D>
+__device__ __forceinline__ void transpose(unsigned char* dst, const unsigned char* src, int tid) {
+  for (int e = tid; e < KB / 2 * D; e += kNT) {
+    const int x = e % D, key = 2 * (e / D);
+    const uint32_t lo = *reinterpret_cast<const uint16_t*>(src + sm90::offset<KB>(key, x)),
+                   hi = *reinterpret_cast<const uint16_t*>(src + sm90::offset<KB>(key + 1, x));
+    wgmma::st_shared_b32(dst + sm90::offset<D>(x, key), lo | hi << 16);
+  }
 }
 
 // dV += P^T dO for a warpgroup's 64 keys: 16 queries (two 8-row groups of the (BR, D) dO tile at ob, read MN-major)
@@ -39,7 +77,61 @@ __device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t
   for (int ks = 0; ks < BR / 16; ks++) wgmma::Mma<E, D>::rs(&dv[0][0], ap[ks], sm90::mnmajor<BR>(ob, ks), 1);
 }
 
-template <typename E, int D>
+// The fused backward's dQ for query step i (rows q0 ..): this CTA's part dS_i K_j (dS^T of its KB keys in the tile at
+// aS, K^T (D, KB) at aKt), warpgroup wg's D / 2 columns 32 at a time, added in turn into the fp32 buffer (key block
+// jmax first, 0 last, which writes dq instead).
+template <typename E, int D, int KB, int BR>
+__device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t aKt, int bh, int j, int n_kb, int i,
+                                        int q0, int64_t in_off, int tid) {
+  const int wg = tid / 128, warp = tid / 32 % 4, g = tid % 32 / 4, c = tid % 4, n_q = (p.T + BR - 1) / BR;
+  const int jmax = p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1;  // causal: key block j first meets q0 = j KB
+  const int turn = jmax - j;                                             // parts added before this one
+  float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;           // (BR, D): the step's rows, past T too
+  int* counter = p.dq_turn + (int64_t)bh * n_q + i;
+  E* dq = static_cast<E*>(p.dq) + in_off;
+#pragma unroll
+  for (int h2 = 0; h2 < D / 64; h2++) {
+    const int n0 = wg * (D / 2) + h2 * 32;
+    float part[4][4];  // this warp's 16 queries x 32 columns
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++)
+      wgmma::Mma<E, 32>::ss_amn(&part[0][0], sm90::mnmajor<KB>(aS, ks), sm90::kmajor<D>(aKt, n0, ks), ks > 0);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::keep(part);
+    if (h2 == 0) {  // this CTA's turn: every part before it is in acc
+      if (tid == 0) {
+        wgmma::wait_count(counter, turn);
+        __threadfence();
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int t = 0; t < 4; t++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = 16 * warp + g + 8 * r, col = n0 + 8 * t + 2 * c;
+        float2 v = make_float2(part[t][2 * r], part[t][2 * r + 1]);
+        float2* a = reinterpret_cast<float2*>(acc + row * D + col);
+        if (turn > 0) {  // the sum so far, from L2 (another SM wrote it)
+          const float2 o = __ldcg(a);
+          v.x += o.x, v.y += o.y;
+        }
+        if (j > 0)
+          __stcg(a, v);
+        else if (q0 + row < p.T)
+          store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v.x * p.scale, v.y * p.scale);
+      }
+  }
+  if (j > 0) {  // the next CTA's turn, once every thread's sums are out
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) wgmma::add_count(counter);
+  }
+}
+
+template <typename E, int D, bool kDq>
 __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
   constexpr int KB = kRows, BR = kStep;  // keys per CTA, queries per step
   constexpr int kKBytes = sm90::tile_bytes<KB, D>(), kQBytes = sm90::tile_bytes<BR, D>();
@@ -48,11 +140,16 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
   unsigned char* sV = sK + kKBytes;             // (KB, D)
   unsigned char* sQ = sV + kKBytes;             // 2 x (BR, D)
   unsigned char* sdO = sQ + 2 * kQBytes;        // 2 x (BR, D)
-  float* sL = reinterpret_cast<float*>(sdO + 2 * kQBytes);  // (BR) lse in log2 units
-  float* sDl = sL + BR;                                     // (BR) delta
+  unsigned char* sS = sdO + 2 * kQBytes;                        // (KB, BR) dS^T, fused only
+  unsigned char* sKt = sS + sm90::tile_bytes<KB, BR>();         // (D, KB) K^T, fused only
+  float* sL = reinterpret_cast<float*>(kDq ? sKt + kKBytes : sS);  // (BR) lse in log2 units
+  float* sDl = sL + BR;                                            // (BR) delta
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T, k0 = blockIdx.y * KB;
+  // Fused: one grid row, each (b, h)'s key blocks counted down (the turn order needs the higher ones started first).
+  const int n_kb = (p.T + KB - 1) / KB;
+  const int bh = kDq ? blockIdx.x / n_kb : blockIdx.x, j = kDq ? n_kb - 1 - blockIdx.x % n_kb : blockIdx.y;
+  const int b = bh / p.H, h = bh % p.H, T = p.T, k0 = j * KB;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
   const E* Q = static_cast<const E*>(p.q) + in_off;
   const E* dO = static_cast<const E*>(p.dout) + out_off;
@@ -83,6 +180,8 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     stage_lse_delta(sL, sDl, p, bh, q0, BR, tid);
     wgmma::fence_proxy_async();
     __syncthreads();
+    if constexpr (kDq)
+      if (i == i_first) transpose<KB, D>(sKt, sK, tid);  // K has landed; read after the next barrier
 
     // Warpgroup-uniform: some query of the step sees some key of the warpgroup.
     if (!(p.causal && q0 + BR - 1 < wk0)) {
@@ -132,11 +231,20 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
       for (int ks = 0; ks < BR / 16; ks++)  // dK += dS^T Q, 16 queries (two 8-row groups of Q) per wgmma
         wgmma::Mma<E, D>::rs(&dk[0][0], ad[ks], sm90::mnmajor<BR>(qb, ks), 1);
       wgmma::commit();
+      if constexpr (kDq) store_ds<KB, BR>(sS, ad, wg * 64 + warp * 16, g, c);  // while dK (and dV) are in flight
       wgmma::wait<0>();
       wgmma::keep(dk);
       wgmma::keep(dv);
       wgmma::keep(ap);
       wgmma::keep(ad);
+    } else if constexpr (kDq) {  // no key of the warpgroup is seen: its rows of dS^T are zeros
+      uint32_t zero[BR / 16][4] = {};
+      store_ds<KB, BR>(sS, zero, wg * 64 + warp * 16, g, c);
+    }
+    if constexpr (kDq) {
+      wgmma::fence_proxy_async();
+      __syncthreads();  // both warpgroups' dS^T are in the tile
+      dq_part<E, D, KB, BR>(p, wgmma::shared_addr(sS), wgmma::shared_addr(sKt), bh, j, n_kb, i, q0, in_off, tid);
     }
     __syncthreads();  // buffers and sL/sDl are free before the next step refills them
   }
@@ -235,11 +343,14 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
   store_tile_rows(dq, w0, g, c, T, static_cast<E*>(p.dq) + in_off, p.is.st, p.scale);
 }
 
-// Either pass: a CTA of two warpgroups per 128 keys (dkdv) or queries (dq) of each (b, h); B * H on x.
+// Either pass: a CTA of two warpgroups per 128 keys (dkdv) or queries (dq) of each (b, h); B * H on x. The fused
+// kernel: one row of B * H * (key blocks) CTAs (its turn order; see the top).
 template <typename Kernel>
-void launch(Kernel kernel, int bytes, const Params& p, Stream stream) {
+void launch(Kernel kernel, int bytes, const Params& p, Stream stream, bool fused = false) {
   FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<dim3(p.B * p.H, (p.T + kRows - 1) / kRows), kNT, bytes, stream>>>(p);
+  const int blocks = (p.T + kRows - 1) / kRows;
+  const dim3 grid = fused ? dim3(p.B * p.H * blocks) : dim3(p.B * p.H, blocks);
+  kernel<<<grid, kNT, bytes, stream>>>(p);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
@@ -248,9 +359,21 @@ void launch(Kernel kernel, int bytes, const Params& p, Stream stream) {
 template <typename E>
 void dkdv_sm90(const Params& p, Stream stream) {
   if (p.d == 64)
-    launch(dkdv_sm90_kernel<E, 64>, dkdv_sm90_smem<64>(), p, stream);
+    launch(dkdv_sm90_kernel<E, 64, false>, dkdv_sm90_smem<64, false>(), p, stream);
   else
-    launch(dkdv_sm90_kernel<E, 128>, dkdv_sm90_smem<128>(), p, stream);
+    launch(dkdv_sm90_kernel<E, 128, false>, dkdv_sm90_smem<128, false>(), p, stream);
+}
+
+template <typename E>
+void backward_fused_sm90(const Params& p, Stream stream) {
+  if ((int64_t)p.B * p.H * ((p.T + kRows - 1) / kRows) > INT32_MAX)
+    throw std::invalid_argument("flash attention backward ('sm90 fused'): B * H * ceil(T / 128) must be below 2^31");
+  const int64_t turns = (int64_t)p.B * p.H * ((p.T + kStep - 1) / kStep);
+  FASTGPT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, turns * sizeof(int), stream));
+  if (p.d == 64)
+    launch(dkdv_sm90_kernel<E, 64, true>, dkdv_sm90_smem<64, true>(), p, stream, true);
+  else
+    launch(dkdv_sm90_kernel<E, 128, true>, dkdv_sm90_smem<128, true>(), p, stream, true);
 }
 
 template <typename E>
@@ -265,5 +388,7 @@ template void dkdv_sm90<__nv_bfloat16>(const Params&, Stream);
 template void dkdv_sm90<__half>(const Params&, Stream);
 template void dq_sm90<__nv_bfloat16>(const Params&, Stream);
 template void dq_sm90<__half>(const Params&, Stream);
+template void backward_fused_sm90<__nv_bfloat16>(const Params&, Stream);
+template void backward_fused_sm90<__half>(const Params&, Stream);
 
 }  // namespace fastgpt::cuda::flash

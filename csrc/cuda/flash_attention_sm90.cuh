@@ -42,6 +42,12 @@ __device__ __forceinline__ uint64_t mnmajor(uint32_t tile, int ks) {
   return wgmma::desc(tile + ks * 2048, ROWS * 128, 1024);
 }
 
+// Byte offset of element (r, col) in a tile of ROWS rows: the loader's layout (column block, swizzled chunk).
+template <int ROWS>
+__device__ __forceinline__ int offset(int r, int col) {
+  return ((col / 64) * ROWS + r) * 128 + (((col % 64 / 8) ^ (r % 8)) * 16) + (col % 8) * 2;
+}
+
 // The first 1024-byte aligned address in dynamic shared memory (the launch asks for 1024 bytes more).
 __device__ __forceinline__ unsigned char* aligned(unsigned char* smem) {
   return smem + (1024 - wgmma::shared_addr(smem) % 1024) % 1024;

@@ -58,6 +58,7 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void keep(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
 
+#define FASTGPT_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FASTGPT_WGMMA_D32 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -69,12 +70,14 @@ __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)::"
 #define FASTGPT_F8(d, i)                                                                                   \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
-#define FASTGPT_F32(d) FASTGPT_F8(d, 0), FASTGPT_F8(d, 8), FASTGPT_F8(d, 16), FASTGPT_F8(d, 24)
+#define FASTGPT_F16(d) FASTGPT_F8(d, 0), FASTGPT_F8(d, 8)
+#define FASTGPT_F32(d) FASTGPT_F16(d), FASTGPT_F8(d, 16), FASTGPT_F8(d, 24)
 #define FASTGPT_F64(d) FASTGPT_F32(d), FASTGPT_F8(d, 32), FASTGPT_F8(d, 40), FASTGPT_F8(d, 48), FASTGPT_F8(d, 56)
 
 // d (64 x N) = A B (+ d if accumulate): ss takes A (K-major) and B (K-major) from shared memory; rs takes A from
-// registers (4 per lane) and an MN-major B (transposed: imm-trans-b 1). The scale-d predicate is set from
-// `accumulate`; A and B are not negated or scaled.
+// registers (4 per lane) and an MN-major B (transposed: imm-trans-b 1); ss_amn (N = 32: the fused backward's dQ,
+// flash_attention_bwd_sm90a.cu) an MN-major A (imm-trans-a 1) and a K-major B from shared memory. The scale-d
+// predicate is set from `accumulate`; A and B are not negated or scaled.
 template <typename E, int N>
 struct Mma;
 
@@ -113,9 +116,46 @@ struct Mma;
                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
     }                                                                                                             \
   };
+#define FASTGPT_WGMMA_DEFINE32(E, T)                                                                              \
+  template <>                                                                                                     \
+  struct Mma<E, 32> {                                                                                             \
+    static __device__ __forceinline__ void ss_amn(float* d, uint64_t a, uint64_t b, int accumulate) {             \
+      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                              \
+                        "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " " FASTGPT_WGMMA_D16                \
+                        ", %16, %17, p, 1, 1, 1, 0;\n}\n"                                                         \
+                        : FASTGPT_F16(d)                                                                          \
+                        : "l"(a), "l"(b), "r"(accumulate));                                                       \
+    }                                                                                                             \
+  };
 FASTGPT_WGMMA_DEFINE(__nv_bfloat16, "bf16")
 FASTGPT_WGMMA_DEFINE(__half, "f16")
+FASTGPT_WGMMA_DEFINE32(__nv_bfloat16, "bf16")
+FASTGPT_WGMMA_DEFINE32(__half, "f16")
 #undef FASTGPT_WGMMA_DEFINE
+#undef FASTGPT_WGMMA_DEFINE32
+
+// Two bf16/fp16 values stored into a tile that wgmma then reads (the fused backward's dS^T): an ordinary shared
+// store (generic proxy), so a fence_proxy_async and a barrier must come between it and the wgmma.
+__device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
+
+// The fused backward's ordered dQ sums across CTAs (flash_attention_bwd_sm90a.cu): wait until a counter in global
+// memory reaches `want` (acquire: the sums behind it are visible after), and add one to it (release: after this
+// thread's __threadfence, which every writer runs before the barrier that leads here). A wait that outlasts 60 s
+// (a whole backward takes milliseconds) traps: a broken turn order ends as a launch error, not a hung process.
+__device__ __forceinline__ void wait_count(const int* counter, int want) {
+  int v;
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+    if (v == want) return;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    if (t - t0 > 60000000000ull) __trap();
+  }
+}
+__device__ __forceinline__ void add_count(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
 
 // ---- end of PTX
 

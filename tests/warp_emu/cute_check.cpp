@@ -133,6 +133,37 @@ void check_rs() {  // B: a K x D tile (K rows of the reduction, D columns = N) r
     check_slices<uint64_t>(sm90::mnmajor<K>(0, ks), dB(0, 0, ks), pB(_, 0, ks), D, true, "MN-major B", K, ks);
 }
 
+// The fused backward's dQ = dS K (flash_attention_bwd_sm90a.cu): A = dS, MN-major, from the (128 keys, 64 queries)
+// dS^T tile at 0 that store_ds writes; B = K, K-major, 32 columns (N) at a time from the (D, 128 keys) K^T tile that
+// transpose writes, after it. The elements' offsets (sm90::offset) and the descriptors must be CuTe's.
+template <int D>
+void check_amn() {
+  constexpr int KB = 128, kB = sm90::tile_bytes<KB, 64>();
+  auto sA = make_tensor(make_smem_ptr((cutlass::bfloat16_t*)g_smem),
+                        tile_to_shape(GMMA::Layout_MN_SW128_Atom<cutlass::bfloat16_t>{}, Shape<_64, Int<KB>>{},
+                                      Step<_2, _1>{}));
+  auto sB = make_tensor(make_smem_ptr((cutlass::bfloat16_t*)(g_smem + kB)),
+                        tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>{}, Shape<Int<D>, Int<KB>>{}));
+  for (int key = 0; key < KB; key++) {
+    for (int q = 0; q < 64; q++) check(sm90::offset<KB>(key, q) == offset_of(sA, q, key), "dS^T element", key, q);
+    for (int x = 0; x < D; x++) check(kB + sm90::offset<D>(x, key) == offset_of(sB, x, key), "K^T element", D, x, key);
+  }
+  auto mma = make_tiled_mma(SM90_64x32x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::K>{});
+  auto thr = mma.get_thread_slice(0);
+  auto pA = thr.partition_A(sA);
+  auto dA = thr.partition_fragment_A(sA);
+  for (int ks = 0; ks < KB / 16; ks++)
+    check_slices<uint64_t>(sm90::mnmajor<KB>(0, ks), dA(0, 0, ks), pA(_, 0, ks), 64, true, "MN-major A", D, ks);
+  for (int n0 = 0; n0 < D; n0 += 32) {
+    auto sBn = local_tile(sB, Shape<_32, Int<KB>>{}, make_coord(n0 / 32, 0));
+    auto pB = thr.partition_B(sBn);
+    auto dB = thr.partition_fragment_B(sBn);
+    for (int ks = 0; ks < KB / 16; ks++)
+      check_slices<uint64_t>(sm90::kmajor<D>(kB, n0, ks), dB(0, 0, ks), pB(_, 0, ks), 32, false, "K-major B of 32",
+                             D * 1000 + n0, ks);
+  }
+}
+
 template <int N>
 void check_registers() {
   for (int t = 0; t < 128; t++)
@@ -161,7 +192,8 @@ int main() {
   check_ss<64, 64, 128>(), check_ss<128, 64, 128>(), check_ss<128, 128, 128>();
   // O = P V (K = 64 or 128 keys), dQ = dS K (64 keys), dV = P^T dO and dK = dS^T Q (64 queries).
   check_rs<64, 64>(), check_rs<128, 64>(), check_rs<64, 128>(), check_rs<128, 128>();
-  check_registers<64>(), check_registers<128>();
+  check_amn<64>(), check_amn<128>();  // the fused backward's dQ = dS K
+  check_registers<32>(), check_registers<64>(), check_registers<128>();
   printf("cute checks %d failures %d\n", g_checks, g_failures);
   return g_failures != 0;
 }

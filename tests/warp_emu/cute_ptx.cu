@@ -1,7 +1,8 @@
 // The wgmma instructions csrc/cuda/wgmma.cuh emits, beside CUTLASS's for the same operation: each pair of kernels
 // below compiles (nvcc -ptx, sm_90a) to a PTX wgmma line that must be the same once register names are dropped
 // (run.sh's "cute" mode compares them). That holds the immediates CUTLASS passes (scale-a, scale-b, transposes: a
-// K-major A and B from shared memory, or A from registers with an MN-major B) and the operand order to ours.
+// K-major A and B from shared memory, A from registers with an MN-major B, or an MN-major A and a K-major B) and
+// the operand order to ours.
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include <utility>
@@ -47,7 +48,25 @@ __device__ void call_cute(float* d, std::index_sequence<I...>, int accumulate, A
     for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
   }
 
+// The fused backward's dQ product (N = 32): A MN-major, B K-major, both from shared memory.
+#define FASTGPT_PAIR_AMN(E, T)                                                                                    \
+  __global__ void ours_amn_32_##T(float* o, uint64_t a, uint64_t b, int acc) {                                    \
+    float d[16];                                                                                                   \
+    for (int i = 0; i < 16; i++) d[i] = o[i];                                                                      \
+    wg::Mma<E, 32>::ss_amn(d, a, b, acc);                                                                          \
+    for (int i = 0; i < 16; i++) o[i] = d[i];                                                                      \
+  }                                                                                                                \
+  __global__ void cute_amn_32_##T(float* o, uint64_t a, uint64_t b, int acc) {                                    \
+    float d[16];                                                                                                   \
+    for (int i = 0; i < 16; i++) d[i] = o[i];                                                                      \
+    call_cute<G::MMA_64x32x16_F32##T##T##_SS<G::Major::MN, G::Major::K>, 32>(d, std::make_index_sequence<16>{},   \
+                                                                             acc, a, b);                           \
+    for (int i = 0; i < 16; i++) o[i] = d[i];                                                                      \
+  }
+
 FASTGPT_PAIR(__nv_bfloat16, BF16, 64)
 FASTGPT_PAIR(__nv_bfloat16, BF16, 128)
 FASTGPT_PAIR(__half, F16, 64)
 FASTGPT_PAIR(__half, F16, 128)
+FASTGPT_PAIR_AMN(__nv_bfloat16, BF16)
+FASTGPT_PAIR_AMN(__half, F16)

@@ -33,8 +33,9 @@ struct Warp {
 };
 // The wgmma state of one warpgroup (128 threads): each thread's operation, seen by all during a collective.
 struct WgOp {
-  int n;              // N: 64 or 128 columns
-  bool rs;            // A from registers (an MN-major B), else both from shared memory (K-major)
+  int n;              // N: 32, 64 or 128 columns
+  bool rs;            // A from registers (an MN-major B), else both from shared memory (K-major; A MN-major if amn)
+  bool amn;           // A MN-major from shared memory (ss_amn)
   bool half;          // fp16 elements, else bf16
   float* d;           // this thread's n / 2 accumulators
   const uint32_t* a;  // this thread's A fragment (rs)
@@ -242,7 +243,8 @@ struct Copy {
 };
 inline thread_local std::vector<Copy> tl_cur;
 inline thread_local std::vector<std::vector<Copy>> tl_groups;
-inline thread_local std::vector<size_t> tl_unfenced;  // shared offsets this thread's finished copies wrote
+// (shared offset, bytes) this thread's finished copies and tile stores wrote, not yet behind its fence.proxy.async
+inline thread_local std::vector<std::pair<size_t, int>> tl_unfenced;
 inline void do_copy(const Copy& c) {
   if (c.valid)
     memcpy(c.dst, c.src, 16);
@@ -250,11 +252,11 @@ inline void do_copy(const Copy& c) {
     memset(c.dst, 0, 16);
   const size_t off = (unsigned char*)c.dst - tl_block->smem;
   memset(&tl_block->dirty[off], 1, 16);
-  tl_unfenced.push_back(off);
+  tl_unfenced.push_back({off, 16});
 }
 // fence.proxy.async: this thread's finished copies become visible to wgmma (the async proxy).
 inline void proxy_fence() {
-  for (size_t off : tl_unfenced) memset(&tl_block->dirty[off], 0, 16);
+  for (auto [off, n] : tl_unfenced) memset(&tl_block->dirty[off], 0, n);
   tl_unfenced.clear();
 }
 inline void cp16(void* dst, const void* src, bool valid) {
@@ -305,7 +307,8 @@ inline uint32_t wg_swizzle(uint32_t addr) { return addr ^ (((addr >> 7) & 7) << 
 inline float wg_load(uint32_t addr, bool half) {
   const uint32_t at = wg_swizzle(addr);
   if (at % 2 || at + 2 > tl_block->smem_bytes) die("wgmma reads outside shared memory");
-  if (tl_block->dirty[at]) die("wgmma reads shared memory written by cp.async without a fence.proxy.async after it");
+  if (tl_block->dirty[at])
+    die("wgmma reads shared memory written by cp.async or a store without a fence.proxy.async after it");
   const int wg = tl_tid.x / 128;
   const size_t chunk = at / 16;
   if (tl_block->wphase[chunk] == tl_phase && tl_block->wwg[chunk] != wg)
@@ -347,7 +350,7 @@ inline void wg_exec(const WgOp& op) {
   w.ops[lt] = &op;
   w.bar.arrive_and_wait();  // every thread's registers as they are now
   auto A = [&](int row, int k) {
-    if (!op.rs) return wg_operand(op.da, row, k, false, op.half);
+    if (!op.rs) return wg_operand(op.da, row, k, op.amn, op.half);
     int t, reg;
     bool upper;
     wg_a_home(row, k, t, reg, upper);
@@ -366,15 +369,17 @@ inline void wg_exec(const WgOp& op) {
   w.bar.arrive_and_wait();  // all reads done before any accumulator changes
   for (int i = 0; i < op.n / 2; i++) op.d[i] = out[i];
 }
-inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint64_t da, uint64_t db, int accumulate) {
+inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint64_t da, uint64_t db, int accumulate,
+                   bool amn = false) {
   if (!tl_wg_fenced) die("wgmma.mma_async without a wgmma.fence after the last wait_group");
   WarpGroup& w = warpgroup();
-  const WgOp op{n, rs, half, d, a, da, db, accumulate};
+  const WgOp op{n, rs, amn, half, d, a, da, db, accumulate};
   const int lt = tl_tid.x % 128;
   w.ops[lt] = &op;
   w.bar.arrive_and_wait();
   const WgOp& o = *w.ops[0];
-  if (o.n != n || o.rs != rs || o.half != half || o.da != da || o.db != db || (o.accumulate != 0) != (accumulate != 0))
+  if (o.n != n || o.rs != rs || o.amn != amn || o.half != half || o.da != da || o.db != db ||
+      (o.accumulate != 0) != (accumulate != 0))
     die("wgmma: the warpgroup's threads disagree on the instruction, its descriptors or scale-d");
   w.bar.arrive_and_wait();
   if (g_lazy_cp)
@@ -396,6 +401,33 @@ inline void wg_wait(int n) {
 }
 
 inline void atomic_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
+
+// A generic store into a tile wgmma reads (the fused backward's dS^T): like a cp.async write, it needs this thread's
+// fence.proxy.async and then a barrier before another warpgroup's wgmma may read it.
+inline void st_shared_b32(void* p, uint32_t v) {
+  const size_t off = (unsigned char*)p - tl_block->smem;
+  if (off % 4) die("st.shared.b32 not 4-byte aligned");
+  check_smem(p, 4);
+  const size_t chunk = off / 16;
+  const int wg = tl_tid.x / 128;
+  if (tl_block->rphase[chunk] == tl_phase && (tl_block->rmask[chunk] & ~(1u << wg)))
+    die("race: a store writes shared memory that another warpgroup's wgmma reads between the same barriers");
+  tl_block->wphase[chunk] = tl_phase, tl_block->wwg[chunk] = wg;
+  memcpy(p, &v, 4);
+  memset(&tl_block->dirty[off], 1, 4);
+  tl_unfenced.push_back({off, 4});
+}
+// The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
+// the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
+// (or never comes), which on a GPU could hang; here it is an error at once.
+inline void wait_count(const int* counter, int want) {
+  const int v = std::atomic_ref<const int>(*counter).load();
+  if (v != want) {
+    fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", tl_bid.x, want, v);
+    abort();
+  }
+}
+inline void add_count(int* counter) { std::atomic_ref<int>(*counter).fetch_add(1); }
 
 // host side
 inline std::map<const void*, int> g_attr;
@@ -529,6 +561,15 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define cudaStreamSynchronize emu::StreamSynchronize
 #define cudaStreamIsCapturing emu::StreamIsCapturing
 #define atomicAdd emu::atomic_add
+#define __threadfence() std::atomic_thread_fence(std::memory_order_seq_cst)
+template <typename T>  // global loads and stores that skip L1 (the fused backward's dq sums): plain ones here
+inline T __ldcg(const T* p) {
+  return *p;
+}
+template <typename T>
+inline void __stcg(T* p, T v) {
+  *p = v;
+}
 #define cudaFuncSetAttribute emu::FuncSetAttribute
 #define cudaMemsetAsync emu::MemsetAsync
 #define cudaMallocAsync emu::MallocAsync

@@ -171,6 +171,26 @@ void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DTyp
   cuda::set_flash_tiles({0, 0, 0});
 }
 
+// The fused Hopper backward (dkdv option 3, "sm90 fused": dq made in the dkdv kernel, the CTAs of a (b, h) adding
+// their parts in turn) after forward `fwd`, deterministic or not (it serves both): run() checks it against the
+// reference; its dK and dV must be the bits of the two-pass dkdv kernel (option 2; the same products in the same
+// order), and out and lse those of the same forward.
+template <typename E>
+void run_fused_sm90(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd) {
+  cuda::set_flash_tiles({fwd, 2, 3});
+  const Outs two = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
+  for (bool det : {true, false}) {
+    cuda::set_flash_tiles({fwd, 3, 0});
+    const Outs o = run<E>(B, H, T, d, causal, bthd, det, dt, tol, seed);
+    const bool same = o.out == two.out && o.lse == two.lse && o.dk == two.dk && o.dv == two.dv;
+    if (!same) failures++;
+    printf("%s sm90 fused det=%d: dk, dv (and out, lse) are the two-pass sm90 dkdv's bits\n", same ? "ok  " : "FAIL",
+           det);
+  }
+  cuda::set_flash_tiles({0, 0, 0});
+  fflush(stdout);
+}
+
 // engine's fused qkv path (fp32)
 void run_fused(int B, int T, int C, int NH, bool causal, unsigned seed);
 
@@ -670,6 +690,7 @@ int main(int argc, char** argv) {
       run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
       run_tiles<__nv_bfloat16>(1, 1, 150, true, false, DType::bf16, 3e-2, seed++, {{1, 1, 1}, {2, 1, 2}});
       run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {{3, 2, 3}});
+      run_fused_sm90<__nv_bfloat16>(1, 2, 300, 64, true, true, DType::bf16, 3e-2, seed++, 5);
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
       run_layernorm_cases(seed);
@@ -713,6 +734,7 @@ int main(int argc, char** argv) {
       run<__half>(1, 1, 130, 64, false, true, true, DType::f16, 5e-3, seed++);
       run_tiles<__half>(1, 1, 140, false, true, DType::f16, 5e-3, seed++, {{1, 1, 2}});
       run_sm90<__half>(1, 1, 140, 128, false, true, true, DType::f16, 5e-3, seed++, {{5, 2, 3}});
+      run_fused_sm90<__half>(1, 1, 200, 128, false, false, DType::f16, 5e-3, seed++, 0);
       run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
       run_fused(1, 20, 64, 2, true, seed++);
       run_tf32_cases(seed);
@@ -732,6 +754,14 @@ int main(int argc, char** argv) {
       run_sm90<__half>(2, 1, 150, 64, true, true, true, DType::f16, 5e-3, seed++, {{3, 2, 3}, {4, 0, 0}, {5, 0, 0}});
       run_sm90<__half>(1, 2, 100, 128, false, false, true, DType::f16, 5e-3, seed++, {{3, 2, 3}, {5, 0, 3}});
       run_sm90<__nv_bfloat16>(1, 2, 150, 64, true, true, false, DType::bf16, 3e-2, seed++, {{3, 2, 3}});  // atomic
+    } else if (mode == "fused") {  // the fused sm90 backward: both head dims, T below, at and past its tiles
+      for (int d : {64, 128})
+        for (int T : {1, 30, 64, 65, 128, 129, 200, 300, 520})
+          for (int causal : {0, 1})
+            run_fused_sm90<__nv_bfloat16>(T < 200 ? 2 : 1, 2, T, d, causal, (T + causal) % 2, DType::bf16, 3e-2,
+                                          seed++, T % 3 ? 3 : 0);
+      run_fused_sm90<__half>(2, 1, 257, 64, true, false, DType::f16, 5e-3, seed++, 4);
+      run_fused_sm90<__half>(1, 2, 190, 128, false, true, DType::f16, 5e-3, seed++, 5);
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
     } else if (mode == "decode") {

@@ -16,4 +16,11 @@ struct Mma {
   static void rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {
     emu::wg_mma(N, true, kHalf, d, a, 0, b, accumulate);
   }
+  static void ss_amn(float* d, uint64_t a, uint64_t b, int accumulate) {
+    static_assert(N == 32, "ss_amn: wgmma.cuh defines it for N = 32");
+    emu::wg_mma(N, false, kHalf, d, nullptr, a, b, accumulate, true);
+  }
 };
+__device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { emu::st_shared_b32(p, v); }
+__device__ __forceinline__ void wait_count(const int* counter, int want) { emu::wait_count(counter, want); }
+__device__ __forceinline__ void add_count(int* counter) { emu::add_count(counter); }
