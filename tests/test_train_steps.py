@@ -23,13 +23,17 @@ def lr_at(step, max_lr=3e-3, warmup=3, total=10):
 
 def test_ten_steps_match_torch_adamw(rng):
     # Two references: torch in fp32 (the contract: losses within 1e-5) and torch in float64. The gradient norm is
-    # judged against float64: torch's own fp32 norm drifts 1e-5..2e-4 from it over the 10 steps, fastgpt's
-    # (accumulated in double) typically stays near 1e-6, at worst ~2e-5 once Adam has amplified rounding noise.
+    # judged against float64, over the run, beside torch's own fp32 norm: torch's drifts 1e-5..3e-4 from float64
+    # over the 10 steps; fastgpt's (accumulated in double) typically stays near 1e-6, but once Adam has turned
+    # rounding noise into lr-sized steps (see the weights below) the later gradients differ: 1.7e-4 at step 6 for
+    # seed 725832547, where torch's fp32 norm drifted 2.3e-4. Over 300 seeds fastgpt's worst was 0.66x torch's and
+    # two runs passed 1e-4, so the bound is 1e-4 or twice torch's own drift, whichever is larger.
     model = fastgpt.GPT(CONFIG, seed=int(rng.integers(1 << 31)))
     opt = fastgpt.AdamW(model, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     refs = [ref_from_fastgpt(model, dtype) for dtype in (torch.float32, torch.float64)]
     ref_opts = [r.configure_optimizers(weight_decay=0.1, learning_rate=3e-3) for r in refs]
     x, y = rng.integers(0, CONFIG.vocab_size, (2, 4, 32)), rng.integers(0, CONFIG.vocab_size, (2, 4, 32))
+    norm_errs, torch_norm_errs = [], []  # relative to float64's norm, per step
     for step in range(10):
         lr = lr_at(step)
         xb, yb = x[step % 2], y[step % 2]  # two alternating batches: the loss must fall on seen data
@@ -48,10 +52,12 @@ def test_ten_steps_match_torch_adamw(rng):
                 group["lr"] = lr
             ref_opt.step()
             results.append((ref_loss.item(), ref_norm))
-        (loss32, _), (loss64, norm64) = results
+        (loss32, norm32), (loss64, norm64) = results
         assert abs(loss - loss32) <= 1e-5 * loss32, step
         assert abs(loss - loss64) <= 1e-5 * loss64, step
-        assert abs(norm - norm64) <= 1e-4 * norm64, step
+        norm_errs.append(abs(norm - norm64) / norm64)
+        torch_norm_errs.append(abs(norm32 - norm64) / norm64)
+    assert max(norm_errs) <= max(1e-4, 2 * max(torch_norm_errs)), (norm_errs, torch_norm_errs)
     assert loss < 10.0  # it learned something: ln(50304) = 10.83 at init
     # All weights together, ||ours - ref|| / ||ref|| over the whole buffer: typically ~1e-6, seen up to 2e-5 (seed
     # 2898717532). Adam divides by sqrt(v) + eps, so entries whose gradient is near eps or pure rounding noise
