@@ -421,7 +421,7 @@ inline void st_shared_b32(void* p, uint32_t v) {
 // the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
 // (or never comes), which on a GPU could hang; here it is an error at once.
 inline void wait_count(const int* counter, int want) {
-  const int v = std::atomic_ref<const int>(*counter).load();
+  const int v = std::atomic_ref<int>(*const_cast<int*>(counter)).load();
   if (v != want) {
     fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", tl_bid.x, want, v);
     abort();
