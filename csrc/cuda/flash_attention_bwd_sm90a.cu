@@ -18,11 +18,12 @@
 //   MN-major from dS^T, K K-major from a transposed copy made once per CTA (MN-major, 32 columns would be half of
 //   the 128-byte swizzle's 64, which CUTLASS's canonical layouts do not allow). The CTAs that meet query step i add
 //   their parts into an fp32 buffer in a fixed order, highest key block first, taking turns on a counter per
-//   (b, h, i); the last (key block 0) writes dq. So the sums are bit-reproducible without the second pass, as
-//   FlashAttention-3's deterministic mode does. Why the order
-//   cannot hang: a CTA waits only for CTAs of higher key blocks of its (b, h), which come earlier in the grid (x
-//   counts the key blocks down), so the hardware, which starts CTAs in grid order, has started them; and causal
-//   key block j + 1 meets step i two steps before j does, so the turn is usually free when j gets there.
+//   (b, h, i) (CUTLASS's barrier.h pattern: thread 0 waits with an acquire load, then a barrier; a barrier, then
+//   thread 0's release add); the last (key block 0) writes dq. So the sums are bit-reproducible without the second
+//   pass, as FlashAttention-3's deterministic mode does. Why the order cannot hang: a CTA waits only for CTAs of
+//   higher key blocks of its (b, h), which come earlier in the grid (x counts the key blocks down), so the hardware,
+//   which starts CTAs in grid order, has started them; and causal key block j + 1 meets step i two steps before j
+//   does, so the turn is usually free when j gets there.
 #include <cstdint>
 #include <stdexcept>
 
@@ -82,8 +83,8 @@ __device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t
 // jmax first, 0 last, which writes dq instead).
 template <typename E, int D, int KB, int BR>
 __device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t aKt, int bh, int j, int n_kb, int i,
-                                        int q0, int64_t in_off, int tid) {
-  const int wg = tid / 128, warp = tid / 32 % 4, g = tid % 32 / 4, c = tid % 4, n_q = (p.T + BR - 1) / BR;
+                                        int n_q, int q0, int64_t in_off, int tid) {
+  const int wg = tid / 128, warp = tid / 32 % 4, g = tid % 32 / 4, c = tid % 4;
   const int jmax = p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1;  // causal: key block j first meets q0 = j KB
   const int turn = jmax - j;                                             // parts added before this one
   float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;           // (BR, D): the step's rows, past T too
@@ -100,11 +101,8 @@ __device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t a
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::keep(part);
-    if (h2 == 0) {  // this CTA's turn: every part before it is in acc
-      if (tid == 0) {
-        wgmma::wait_count(counter, turn);
-        __threadfence();
-      }
+    if (h2 == 0) {  // this CTA's turn: every part before it is in acc (thread 0's acquire, then the barrier)
+      if (tid == 0) wgmma::wait_count(counter, turn);
       __syncthreads();
     }
 #pragma unroll
@@ -124,8 +122,7 @@ __device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t a
           store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v.x * p.scale, v.y * p.scale);
       }
   }
-  if (j > 0) {  // the next CTA's turn, once every thread's sums are out
-    __threadfence();
+  if (j > 0) {  // the next CTA's turn, once every thread's sums are out (the barrier, then thread 0's release)
     __syncthreads();
     if (tid == 0) wgmma::add_count(counter);
   }
@@ -244,7 +241,7 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     if constexpr (kDq) {
       wgmma::fence_proxy_async();
       __syncthreads();  // both warpgroups' dS^T are in the tile
-      dq_part<E, D, KB, BR>(p, wgmma::shared_addr(sS), wgmma::shared_addr(sKt), bh, j, n_kb, i, q0, in_off, tid);
+      dq_part<E, D, KB, BR>(p, wgmma::shared_addr(sS), wgmma::shared_addr(sKt), bh, j, n_kb, i, n_q, q0, in_off, tid);
     }
     __syncthreads();  // buffers and sL/sDl are free before the next step refills them
   }

@@ -10,6 +10,12 @@
 
 namespace fastgpt::cuda::flash::sm90 {
 
+// Byte offset of element (r, col) in a tile of ROWS rows: the loader's layout (column block, swizzled chunk).
+template <int ROWS>
+__device__ __forceinline__ int offset(int r, int col) {
+  return ((col / 64) * ROWS + r) * 128 + (((col % 64 / 8) ^ (r % 8)) * 16) + (col % 8) * 2;
+}
+
 // Rows [row0, row0 + ROWS) of one (b, h) slice (row stride st), D wide, into a swizzled tile; rows at or past T
 // are zeros. Eight consecutive threads fill one 128-byte row: coalesced reads, conflict-free writes.
 template <typename E, int ROWS, int D, int NT>
@@ -19,7 +25,7 @@ __device__ __forceinline__ void load(unsigned char* dst, const E* src, int64_t s
     const int r = i / kChunks, j = i % kChunks;
     const bool valid = row0 + r < T;
     const E* s = valid ? src + (int64_t)(row0 + r) * st + j * 8 : src;
-    cp_async16(dst + ((j / 8) * ROWS + r) * 128 + ((j % 8) ^ (r % 8)) * 16, s, valid);
+    cp_async16(dst + offset<ROWS>(r, j * 8), s, valid);
   }
 }
 
@@ -42,11 +48,6 @@ __device__ __forceinline__ uint64_t mnmajor(uint32_t tile, int ks) {
   return wgmma::desc(tile + ks * 2048, ROWS * 128, 1024);
 }
 
-// Byte offset of element (r, col) in a tile of ROWS rows: the loader's layout (column block, swizzled chunk).
-template <int ROWS>
-__device__ __forceinline__ int offset(int r, int col) {
-  return ((col / 64) * ROWS + r) * 128 + (((col % 64 / 8) ^ (r % 8)) * 16) + (col % 8) * 2;
-}
 
 // The first 1024-byte aligned address in dynamic shared memory (the launch asks for 1024 bytes more).
 __device__ __forceinline__ unsigned char* aligned(unsigned char* smem) {

@@ -81,67 +81,62 @@ __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)::"
 template <typename E, int N>
 struct Mma;
 
+// One wgmma with both operands from descriptors (SS) or A from registers (RS), as inline PTX: N is the shape's n,
+// DREGS/DOUT the accumulator list and its operands, the rest the operand numbers (after the N / 2 accumulators) and
+// the transpose immediates. (nvcc's inline PTX takes no named operands, so the numbers are spelled out.)
+#define FASTGPT_WGMMA_SS(N, T, DREGS, DOUT, A, B, ACC, TRANS)                                                     \
+  FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" ACC ", 0;\n"                                           \
+                    "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." T "." T " " DREGS ", %" A ", %" B            \
+                    ", p, 1, 1, " TRANS ";\n}\n"                                                                  \
+                    : DOUT(d)                                                                                     \
+                    : "l"(a), "l"(b), "r"(accumulate))
+#define FASTGPT_WGMMA_RS(N, T, DREGS, DOUT, A, B, ACC)                                                            \
+  FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %" ACC ", 0;\n"                                           \
+                    "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." T "." T " " DREGS ", " A ", %" B             \
+                    ", p, 1, 1, 1;\n}\n"                                                                          \
+                    : DOUT(d)                                                                                     \
+                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate))
+
 #define FASTGPT_WGMMA_DEFINE(E, T)                                                                                \
   template <>                                                                                                     \
   struct Mma<E, 64> {                                                                                             \
     static __device__ __forceinline__ void ss(float* d, uint64_t a, uint64_t b, int accumulate) {                 \
-      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
-                        "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " FASTGPT_WGMMA_D32                \
-                        ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                         \
-                        : FASTGPT_F32(d)                                                                          \
-                        : "l"(a), "l"(b), "r"(accumulate));                                                       \
+      FASTGPT_WGMMA_SS("64", T, FASTGPT_WGMMA_D32, FASTGPT_F32, "32", "33", "34", "0, 0");                        \
     }                                                                                                             \
     static __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {          \
-      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                              \
-                        "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " FASTGPT_WGMMA_D32                \
-                        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                           \
-                        : FASTGPT_F32(d)                                                                          \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
+      FASTGPT_WGMMA_RS("64", T, FASTGPT_WGMMA_D32, FASTGPT_F32, "{%32, %33, %34, %35}", "36", "37");              \
     }                                                                                                             \
   };                                                                                                              \
   template <>                                                                                                     \
   struct Mma<E, 128> {                                                                                            \
     static __device__ __forceinline__ void ss(float* d, uint64_t a, uint64_t b, int accumulate) {                 \
-      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
-                        "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " FASTGPT_WGMMA_D64               \
-                        ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                         \
-                        : FASTGPT_F64(d)                                                                          \
-                        : "l"(a), "l"(b), "r"(accumulate));                                                       \
+      FASTGPT_WGMMA_SS("128", T, FASTGPT_WGMMA_D64, FASTGPT_F64, "64", "65", "66", "0, 0");                       \
     }                                                                                                             \
     static __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {          \
-      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                              \
-                        "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " FASTGPT_WGMMA_D64               \
-                        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                           \
-                        : FASTGPT_F64(d)                                                                          \
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                   \
+      FASTGPT_WGMMA_RS("128", T, FASTGPT_WGMMA_D64, FASTGPT_F64, "{%64, %65, %66, %67}", "68", "69");             \
     }                                                                                                             \
-  };
-#define FASTGPT_WGMMA_DEFINE32(E, T)                                                                              \
+  };                                                                                                              \
   template <>                                                                                                     \
   struct Mma<E, 32> {                                                                                             \
     static __device__ __forceinline__ void ss_amn(float* d, uint64_t a, uint64_t b, int accumulate) {             \
-      FASTGPT_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                              \
-                        "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " " FASTGPT_WGMMA_D16                \
-                        ", %16, %17, p, 1, 1, 1, 0;\n}\n"                                                         \
-                        : FASTGPT_F16(d)                                                                          \
-                        : "l"(a), "l"(b), "r"(accumulate));                                                       \
+      FASTGPT_WGMMA_SS("32", T, FASTGPT_WGMMA_D16, FASTGPT_F16, "16", "17", "18", "1, 0");                        \
     }                                                                                                             \
   };
 FASTGPT_WGMMA_DEFINE(__nv_bfloat16, "bf16")
 FASTGPT_WGMMA_DEFINE(__half, "f16")
-FASTGPT_WGMMA_DEFINE32(__nv_bfloat16, "bf16")
-FASTGPT_WGMMA_DEFINE32(__half, "f16")
 #undef FASTGPT_WGMMA_DEFINE
-#undef FASTGPT_WGMMA_DEFINE32
+#undef FASTGPT_WGMMA_SS
+#undef FASTGPT_WGMMA_RS
 
 // Two bf16/fp16 values stored into a tile that wgmma then reads (the fused backward's dS^T): an ordinary shared
 // store (generic proxy), so a fence_proxy_async and a barrier must come between it and the wgmma.
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
 
-// The fused backward's ordered dQ sums across CTAs (flash_attention_bwd_sm90a.cu): wait until a counter in global
-// memory reaches `want` (acquire: the sums behind it are visible after), and add one to it (release: after this
-// thread's __threadfence, which every writer runs before the barrier that leads here). A wait that outlasts 60 s
-// (a whole backward takes milliseconds) traps: a broken turn order ends as a launch error, not a hung process.
+// The fused backward's ordered dQ sums across CTAs (flash_attention_bwd_sm90a.cu), as CUTLASS's barrier.h: one
+// thread waits until a counter in global memory reaches `want` (acquire: the sums released before are visible to
+// the CTA after its next barrier), and one thread adds one to it after a barrier (release, cumulative: every
+// thread's sums before that barrier go with it). A wait that outlasts 60 s (a whole backward takes milliseconds)
+// traps: a broken turn order ends as a launch error, not a hung process.
 __device__ __forceinline__ void wait_count(const int* counter, int want) {
   int v;
   uint64_t t0, t;

@@ -245,14 +245,31 @@ inline thread_local std::vector<Copy> tl_cur;
 inline thread_local std::vector<std::vector<Copy>> tl_groups;
 // (shared offset, bytes) this thread's finished copies and tile stores wrote, not yet behind its fence.proxy.async
 inline thread_local std::vector<std::pair<size_t, int>> tl_unfenced;
+// n bytes at shared offset off were written through the generic proxy (a finished cp.async, a store): wgmma may
+// not read them before this thread's fence.proxy.async.
+inline void mark_unfenced(size_t off, int n) {
+  memset(&tl_block->dirty[off], 1, n);
+  tl_unfenced.push_back({off, n});
+}
+// A write (cp.async or store, named by `what`) between the same two barriers as another warpgroup's wgmma read of
+// its 16-byte chunk is a race (nothing orders them), whichever the emulator happens to run first; it is recorded
+// for the opposite check in wg_load.
+inline void note_write(size_t off, const char* what) {
+  const size_t chunk = off / 16;
+  const int wg = tl_tid.x / 128;
+  if (tl_block->rphase[chunk] == tl_phase && (tl_block->rmask[chunk] & ~(1u << wg))) {
+    fprintf(stderr, "EMU FATAL: race: %s writes shared memory that another warpgroup's wgmma reads between the same "
+                    "barriers\n", what);
+    abort();
+  }
+  tl_block->wphase[chunk] = tl_phase, tl_block->wwg[chunk] = wg;
+}
 inline void do_copy(const Copy& c) {
   if (c.valid)
     memcpy(c.dst, c.src, 16);
   else
     memset(c.dst, 0, 16);
-  const size_t off = (unsigned char*)c.dst - tl_block->smem;
-  memset(&tl_block->dirty[off], 1, 16);
-  tl_unfenced.push_back({off, 16});
+  mark_unfenced((unsigned char*)c.dst - tl_block->smem, 16);
 }
 // fence.proxy.async: this thread's finished copies become visible to wgmma (the async proxy).
 inline void proxy_fence() {
@@ -263,13 +280,7 @@ inline void cp16(void* dst, const void* src, bool valid) {
   if (((uintptr_t)dst - (uintptr_t)tl_block->smem) % 16) die("cp.async dst not 16-byte aligned");
   if (valid && ((uintptr_t)src % 16)) die("cp.async src not 16-byte aligned");
   check_smem(dst, 16);
-  // A write between the same two barriers as another warpgroup's wgmma read of the chunk is a race (nothing orders
-  // them), whichever the emulator happens to run first.
-  const size_t chunk = ((unsigned char*)dst - tl_block->smem) / 16;
-  const int wg = tl_tid.x / 128;
-  if (tl_block->rphase[chunk] == tl_phase && (tl_block->rmask[chunk] & ~(1u << wg)))
-    die("race: cp.async writes shared memory that another warpgroup's wgmma reads between the same barriers");
-  tl_block->wphase[chunk] = tl_phase, tl_block->wwg[chunk] = wg;
+  note_write((unsigned char*)dst - tl_block->smem, "cp.async");
   Copy c{dst, src, valid};
   if (g_lazy_cp)
     tl_cur.push_back(c);
@@ -312,7 +323,7 @@ inline float wg_load(uint32_t addr, bool half) {
   const int wg = tl_tid.x / 128;
   const size_t chunk = at / 16;
   if (tl_block->wphase[chunk] == tl_phase && tl_block->wwg[chunk] != wg)
-    die("race: wgmma reads shared memory that another warpgroup's cp.async writes between the same barriers");
+    die("race: wgmma reads shared memory another warpgroup writes (cp.async or a store) between the same barriers");
   if (tl_block->rphase[chunk] != tl_phase) tl_block->rphase[chunk] = tl_phase, tl_block->rmask[chunk] = 0;
   tl_block->rmask[chunk] |= 1u << wg;
   uint16_t b;
@@ -408,14 +419,9 @@ inline void st_shared_b32(void* p, uint32_t v) {
   const size_t off = (unsigned char*)p - tl_block->smem;
   if (off % 4) die("st.shared.b32 not 4-byte aligned");
   check_smem(p, 4);
-  const size_t chunk = off / 16;
-  const int wg = tl_tid.x / 128;
-  if (tl_block->rphase[chunk] == tl_phase && (tl_block->rmask[chunk] & ~(1u << wg)))
-    die("race: a store writes shared memory that another warpgroup's wgmma reads between the same barriers");
-  tl_block->wphase[chunk] = tl_phase, tl_block->wwg[chunk] = wg;
+  note_write(off, "a store");
   memcpy(p, &v, 4);
-  memset(&tl_block->dirty[off], 1, 4);
-  tl_unfenced.push_back({off, 4});
+  mark_unfenced(off, 4);
 }
 // The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
 // the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
