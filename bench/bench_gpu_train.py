@@ -7,7 +7,9 @@ device, one-launch AdamW), recorded as a CUDA graph and replayed in "fastgpt bf1
 forward_backward, clip_grad_norm, step. The fused model recomputes GELU in backward (GPT(recompute=1), its default);
 "fastgpt bf16 recompute=0" keeps every activation and "recompute=2" also recomputes the LayerNorms: the time and
 memory of each setting. "fastgpt bf16 graph sm90" is the graph step with Hopper's wgmma flash attention kernels
-(--sm90-tiles; H100/H200 only).
+(--sm90-tiles; H100/H200 only); "fastgpt bf16 graph bias-kernel" the graph step with the linear layers' bias
+gradients from the column-sum kernel instead of cuBLASLt's epilogue (fastgpt.ops.matmul_bias_grad_epilogue(False)):
+which of the two to keep as the default.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -40,13 +42,13 @@ from _profile import print_breakdown, profile_steps
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
-VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph sm90",
-            "fastgpt bf16 recompute=0", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32",
-            "torch eager tf32", "torch compiled bf16")
+VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-kernel",
+            "fastgpt bf16 graph sm90", "fastgpt bf16 recompute=0", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused",
+            "torch eager fp32", "torch eager tf32", "torch compiled bf16")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 # --profile's variants: issue 10's pair (and the graph), and fp32's like-for-like pair.
-PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph sm90", "torch compiled bf16",
-            "fastgpt fp32", "torch eager fp32")
+PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-kernel", "fastgpt bf16 graph sm90",
+            "torch compiled bf16", "fastgpt fp32", "torch eager fp32")
 PROFILE_STEPS = 2
 
 
@@ -278,17 +280,22 @@ def main(argv=None):
                                "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
     @contextlib.contextmanager
-    def sm90_tiles(name):
+    def variant_settings(name):
         """The "... sm90" variant runs with --sm90-tiles chosen (a ValueError off sm_90: the variant fails, saying
-        why), and the previous tiles come back after it."""
-        if not name.endswith("sm90"):
+        why), "... bias-kernel" with the bias-gradient kernel; the previous settings come back after it."""
+        if name.endswith("sm90"):
+            before = ops.flash_attention_tiles(**dict(zip(("fwd", "dkdv", "dq"), args.sm90_tiles)))
+            restore = lambda: ops.flash_attention_tiles(**before)
+        elif name.endswith("bias-kernel"):
+            before_bias = ops.matmul_bias_grad_epilogue(False)
+            restore = lambda: ops.matmul_bias_grad_epilogue(before_bias)
+        else:
             yield
             return
-        before = ops.flash_attention_tiles(**dict(zip(("fwd", "dkdv", "dq"), args.sm90_tiles)))
         try:
             yield
         finally:
-            ops.flash_attention_tiles(**before)
+            restore()
 
     res = {}
     for name in VARIANTS:
@@ -304,7 +311,7 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats(dev)
             print(f"  {name} B{b}: running ...", end="", flush=True)
             try:
-                with sm90_tiles(name):
+                with variant_settings(name):
                     times, losses, extra = (fastgpt_variant(name, b) if name.startswith("fastgpt") else
                                             torch_variant(name, b))
             except Exception as e:  # out of memory, a CUDA error, no CUDA in this fastgpt build, a compile failure

@@ -660,6 +660,17 @@ void bind_ops(py::module_& m) {
     cpu::flash_attention_backward(dq.f(), dk.f(), dv.f(), f.strides, dout.f(), out.f(), f.strides, q.f(), k.f(),
                                   v.f(), lse.f(), f.shape);
   });
+  // matmul_backward's 16-bit bias gradient on the GPU: cuBLASLt's epilogue or the column-sum kernel (cuda/ops.h).
+  m.def("matmul_bias_grad_epilogue", [](std::optional<bool> on) {
+#ifdef FASTGPT_WITH_CUDA
+    return on ? cuda::set_bias_grad_epilogue(*on) : cuda::bias_grad_epilogue();
+#else
+    (void)on;
+    throw std::runtime_error("the bias-gradient epilogue chooses between CUDA paths; this build of fastgpt has no "
+                             "CUDA");
+    return false;
+#endif
+  }, py::arg("on") = py::none());
   // The CUDA tensor-core kernels' tile choice (cuda/ops.h FlashTiles): a (fwd, dkdv, dq) tuple of option indices.
   m.def("flash_attention_tiles", [](std::optional<std::tuple<int, int, int>> tiles) {
 #ifdef FASTGPT_WITH_CUDA

@@ -105,6 +105,60 @@ def test_matmul(rng, prec, bias, device):
     check_all(("out", "dx", "dweight", "dbias")[:3 + bias], (out, dx, dw, db), res, prec)
 
 
+# (N, C, OC): a small shape, one whose sizes are no multiple of 8 (cuBLASLt's edge tiles), and on a GPU fc's of
+# GPT-2 at B*T 4096 (the tiles, and perhaps the split of K, that the training step's product takes).
+ACCUMULATE_CASES = [pytest.param(d, e, s, marks=m, id=f"{d}-{e}-{s[0]}x{s[1]}x{s[2]}")
+                    for d, m, paths in (("cpu", (), (None,)), ("cuda", needs_cuda, ("epilogue", "kernel")))
+                    for e in paths
+                    for s in ((256, 64, 192), (77, 40, 50)) + (((4096, 768, 3072),) if d == "cuda" else ())]
+
+
+@pytest.mark.parametrize("device,path,shape", ACCUMULATE_CASES)
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_matmul_backward_accumulates(rng, prec, device, path, shape):
+    # The engine's contract (cuda/ops.h): dweight and dbias accumulate in fp32 over micro-steps. On a GPU in 16-bit
+    # the bias gradient is cuBLASLt's epilogue of the weight gradient's product, which writes its sum (fastgpt adds
+    # it), or the column-sum kernel (matmul_bias_grad_epilogue(False)). Two micro-steps into buffers already
+    # holding values: each increment must be the float64 one of the same 16-bit inputs within fp32 accumulation
+    # error, a bound that a lost increment, an overwrite or a gradient rounded to 16 bits (~1e-3) would break.
+    N, C, OC = shape
+    tdt = DTYPES[prec]
+    x, w = half(rng, (N, C), tdt, device=device), half(rng, (OC, C), tdt, 0.1, device=device)
+    dys = [half(rng, (N, OC), tdt, device=device) for _ in range(2)]
+    dw0, db0 = (torch.tensor(rng.standard_normal(s), dtype=torch.float32) for s in ((OC, C), (OC,)))
+    dw, db = (t.clone().to(device) if device == "cuda" else t.numpy().copy() for t in (dw0, db0))
+    dx = torch.empty_like(x)
+    before = ops.matmul_bias_grad_epilogue(path == "epilogue") if path else None
+    try:
+        for dy in dys:
+            d = ops._where(*(to_ours(t) for t in (dy, x, w)))
+            ops._ops.matmul_backward(*(d.arg(a) for a in (to_ours(dx), dw, db, to_ours(dy), to_ours(x), to_ours(w))),
+                                     d.stream)
+    finally:
+        if path:
+            ops.matmul_bias_grad_epilogue(before)
+    dy64 = sum(f64(dy) for dy in dys)
+    rel = lambda a, a0, ref: rel_err(f64(a) - f64(a0), ref)  # the increment, against float64's
+    assert rel(dw, dw0, dy64.T @ f64(x)) <= 2e-5, "dweight"
+    assert rel(db, db0, dy64.sum(0)) <= 2e-5, "dbias"
+
+
+def test_matmul_bias_grad_epilogue_setting():
+    if not ops._C.built_with_cuda:
+        with pytest.raises(RuntimeError, match="no CUDA"):
+            ops.matmul_bias_grad_epilogue()
+        return
+    before = ops.matmul_bias_grad_epilogue()
+    try:
+        assert ops.matmul_bias_grad_epilogue(not before) == before
+        assert ops.matmul_bias_grad_epilogue() == (not before)
+        with pytest.raises(TypeError, match="enabled must be True, False or None"):
+            ops.matmul_bias_grad_epilogue("yes")
+        assert ops.matmul_bias_grad_epilogue() == (not before)  # a refused value changes nothing
+    finally:
+        ops.matmul_bias_grad_epilogue(before)
+
+
 @pytest.mark.parametrize("device", device_cases())
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
 @pytest.mark.parametrize("bias", [True, False])

@@ -8,7 +8,8 @@
 // (shape, strides, transposes, batch, epilogue, element and compute types and the pointers' alignments).
 // GELU epilogues (gemm_gelu): the MLP's GELU rides in the products around it, forward (GELU_AUX_BIAS, the
 // pre-activation written beside the output for backward) and backward (DGELU on the product that makes its input's
-// gradient); a plan cuBLASLt refuses is remembered, and the caller falls back to the GELU kernel.
+// gradient); the bias gradient rides in the weight gradient's product (gemm_bias_grad: BGRADB sums the loaded dout
+// tiles). A plan cuBLASLt refuses is remembered, and the caller falls back to its kernels.
 // Mixed precision: the layouts carry each operand's cudaDataType_t, the descriptor the compute type with an fp32
 // scale type, and the bias epilogue the bias type. When the epilogue cannot be used, a kernel adds the bias; for a
 // 16-bit C the product then goes to fp32 scratch first, so that alpha * AB + beta * C + bias is rounded once, as the
@@ -233,6 +234,55 @@ void epilogue(void* c, const float* acc, const void* bias, float beta, int64_t M
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
+// A product with an epilogue that cuBLASLt may refuse (GELU, bias gradient): batch 1, the plan made once and a
+// refusal remembered, so the caller's fallback runs from then on without asking again. bias: the bias (GELU forward)
+// or the bias gradient's output; aux (with ldaux) the GELU epilogues' pre-activation, or null. Returns false, having
+// queued nothing, when cuBLASLt cannot do it.
+bool optional_epilogue(cublasLtEpilogue_t epi, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                       float alpha, const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C,
+                       int64_t ldc, const void* bias, void* aux, int64_t ldaux, cudaStream_t stream,
+                       const GemmTypes& types) {
+  if (M <= 0 || N <= 0 || K <= 0) return false;
+  const size_t es_c = type_size(types.c);
+  // cuBLASLt's rules for the aux matrix: its leading dimension (ours, the row stride) a multiple of 8 and at least
+  // D's column-major rows (our N); 16-byte aligned aux and bias (vector), as for the bias epilogue.
+  if (aux && (ldaux % 8 != 0 || ldaux < N || alignment(aux, 0, 1, es_c) < 16)) return false;
+  if (bias && alignment(bias, 0, 1, type_size(types.bias)) < 16) return false;
+  int device = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  const uint32_t al_a = alignment(A, 0, 1, type_size(types.a)), al_b = alignment(B, 0, 1, type_size(types.b)),
+                 al_c = alignment(C, 0, 1, es_c), al_aux = aux ? alignment(aux, 0, 1, es_c) : 0,
+                 al_bias = bias ? alignment(bias, 0, 1, type_size(types.bias)) : 0;
+  const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, 1, 0, 0, 0, (int64_t)types.compute,
+                   (int64_t)types.a, (int64_t)types.b, (int64_t)types.c, bias ? (int64_t)types.bias : -1, al_a, al_b,
+                   al_c, al_bias, epi, al_aux, aux ? ldaux : 0};
+  std::lock_guard<std::mutex> lock(g_mutex);
+  DeviceState& dev = device_state(device);
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    Plan p;
+    make_layouts(p, types, trans_a, trans_b, M, N, K, lda, ldb, ldc, 1, 0, 0, 0);
+    p.desc = make_desc(types, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, bias, epi);
+    if (aux) {  // the aux pointer (its alignment) and leading dimension are part of what the heuristic judges
+      FASTGPT_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+      FASTGPT_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ldaux, sizeof(ldaux)));
+    }
+    p.use_epilogue = pick_algo(dev.handle, p, al_a, al_b, al_c, true);
+    if (!p.use_epilogue) {  // remembered as a refusal
+      FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
+      for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c}) FASTGPT_CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
+      p = Plan{};
+    }
+    it = g_plans.emplace(key, p).first;
+  }
+  Plan& p = it->second;
+  if (!p.use_epilogue) return false;
+  run_plan(dev.handle, p, alpha, A, B, beta, C, bias, aux, stream);
+  return true;
+}
+
 }  // namespace
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
@@ -327,47 +377,22 @@ bool gemm_gelu(GeluEpilogue kind, bool trans_a, bool trans_b, int64_t M, int64_t
                int64_t ldaux, cudaStream_t stream, const GemmTypes& types) {
   if (kind == GeluEpilogue::backward && bias) fail("gemm_gelu", "the GELU-gradient epilogue takes no bias", __FILE__,
                                                    __LINE__);
-  if (M <= 0 || N <= 0 || K <= 0) return false;
-  const size_t es_c = type_size(types.c);
-  // cuBLASLt's rules for the aux matrix: its leading dimension (ours, the row stride) a multiple of 8 and at least
-  // D's column-major rows (our N); 16-byte aligned aux and bias, as for the bias epilogue.
-  if (ldaux % 8 != 0 || ldaux < N || alignment(aux, 0, 1, es_c) < 16) return false;
-  if (bias && alignment(bias, 0, 1, type_size(types.bias)) < 16) return false;
-  int device = 0;
-  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-  const uint32_t al_a = alignment(A, 0, 1, type_size(types.a)), al_b = alignment(B, 0, 1, type_size(types.b)),
-                 al_c = alignment(C, 0, 1, es_c), al_aux = alignment(aux, 0, 1, es_c),
-                 al_bias = bias ? alignment(bias, 0, 1, type_size(types.bias)) : 0;
+  if (!aux) fail("gemm_gelu", "the GELU epilogues need the pre-activation (aux)", __FILE__, __LINE__);
   const cublasLtEpilogue_t epi = kind == GeluEpilogue::backward ? CUBLASLT_EPILOGUE_DGELU
                                  : bias                         ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
                                                                 : CUBLASLT_EPILOGUE_GELU_AUX;
-  const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, 1, 0, 0, 0, (int64_t)types.compute,
-                   (int64_t)types.a, (int64_t)types.b, (int64_t)types.c, bias ? (int64_t)types.bias : -1, al_a, al_b,
-                   al_c, al_bias, epi, al_aux, ldaux};
-  std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceState& dev = device_state(device);
-  auto it = g_plans.find(key);
-  if (it == g_plans.end()) {
-    Plan p;
-    make_layouts(p, types, trans_a, trans_b, M, N, K, lda, ldb, ldc, 1, 0, 0, 0);
-    p.desc = make_desc(types, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, bias, epi);
-    // The aux pointer (its alignment) and leading dimension are part of what the heuristic judges.
-    FASTGPT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
-    FASTGPT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ldaux, sizeof(ldaux)));
-    p.use_epilogue = pick_algo(dev.handle, p, al_a, al_b, al_c, true);
-    if (!p.use_epilogue) {  // remembered as a refusal: the caller's fallback runs from now on, without asking again
-      FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
-      for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c}) FASTGPT_CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
-      p = Plan{};
-    }
-    it = g_plans.emplace(key, p).first;
-  }
-  Plan& p = it->second;
-  if (!p.use_epilogue) return false;
-  run_plan(dev.handle, p, 1.f, A, B, 0.f, C, bias, aux, stream);
-  return true;
+  return optional_epilogue(epi, trans_a, trans_b, M, N, K, 1.f, A, lda, B, ldb, 0.f, C, ldc, bias, aux, ldaux, stream,
+                           types);
+}
+
+bool gemm_bias_grad(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+                    int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc, void* dbias,
+                    cudaStream_t stream, const GemmTypes& types) {
+  if (!dbias) fail("gemm_bias_grad", "dbias must not be null", __FILE__, __LINE__);
+  // The sum over K of op(A): cuBLASLt's B is our A (the file comment), and BGRADB sums its B over k into a vector
+  // as long as D's columns, our M.
+  return optional_epilogue(CUBLASLT_EPILOGUE_BGRADB, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
+                           dbias, nullptr, 0, stream, types);
 }
 
 }  // namespace fastgpt::cuda

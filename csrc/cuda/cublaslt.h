@@ -48,4 +48,14 @@ bool gemm_gelu(GeluEpilogue kind, bool trans_a, bool trans_b, int64_t M, int64_t
                int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc, const void* bias, void* aux,
                int64_t ldaux, cudaStream_t stream, const GemmTypes& types);
 
+// The bias gradient as the epilogue of a product (batch 1): C = alpha op(A) op(B) + beta C as gemm computes it, and
+// dbias (M, in types.bias, written, not added to) = the sum over K of op(A)'s rows, from the tiles of A the product
+// loads anyway (cuBLASLt's BGRADB: our A is its B). For a linear layer's weight gradient dW (OC, C) += dout^T inp,
+// op(A) = dout^T and dbias is the bias gradient, without a second pass over dout. dbias must be 16-byte aligned.
+// Returns false, having queued nothing, when cuBLASLt cannot do it (an empty product, no algorithm): the caller
+// then runs gemm and its own column sum. Plans and refusals are cached as gemm_gelu's.
+bool gemm_bias_grad(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+                    int64_t lda, const void* B, int64_t ldb, float beta, void* C, int64_t ldc, void* dbias,
+                    cudaStream_t stream, const GemmTypes& types);
+
 }  // namespace fastgpt::cuda

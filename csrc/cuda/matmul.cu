@@ -1,14 +1,18 @@
 // nn.Linear on the GPU: out = inp @ weight^T + bias, and its backward; the twin of csrc/cpu/matmul.cpp.
 // The three products go through the cuBLASLt wrapper (the forward bias rides in its epilogue; the fused model's
-// MLP also its GELU, forward and backward, in 16-bit storage). The bias gradient is
-// a column sum of dout done by our own two-pass kernel, not by atomics, so that it is bitwise reproducible:
-// pass 1 sums fixed chunks of kRowChunk rows per column (fixed order within a chunk), pass 2 adds the chunk sums
-// per column in chunk order. Nothing in the order depends on the GPU or the launch, only on N.
+// MLP also its GELU, forward and backward, in 16-bit storage). The bias gradient, a column sum of dout, is in
+// 16-bit storage the epilogue of the weight gradient's product (cuBLASLt's BGRADB, summing the dout tiles that
+// product loads anyway: no second pass over dout; its C is fp32, so the sum is too), added to dbias by one small
+// kernel. Otherwise (float, a refusal, or set_bias_grad_epilogue(false)) it is our own two-pass kernel, not atomics,
+// so that it is bitwise reproducible: pass 1 sums fixed chunks of kRowChunk rows per column (fixed order within a
+// chunk), pass 2 adds the chunk sums per column in chunk order. Nothing in the order depends on the GPU or the
+// launch, only on N. (cuBLASLt's results repeat bitwise on one GPU model too: its split-K reductions are ordered.)
 // Templates over the storage type S: float runs fp32 GEMMs (CUBLAS_COMPUTE_32F, or _FAST_TF32 when tf32 is asked
 // for); bf16/fp16 run 16-bit A/B with fp32 accumulation (CUBLAS_COMPUTE_32F): out and dinp are written in S
 // (rounded once, the forward bias in S through the epilogue), dweight is an fp32 C accumulated with beta = 1, and
 // dbias sums the widened 16-bit dout into float, in the same fixed order as for float.
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "cuda/check.h"
@@ -52,7 +56,7 @@ __global__ void bias_partial_kernel(float* partial, float* dbias, const S* dout,
   }
 }
 
-// Pass 2: one thread per column adds the chunk sums in chunk order.
+// Pass 2: one thread per column adds the chunk sums in chunk order (one chunk: adds the epilogue's sums).
 __global__ void bias_final_kernel(float* dbias, const float* partial, int OC, int nchunks) {
   const int64_t col = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (col >= OC) return;
@@ -76,6 +80,9 @@ void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream
     FASTGPT_CUDA_CHECK_LAUNCH();
   }
 }
+
+// Read by every matmul_backward (set_bias_grad_epilogue): benchmarks and tests compare the two bias gradients.
+std::atomic<bool> g_bias_grad_epilogue{true};
 
 // The GEMM types of one precision: A/B (and the forward's C and bias) in S; tf32 applies to float only.
 template <typename S>
@@ -105,9 +112,22 @@ void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const
   // the fp32 gradient whatever S is (16-bit A/B with an fp32 C/D).
   GemmTypes tw = t;
   tw.c = tw.bias = CUDA_R_32F;
+  // 16-bit only: with fp32 operands on TF32 tensor cores, whether BGRADB sums dout or its TF32 rounding is not
+  // documented, and float (the reference precision) keeps the kernel's fixed-order fp32 sum.
+  if (dbias && !std::is_same_v<S, float> && g_bias_grad_epilogue.load() && N > 0 && OC > 0) {
+    Scratch sums((size_t)OC, stream);  // the epilogue writes; dbias accumulates over micro-steps
+    if (gemm_bias_grad(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C, sums.ptr, stream, tw)) {
+      bias_final_kernel<<<(OC + 255) / 256, 256, 0, stream>>>(dbias, sums.ptr, OC, 1);
+      FASTGPT_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   gemm(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C, nullptr, stream, tw);
   if (dbias) bias_backward(dbias, dout, N, OC, stream);
 }
+
+bool bias_grad_epilogue() { return g_bias_grad_epilogue.load(); }
+bool set_bias_grad_epilogue(bool on) { return g_bias_grad_epilogue.exchange(on); }
 
 // The MLP's GELU in the products around it (16-bit storage): cuBLASLt applies it to the fp32 accumulator and
 // rounds once, where the unfused kernels round the pre-activation first and then its GELU. float (fp32, tf32)

@@ -39,6 +39,12 @@ template <typename S>
 void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight, int64_t N,
                      int C, int OC, Stream stream, bool tf32 = false);
 
+// matmul_backward's bias gradient in 16-bit storage: the epilogue of the weight gradient's product (true, the
+// default) or the column-sum kernel (false; float always runs the kernel). Process-wide, read by every call (a CUDA
+// graph keeps what it recorded); set by benchmarks and tests to compare the two. set_ returns the previous choice.
+bool bias_grad_epilogue();
+bool set_bias_grad_epilogue(bool on);
+
 // The MLP's GELU fused into the products around it (cuBLASLt epilogues in 16-bit storage, else the kernels):
 // forward: pre = inp @ weight^T + bias, out = gelu(pre); backward of a linear whose input was gelu(pre):
 // dpre = (dout @ weight) * gelu'(pre), dweight/dbias as matmul_backward.

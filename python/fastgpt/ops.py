@@ -233,7 +233,8 @@ def matmul_forward(x, weight, bias=None):
 
 
 def matmul_backward(dout, x, weight, bias=True):
-    """-> (dx, dweight, dbias or None)."""
+    """-> (dx, dweight, dbias or None). On a GPU in 16-bit storage the bias gradient is the epilogue of the weight
+    gradient's product (matmul_bias_grad_epilogue)."""
     d = _where(dout, x, weight)
     dout, x, weight = d.storage(dout, "dout"), d.storage(x, "x"), d.storage(weight, "weight")
     dx, dw = d.empty(_shape(x), like=x), d.zeros(_shape(weight))
@@ -241,6 +242,17 @@ def matmul_backward(dout, x, weight, bias=True):
     _ops.matmul_backward(d.arg(dx), d.arg(dw), None if db is None else d.arg(db), d.arg(dout), d.arg(x),
                          d.arg(weight), d.stream)
     return dx, dw, db
+
+
+def matmul_bias_grad_epilogue(enabled=None):
+    """How matmul_backward (and the engine's linear layers) make the bias gradient on a GPU in bfloat16/float16:
+    True (the default) in cuBLASLt's epilogue of the weight gradient's product, which sums the dout tiles that
+    product loads anyway (BGRADB, in fp32), False in a separate column-sum kernel (a second pass over dout; float32
+    always takes it). Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a training step
+    keeps the path it was recorded with. None leaves it. -> the previous setting. Needs a build with CUDA."""
+    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"matmul_bias_grad_epilogue: enabled must be True, False or None, got {enabled!r}")
+    return bool(_ops.matmul_bias_grad_epilogue(None if enabled is None else bool(enabled)))
 
 
 def matmul_forward_gelu(x, weight, bias=None):
