@@ -83,9 +83,18 @@ def cuda_median_ms(fn, warmup, repeats):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def write_json(path, payload):
-    """The benchmark's raw numbers, for bench/results/ and BENCHMARKS.md."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-    print(f"wrote {path}")
+def write_json(path, payload, quiet=False):
+    """The benchmark's raw numbers, for bench/results/ and BENCHMARKS.md. Written to a temporary file beside path and
+    renamed over it: a run cut short (a device call's time limit) leaves the last complete file, never half of one."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if not quiet:
+        print(f"wrote {path}")

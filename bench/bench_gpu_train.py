@@ -297,6 +297,17 @@ def main(argv=None):
         finally:
             restore()
 
+    def payload(results, **summary):
+        """The JSON: written after every variant with "partial": true (a run cut short keeps what it measured), and
+        at the end with the summary (base, loss_reference, sanity)."""
+        return {"benchmark": "bench_gpu_train", "env": env, "partial": not summary,
+                "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "batches", "vocab",
+                                                         "warmup", "steps", "seed", "no_compile", "peak_tflops",
+                                                         "profile")},
+                "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
+                "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,
+                **summary, "results": results}
+
     res = {}
     for name in VARIANTS:
         if name == "torch compiled bf16" and args.no_compile:
@@ -336,6 +347,8 @@ def main(argv=None):
                 if name == "torch compiled bf16":
                     torch.compiler.reset()  # drop dynamo's caches, which keep the compiled model alive
             break
+        if args.json:
+            write_json(args.json, payload(res), quiet=True)
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -391,14 +404,7 @@ def main(argv=None):
                 print(f"{k}: the profile failed: {res[k]['profile_error'][:200]}")
 
     if args.json:
-        payload = {"benchmark": "bench_gpu_train", "env": env,
-                   "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "batches", "vocab",
-                                                            "warmup", "steps", "seed", "no_compile", "peak_tflops",
-                                                            "profile")},
-                   "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
-                   "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,
-                   "base": base, "loss_reference": ref, "sanity": sanity, "results": res}
-        write_json(args.json, payload)
+        write_json(args.json, payload(res, base=base, loss_reference=ref, sanity=sanity))
     return 0
 
 
