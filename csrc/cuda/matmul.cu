@@ -6,11 +6,11 @@
 // kernel. Otherwise (float, a refusal, or set_bias_grad_epilogue(false)) it is our own two-pass kernel, not atomics,
 // so that it is bitwise reproducible: pass 1 sums fixed chunks of kRowChunk rows per column (fixed order within a
 // chunk), pass 2 adds the chunk sums per column in chunk order. Nothing in the order depends on the GPU or the
-// launch, only on N. (cuBLASLt's results repeat bitwise on one GPU model too: its split-K reductions are ordered.)
+// launch, only on N. (cuBLASLt documents bitwise repeatable results on one GPU model, its split-K sums included.)
 // Templates over the storage type S: float runs fp32 GEMMs (CUBLAS_COMPUTE_32F, or _FAST_TF32 when tf32 is asked
 // for); bf16/fp16 run 16-bit A/B with fp32 accumulation (CUBLAS_COMPUTE_32F): out and dinp are written in S
 // (rounded once, the forward bias in S through the epilogue), dweight is an fp32 C accumulated with beta = 1, and
-// dbias sums the widened 16-bit dout into float, in the same fixed order as for float.
+// dbias sums the widened 16-bit dout into float (the kernel's sums in the same fixed order as for float).
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
