@@ -321,11 +321,13 @@ def test_cuda_deterministic_backward_repeats_bitwise(rng, d):
 
 
 # The tile options of the tensor-core kernels (ops.flash_attention_tiles): every one against the first.
-SM90_FWD = ["sm90 128x128", "sm90 192x128", "sm90 128x64"]  # the Hopper forwards (flash_attention_sm90a.cu)
+SM90_FWD = ["sm90 128x128", "sm90 192x128", "sm90 128x64",  # the Hopper forwards (flash_attention_sm90a.cu)
+            "sm90 ws 128x128", "sm90 ws 192x128"]  # and the warp-specialised ones (flash_attention_ws_sm90a.cu)
 SM90_BWD = "sm90 128x64"  # the deterministic backward's Hopper dkdv and dq passes (flash_attention_bwd_sm90a.cu)
 SM90_FUSED = "sm90 fused"  # the Hopper backward in one kernel: dq made beside dk, dv (flash_attention_bwd_sm90a.cu)
 SM90_CHOICES = [dict(fwd=SM90_FWD[0], dkdv=SM90_BWD, dq=SM90_BWD), dict(fwd=SM90_FWD[1], dkdv=SM90_BWD, dq="16x64"),
-                dict(fwd=SM90_FWD[2], dkdv="16x64", dq=SM90_BWD), dict(fwd=SM90_FWD[2], dkdv=SM90_FUSED, dq="16x64")]
+                dict(fwd=SM90_FWD[2], dkdv="16x64", dq=SM90_BWD), dict(fwd=SM90_FWD[2], dkdv=SM90_FUSED, dq="16x64"),
+                dict(fwd=SM90_FWD[3], dkdv=SM90_FUSED, dq="16x64"), dict(fwd=SM90_FWD[4], dkdv=SM90_BWD, dq=SM90_BWD)]
 TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") for k in ("16x64", "32x32")
                 for q in ("16x64", "32x64", "32x32")]
 
@@ -458,6 +460,27 @@ def test_cuda_sm90_fused_backward_is_the_two_passes_dk_dv_and_repeats(rng, defau
     sl = [x[:1, :, :2] for x in (q, k, v, dout)]
     ref, pt = reference(*sl, causal, "bthd"), torch_sdpa(*sl, causal, "bthd")
     check_rule("dq", fused[0][:1, :, :2], pt[1], ref[2])
+
+
+@pytest.mark.skipif(not sm90_device(), reason="the sm90 kernels need a GPU of compute capability 9.0")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_sm90_ws_forward_is_the_sm90_bits(rng, default_tiles, d, causal):
+    """The warp-specialised Hopper forwards ("sm90 ws ...": a copying warpgroup, mbarriers per buffer, the consumers
+    taking turns on named barriers) give the bits of "sm90 128x128" (the same key blocks, products and softmax per
+    row), five calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768 CTAs and more, many at once) is where a broken
+    barrier protocol would race or hang (a wait past 60 s traps: a launch error, not a hang)."""
+    q, k, v, _ = cuda_inputs(8, 12, 1024, d, "bthd", torch.bfloat16, rng)
+
+    def forward(fwd):
+        ops.flash_attention_tiles(fwd=fwd)
+        return ops.flash_attention_forward(q, k, v, causal=causal, layout="bthd")
+
+    want = forward(SM90_FWD[0])
+    for fwd in SM90_FWD[3:]:
+        for _ in range(5):
+            got = forward(fwd)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{fwd}: not the sm90 bits"
 
 
 @needs_cuda

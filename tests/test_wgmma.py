@@ -9,7 +9,9 @@ place of that reading (CUTLASS's headers come with the `nvidia-cutlass` test dep
   emulator's accumulator and register-A maps against CuTe's CLayout_64xN and ALayout_64x16;
 - tests/warp_emu/cute_ptx.cu: the PTX wgmma instruction of each wgmma.cuh call against CUTLASS's for the same
   operation (m64n64k16 and m64n128k16, bf16 and f16, both operands from shared memory or A from registers with an
-  MN-major B; and the fused backward's m64n32k16 with an MN-major A and a K-major B), compiled by nvcc for sm_90a.
+  MN-major B; and the fused backward's m64n32k16 with an MN-major A and a K-major B), compiled by nvcc for sm_90a;
+  and the warp-specialised forward's mbarrier, named-barrier and setmaxnreg instructions against barrier.h's and
+  reg_reconfig.h's.
 They say nothing of speed, and nothing of what the emulator cannot model; a GPU run is still the verification."""
 import importlib.util
 import os
@@ -71,15 +73,21 @@ def _wgmma_lines(ptx):
     return out
 
 
-@needs_cutlass
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_wgmma_instructions_are_cutlass_instructions(tmp_path):
-    ptx = tmp_path / "cute_ptx.ptx"
+@pytest.fixture(scope="module")
+def cute_ptx(tmp_path_factory):
+    """tests/warp_emu/cute_ptx.cu compiled by nvcc to PTX for sm_90a (once for the tests that read it)."""
+    if _cutlass_include() is None or shutil.which("nvcc") is None:
+        pytest.skip("needs CUTLASS's headers (pip install nvidia-cutlass) and nvcc")
+    ptx = tmp_path_factory.mktemp("cute_ptx") / "cute_ptx.ptx"
     r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{HERE.parent.parent / 'csrc'}",
                         f"-I{_cutlass_include()}", str(HERE / "cute_ptx.cu"), "-o", str(ptx)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = _wgmma_lines(ptx.read_text())
+    return ptx.read_text()
+
+
+def test_wgmma_instructions_are_cutlass_instructions(cute_ptx):
+    lines = _wgmma_lines(cute_ptx)
     pairs = sorted(n[len("ours_"):] for n in lines if n.startswith("ours_"))
     want = [f"{k}_{n}_{t}" for k in ("ss", "rs") for n in (64, 128) for t in ("BF16", "F16")]
     assert pairs == sorted(want + [f"amn_32_{t}" for t in ("BF16", "F16")]), lines
@@ -87,3 +95,35 @@ def test_wgmma_instructions_are_cutlass_instructions(tmp_path):
         ours, cutlass = lines["ours_" + p], lines["cute_" + p]
         assert len(ours) == 2 and any(x.startswith("wgmma.mma_async") for x in ours), (p, ours)
         assert ours == cutlass, (p, ours, cutlass)
+
+
+def _sync_instructions(ptx):
+    """The synchronisation instructions (opcode and qualifiers; setmaxnreg with its count) of each sync_ kernel."""
+    out, name = {}, None
+    for line in ptx.splitlines():
+        entry = re.match(r"\.visible \.entry _Z\d+(\w+?_sync_\w+?)[A-Z]?[ijv]*\(", line)
+        if entry:
+            name = entry.group(1)
+            out[name] = set()
+        elif line.startswith(".visible .entry"):
+            name = None
+        elif name:
+            m = re.match(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg)\.[\w.:]+)(\s+\d+)?", line)
+            if m:
+                out[name].add(m.group(1) + (m.group(2) or "").replace(" ", " "))
+    return out
+
+
+def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
+    """mbar_init / mbar_arrive / mbar_wait, bar_sync / bar_arrive and regs_dec / regs_inc (wgmma.cuh, for
+    flash_attention_ws_sm90a.cu) emit the instructions CUTLASS's ClusterBarrier, NamedBarrier and
+    warpgroup_reg_(de)alloc emit, with the same qualifiers (state space, scope, parity, register counts)."""
+    found = _sync_instructions(cute_ptx)
+    assert sorted(n for n in found if n.startswith("ours_")) == ["ours_sync_mbar", "ours_sync_named",
+                                                                 "ours_sync_regs"], found
+    want = {"mbar": {"mbarrier.init.shared::cta.b64", "mbarrier.arrive.shared::cta.b64",
+                     "mbarrier.try_wait.parity.shared::cta.b64"},
+            "named": {"bar.sync", "bar.arrive"},
+            "regs": {"setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232"}}
+    for what, instructions in want.items():
+        assert found["ours_sync_" + what] == found["cute_sync_" + what] == instructions, (what, found)

@@ -54,14 +54,19 @@ template <typename E>
 void forward_tc(const Params& p, Stream stream);
 template <typename E>
 void backward_tc(const Params& p, bool deterministic, Stream stream);
-// The Hopper kernels (flash_attention_sm90a.cu, flash_attention_bwd_sm90a.cu; compiled for sm_90a only, where
-// FASTGPT_SM90A is defined): the tile options from kFirstSm90 on (per kernel), on a device of compute capability
-// 9.0; dkdv_sm90 and dq_sm90 are the deterministic backward's two passes, backward_fused_sm90 (the dkdv option
-// kFusedSm90) both in one, deterministic too; it needs dq_accum and dq_turn.
+// The Hopper kernels (flash_attention_sm90a.cu, flash_attention_ws_sm90a.cu, flash_attention_bwd_sm90a.cu;
+// compiled for sm_90a only, where FASTGPT_SM90A is defined): the tile options from kFirstSm90 on (per kernel), on a
+// device of compute capability 9.0; fwd options from kFirstWsSm90 on are the warp-specialised forward's
+// (forward_ws_sm90, its `option` counted from there; forward_sm90 sends them on); dkdv_sm90 and dq_sm90 are the
+// deterministic backward's two passes, backward_fused_sm90 (the dkdv option kFusedSm90) both in one, deterministic
+// too; it needs dq_accum and dq_turn.
 constexpr Tiles kFirstSm90{3, 2, 3};
 constexpr int kFusedSm90 = 3;
+constexpr int kFirstWsSm90 = 6;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
+template <typename E>
+void forward_ws_sm90(const Params& p, Stream stream, int option);
 template <typename E>
 void dkdv_sm90(const Params& p, Stream stream);
 template <typename E>

@@ -1,5 +1,6 @@
-// Shared pieces of the Hopper flash attention kernels (flash_attention_sm90a.cu, flash_attention_bwd_sm90a.cu): tiles
-// of 16-bit rows in the 128-byte swizzled shared-memory layout wgmma reads (wgmma.cuh), and their descriptors.
+// Shared pieces of the Hopper flash attention kernels (flash_attention_sm90a.cu, flash_attention_ws_sm90a.cu,
+// flash_attention_bwd_sm90a.cu): tiles of 16-bit rows in the 128-byte swizzled shared-memory layout wgmma reads
+// (wgmma.cuh), their descriptors, and the forwards' products and steps.
 // A tile of ROWS x D elements is D / 64 column blocks, one after the other, of ROWS rows of 128 bytes (64 elements);
 // 16-byte chunk j of row r sits at chunk j ^ (r % 8) of its row. The same tile serves as a K-major operand (rows
 // are M or N, the reduction runs along the row: Q and K in S = Q K^T) and as an MN-major one (rows are the
@@ -48,6 +49,86 @@ __device__ __forceinline__ uint64_t mnmajor(uint32_t tile, int ks) {
   return wgmma::desc(tile + ks * 2048, ROWS * 128, 1024);
 }
 
+// S = Q K^T for warpgroup wg's 64 rows of the (BR, D) Q tile at aQ and the (BC, D) K tile at kb: one wgmma per 16
+// columns of d, both operands K-major.
+template <typename E, int BR, int BC, int D>
+__device__ __forceinline__ void qk_product(float (&s)[BC / 8][4], uint32_t aQ, uint32_t kb, int wg) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk++)
+    wgmma::Mma<E, BC>::ss(&s[0][0], kmajor<BR>(aQ, wg * 64, kk), kmajor<BC>(kb, 0, kk), kk > 0);
+}
+
+// O += P V: 16 keys (two 8-row groups of the (BC, D) V tile at vb, read MN-major) per wgmma, P from registers.
+template <typename E, int BC, int D>
+__device__ __forceinline__ void pv_product(float (&o)[D / 8][4], const uint32_t (&pa)[BC / 16][4], uint32_t vb) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(&o[0][0], pa[ks], mnmajor<BC>(vb, ks), 1);
+}
+
+// P (in the S accumulators) as wgmma A fragments: tiles 2ks and 2ks + 1 make fragment ks.
+template <typename E, int BC>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[BC / 16][4], const float (&s)[BC / 8][4]) {
+#pragma unroll
+  for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(pa[ks], s[2 * ks], s[2 * ks + 1]);
+}
+
+// The three kinds of forward step of a warpgroup (64 query rows), FlashAttention-3's intra-warpgroup overlap: block 0
+// is S_0 alone; block j > 0 issues S_j = Q K_j^T and then P_{j-1} V_{j-1} behind it, runs block j's softmax while
+// that product is still on the tensor cores, and rescales O once it is in; after the last block, P V alone. Each
+// holds its wgmma and their waits whole: a wait inside a nested branch makes ptxas serialise every wgmma of the
+// kernel (C7520), even on a uniform condition. `softmax(s, alpha)` scales, masks and takes the online softmax of S;
+// the hooks run once the products are issued (`issued`), once S_j has retired (K_j read: `s_read`) and once P V
+// has (V_{j-1} read: `pv_read`): the warp-specialised kernel's turns and buffer releases; no-ops in the other.
+template <typename E, int BR, int BC, int D, class Softmax, class Issued, class SRead>
+__device__ __forceinline__ void first_block(float (&s)[BC / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[BC / 16][4],
+                                            uint32_t aQ, uint32_t kb, int wg, Softmax softmax, Issued issued,
+                                            SRead s_read) {
+  wgmma::fence();
+  qk_product<E, BR, BC, D>(s, aQ, kb, wg);
+  wgmma::commit();
+  issued();
+  wgmma::wait<0>();
+  wgmma::keep(s);
+  s_read();
+  float alpha[2];
+  softmax(s, alpha);
+  rescale_rows(o, alpha);
+  pack_p<E, BC>(pa, s);
+}
+template <typename E, int BR, int BC, int D, class Softmax, class Issued, class SRead, class PvRead>
+__device__ __forceinline__ void next_block(float (&s)[BC / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[BC / 16][4],
+                                           uint32_t aQ, uint32_t kb, uint32_t vb, int wg, Softmax softmax,
+                                           Issued issued, SRead s_read, PvRead pv_read) {
+  wgmma::fence();
+  qk_product<E, BR, BC, D>(s, aQ, kb, wg);
+  wgmma::commit();
+  pv_product<E, BC, D>(o, pa, vb);
+  wgmma::commit();
+  issued();
+  wgmma::wait<1>();  // S_j only: groups retire in order
+  wgmma::keep(s);
+  s_read();
+  float alpha[2];
+  softmax(s, alpha);
+  wgmma::wait<0>();
+  wgmma::keep(o);
+  wgmma::keep(pa);
+  pv_read();
+  rescale_rows(o, alpha);
+  pack_p<E, BC>(pa, s);
+}
+template <typename E, int BC, int D, class Issued, class PvRead>
+__device__ __forceinline__ void last_pv(float (&o)[D / 8][4], uint32_t (&pa)[BC / 16][4], uint32_t vb, Issued issued,
+                                        PvRead pv_read) {
+  wgmma::fence();
+  pv_product<E, BC, D>(o, pa, vb);
+  wgmma::commit();
+  issued();
+  wgmma::wait<0>();
+  wgmma::keep(o);
+  wgmma::keep(pa);
+  pv_read();
+}
 
 // The first 1024-byte aligned address in dynamic shared memory (the launch asks for 1024 bytes more).
 __device__ __forceinline__ unsigned char* aligned(unsigned char* smem) {

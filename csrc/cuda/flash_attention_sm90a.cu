@@ -20,29 +20,6 @@ constexpr int sm90_smem_bytes() {
   return sm90::tile_bytes<64 * WG + 4 * BC, D>() + 1024;  // Q, K and V twice each, and room to align
 }
 
-// S = Q K^T for warpgroup wg's 64 rows of the (BR, D) Q tile at aQ and the (BC, D) K tile at kb: one wgmma per 16
-// columns of d, both operands K-major.
-template <typename E, int BR, int BC, int D>
-__device__ __forceinline__ void qk_product(float (&s)[BC / 8][4], uint32_t aQ, uint32_t kb, int wg) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; kk++)
-    wgmma::Mma<E, BC>::ss(&s[0][0], sm90::kmajor<BR>(aQ, wg * 64, kk), sm90::kmajor<BC>(kb, 0, kk), kk > 0);
-}
-
-// O += P V: 16 keys (two 8-row groups of the (BC, D) V tile at vb, read MN-major) per wgmma, P from registers.
-template <typename E, int BC, int D>
-__device__ __forceinline__ void pv_product(float (&o)[D / 8][4], const uint32_t (&pa)[BC / 16][4], uint32_t vb) {
-#pragma unroll
-  for (int ks = 0; ks < BC / 16; ks++) wgmma::Mma<E, D>::rs(&o[0][0], pa[ks], sm90::mnmajor<BC>(vb, ks), 1);
-}
-
-// P (in the S accumulators) as wgmma A fragments: tiles 2ks and 2ks + 1 make fragment ks.
-template <typename E, int BC>
-__device__ __forceinline__ void pack_p(uint32_t (&pa)[BC / 16][4], const float (&s)[BC / 8][4]) {
-#pragma unroll
-  for (int ks = 0; ks < BC / 16; ks++) a_from_acc<E>(pa[ks], s[2 * ks], s[2 * ks + 1]);
-}
-
 template <typename E, int D, int WG, int BC>
 __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward_sm90_kernel(Params p) {
   constexpr int NT = 128 * WG, BR = 64 * WG;   // threads, query rows per CTA
@@ -94,42 +71,20 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
     }
     const uint32_t kb = aK + (j & 1) * kKVBytes, vb = aV + ((j - 1) & 1) * kKVBytes;
     const int k0 = j * BC;
-    float alpha[2];
-    // Step 0 is its own branch, not a `j > 0` test around the P V issue: a wait inside a nested branch makes ptxas
-    // serialise every wgmma of the kernel (C7520), even on a uniform condition.
-    if (j == 0) {  // S_0 alone (every warpgroup sees block 0: nvis >= 1)
-      wgmma::fence();
-      qk_product<E, BR, BC, D>(s, aQ, kb, wg);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::keep(s);
-      scale_and_mask(s, k0, w0, g, c, T, p.causal, k0 + BC > T || (p.causal && k0 + BC > w0), sl2);
-      softmax_rows(s, m, l, alpha);
-      rescale_rows(o, alpha);
-      pack_p<E, BC>(pa, s);
-    } else if (j < nvis) {  // S_j, with P_{j-1} V_{j-1} behind it
-      wgmma::fence();
-      qk_product<E, BR, BC, D>(s, aQ, kb, wg);
-      wgmma::commit();
-      pv_product<E, BC, D>(o, pa, vb);
-      wgmma::commit();
-      wgmma::wait<1>();  // S_j only: groups retire in order
-      wgmma::keep(s);
-      scale_and_mask(s, k0, w0, g, c, T, p.causal, k0 + BC > T || (p.causal && k0 + BC > w0), sl2);
-      softmax_rows(s, m, l, alpha);
-      wgmma::wait<0>();
-      wgmma::keep(o);
-      wgmma::keep(pa);
-      rescale_rows(o, alpha);
-      pack_p<E, BC>(pa, s);
-    } else if (j == nvis) {  // the last P V
-      wgmma::fence();
-      pv_product<E, BC, D>(o, pa, vb);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::keep(o);
-      wgmma::keep(pa);
-    }
+    // A block with keys to mask; tested once before the branches (inside the lambda, 192x128 spilled 80 bytes).
+    const bool partial = k0 + BC > T || (p.causal && k0 + BC > w0);
+    const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
+      scale_and_mask(sc, k0, w0, g, c, T, p.causal, partial, sl2);
+      softmax_rows(sc, m, l, alpha);
+    };
+    const auto none = [] {};
+    // Step 0 is its own branch, not a `j > 0` test around the P V issue (flash_attention_sm90.cuh's steps).
+    if (j == 0)  // S_0 alone (every warpgroup sees block 0: nvis >= 1)
+      sm90::first_block<E, BR, BC, D>(s, o, pa, aQ, kb, wg, softmax, none, none);
+    else if (j < nvis)  // S_j, with P_{j-1} V_{j-1} behind it
+      sm90::next_block<E, BR, BC, D>(s, o, pa, aQ, kb, vb, wg, softmax, none, none, none);
+    else if (j == nvis)  // the last P V
+      sm90::last_pv<E, BC, D>(o, pa, vb, none, none);
   }
 
   store_rows(o, m, l, w0, g, c, T, static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh, p.os.st,
@@ -149,9 +104,11 @@ void launch_sm90(const Params& p, Stream stream) {
 }  // namespace
 
 // The "sm90" fwd options of kTileOptions, in order (CTA rows x keys per block): 128x128, 192x128, 128x64. Head dim
-// 128 has no 192x128 (three warpgroups' registers would spill): it runs 128x128 for that option.
+// 128 has no 192x128 (three warpgroups' registers would spill): it runs 128x128 for that option. The "sm90 ws"
+// options after them go to the warp-specialised kernel (flash_attention_ws_sm90a.cu).
 template <typename E>
 void forward_sm90(const Params& p, Stream stream) {
+  if (p.tiles.fwd >= kFirstWsSm90) return forward_ws_sm90<E>(p, stream, p.tiles.fwd - kFirstWsSm90);
   const int option = p.tiles.fwd - kFirstSm90.fwd;
   if (p.d == 64) {
     if (option == 1) return launch_sm90<E, 64, 3, 128>(p, stream);

@@ -152,6 +152,53 @@ __device__ __forceinline__ void add_count(int* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
 
+// The warp-specialised forward's synchronisation (flash_attention_ws_sm90a.cu), from the PTX ISA:
+// - mbarrier: a 64-bit object in shared memory that completes a phase when `count` arrivals have come; a waiter
+//   names the parity of the phase it waits for (the phases alternate 0, 1, 0, ...). Arrive releases and a
+//   completed wait acquires, at CTA scope. A wait that outlasts 60 s traps, as wait_count does.
+// - Named barriers 1-15 (0 is __syncthreads): bar_sync waits until `count` threads have arrived or synced on `id`,
+//   bar_arrive counts this thread without waiting; count is a multiple of 32.
+// - setmaxnreg: the warpgroup gives registers back (dec) or takes them (inc) from the CTA's pool, so that a
+//   producer warpgroup that only copies can lend its share to the warpgroups that multiply.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  FASTGPT_SM90A_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  FASTGPT_SM90A_ASM("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  FASTGPT_SM90A_ASM(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_test(bar, parity)) return;
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+  while (!mbar_test(bar, parity)) {
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    if (t - t0 > 60000000000ull) __trap();
+  }
+}
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  FASTGPT_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  FASTGPT_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // ---- end of PTX
 
 // keep() on every register of an accumulator or fragment array.

@@ -419,7 +419,8 @@ def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
     option's name or index (flash_attention_tile_options()); None keeps the current one. Option 0 of each is the
     default; head dim 128 runs option 0 except for the "sm90" ones. The mma.sync dkdv and dq options give the same
     bits, and so do the mma.sync forward options with the same key block. The "sm90" options are Hopper kernels
-    (warpgroup MMA, wgmma; dkdv and dq: the deterministic backward's passes; dkdv "sm90 fused": one kernel that also
+    (warpgroup MMA, wgmma; fwd "sm90 ws ...": warp-specialised, one warpgroup copying K and V while the others take
+    turns on the tensor cores; dkdv and dq: the deterministic backward's passes; dkdv "sm90 fused": one kernel that also
     makes dq, deterministic too, for either backward, the dq option then unused): they need a GPU of compute capability
     9.0 and a build with sm_90a code, choosing one elsewhere raises ValueError, and a call on another device of the
     process runs the default. -> the previous choice, {"fwd": name, "dkdv": name, "dq": name}, which can be passed

@@ -2,8 +2,12 @@
 // below compiles (nvcc -ptx, sm_90a) to a PTX wgmma line that must be the same once register names are dropped
 // (run.sh's "cute" mode compares them). That holds the immediates CUTLASS passes (scale-a, scale-b, transposes: a
 // K-major A and B from shared memory, A from registers with an MN-major B, or an MN-major A and a K-major B) and
-// the operand order to ours.
+// the operand order to ours. The warp-specialised forward's synchronisation (mbarrier init / arrive / parity wait,
+// named barriers, setmaxnreg) is paired with CUTLASS's barrier.h and reg_reconfig.h the same way: sync_<what> kernels,
+// compared by their instructions (opcode and qualifiers).
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include <utility>
 
@@ -70,3 +74,34 @@ FASTGPT_PAIR(__half, F16, 64)
 FASTGPT_PAIR(__half, F16, 128)
 FASTGPT_PAIR_AMN(__nv_bfloat16, BF16)
 FASTGPT_PAIR_AMN(__half, F16)
+
+// ours_sync_<what> and cute_sync_<what>: one synchronisation each, on a shared mbarrier and runtime ids and counts.
+__global__ void ours_sync_mbar(uint32_t count, uint32_t parity) {
+  __shared__ uint64_t bar;
+  const uint32_t a = wg::shared_addr(&bar);
+  wg::mbar_init(a, count);
+  wg::mbar_arrive(a);
+  wg::mbar_wait(a, parity);
+}
+__global__ void cute_sync_mbar(uint32_t count, uint32_t parity) {
+  __shared__ uint64_t bar;
+  cutlass::arch::ClusterBarrier::init(&bar, count);
+  cutlass::arch::ClusterBarrier::arrive(&bar);
+  cutlass::arch::ClusterBarrier::wait(&bar, parity);
+}
+__global__ void ours_sync_named(int id, int count) {
+  wg::bar_sync(id, count);
+  wg::bar_arrive(id, count);
+}
+__global__ void cute_sync_named(int id, int count) {
+  cutlass::arch::NamedBarrier::sync(count, id);
+  cutlass::arch::NamedBarrier::arrive(count, id);
+}
+__global__ void ours_sync_regs() {
+  wg::regs_dec<40>();
+  wg::regs_inc<232>();
+}
+__global__ void cute_sync_regs() {
+  cutlass::arch::warpgroup_reg_dealloc<40>();
+  cutlass::arch::warpgroup_reg_alloc<232>();
+}

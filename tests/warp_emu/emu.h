@@ -1,12 +1,18 @@
 // Host emulation of the CUDA features the flash kernels use: one OS thread per CUDA thread, barriers for
-// __syncthreads and for warp collectives (ldmatrix, mma, shfl), cp.async eager or lazy.
+// __syncthreads and for warp collectives (ldmatrix, mma, shfl), cp.async eager or lazy; for Hopper, wgmma, mbarriers
+// and named barriers. Shared memory that wgmma reads is checked for races by vector clocks: every barrier (CTA-wide,
+// named, mbarrier) carries what its arrivals had seen to those who wait on it, and a read or write of a 16-byte chunk
+// that no chain of barriers orders after the last conflicting access is an error, whichever order the OS threads
+// happened to run in.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,21 +47,46 @@ struct WgOp {
   const uint32_t* a;  // this thread's A fragment (rs)
   uint64_t da, db;    // descriptors
   int accumulate;
+  bool done;                    // multiplied at issue (eager mode)
+  std::vector<uint32_t> reads;  // the shared 16-byte chunks it reads (the warpgroup's first thread's copy only)
 };
 struct WarpGroup {
   std::barrier<> bar{128};
   const WgOp* ops[128];
+};
+// A vector clock: entry t counts the releases (barrier arrivals) of thread t that its holder has seen.
+using Clock = std::vector<uint32_t>;
+inline void join(Clock& into, const Clock& from) {
+  for (size_t i = 0; i < into.size(); i++) into[i] = std::max(into[i], from[i]);
+}
+constexpr uint32_t kPending = 0xffffffffu;  // an access issued, not yet complete
+// mbarrier: `count` arrivals complete a phase; what the arrivals of the last completed phase had seen.
+struct Mbar {
+  int count = 0, pending = 0;
+  unsigned phase = 0;
+  Clock seen, done;
+};
+// A named barrier (bar.sync / bar.arrive): the generation counts completions.
+struct Named {
+  int count = 0, arrived = 0;
+  unsigned gen = 0;
+  Clock seen, done[4];  // done[gen % 4]: what a completed generation carries to its waiters
 };
 struct Block {
   std::barrier<> bar;
   Warp warps[32];
   std::vector<std::unique_ptr<WarpGroup>> wgs;  // when the block is whole warpgroups
   std::vector<unsigned char> dirty;  // per shared byte: written by cp.async, not yet behind a fence.proxy.async
-  // Per 16-byte chunk, for the race check of wgmma reads against cp.async writes: the barrier interval (count of
-  // __syncthreads passed) and warpgroup of the last write, and the interval and warpgroups (bits) of the reads.
-  std::vector<int> wphase, rphase;
-  std::vector<int> wwg;
-  std::vector<unsigned> rmask;
+  // Per 16-byte chunk, for the race check: the thread of the last write and its clock when the write completed
+  // (kPending before: a cp.async not yet waited for), and per warpgroup the clock of its first thread when its
+  // last wgmma read of the chunk retired (kPending while in flight; 0 none).
+  std::vector<int> wtid, rpend;
+  std::vector<uint32_t> wclk, rclk;
+  Clock sync_clock[2];  // __syncthreads: each thread's own entry, by barrier parity
+  std::mutex sync_mu;   // the mbarriers and named barriers
+  std::condition_variable sync_cv;
+  std::map<uint32_t, Mbar> mbars;  // by shared offset
+  Named named[16];
   unsigned char* smem;
   size_t smem_bytes;
   std::mutex statics_mu;
@@ -88,8 +119,21 @@ inline void deposit(int op) {
 }
 inline void done() { warp().bar.arrive_and_wait(); }
 inline thread_local int tl_phase = 0;  // __syncthreads passed by this thread in this block
+inline thread_local Clock tl_clock;     // this thread's vector clock
+// A release: what this thread has seen so far goes with it; its later accesses count as after it.
+inline Clock release() {
+  Clock c = tl_clock;
+  tl_clock[tl_tid.x]++;
+  return c;
+}
+// A CTA-wide barrier joins everyone's clock; as no thread has seen more of thread t than t itself, each thread's own
+// entry is enough (double-buffered by parity: a thread cannot reach the barrier after next before all have read).
 inline void syncthreads() {
+  Clock& slot = tl_block->sync_clock[tl_phase & 1];
+  slot[tl_tid.x] = tl_clock[tl_tid.x];
   tl_block->bar.arrive_and_wait();
+  join(tl_clock, slot);
+  tl_clock[tl_tid.x]++;
   tl_phase++;
 }
 inline float shfl_xor(unsigned mask, float v, int m) {
@@ -240,6 +284,7 @@ struct Copy {
   void* dst;
   const void* src;
   bool valid;
+  bool landed;  // copied at issue (eager mode); complete, for the race check, only at its wait_group
 };
 inline thread_local std::vector<Copy> tl_cur;
 inline thread_local std::vector<std::vector<Copy>> tl_groups;
@@ -251,25 +296,46 @@ inline void mark_unfenced(size_t off, int n) {
   memset(&tl_block->dirty[off], 1, n);
   tl_unfenced.push_back({off, n});
 }
-// A write (cp.async or store, named by `what`) between the same two barriers as another warpgroup's wgmma read of
-// its 16-byte chunk is a race (nothing orders them), whichever the emulator happens to run first; it is recorded
-// for the opposite check in wg_load.
-inline void note_write(size_t off, const char* what) {
+// A race on 16-byte chunk `chunk` of shared memory, found by thread tl_tid of block tl_bid; `other` the thread of
+// the access it conflicts with.
+[[noreturn]] inline void race(const char* what, const char* how, size_t chunk, int other) {
+  fprintf(stderr, "EMU FATAL: race: %s %s (block %u, thread %u, shared bytes %zu-%zu, other thread %d)\n", what, how,
+          tl_bid.x + tl_bid.y * g_grid.x, tl_tid.x, chunk * 16, chunk * 16 + 15, other);
+  fflush(stderr);
+  abort();
+}
+// A write (cp.async or store, named by `what`) of a 16-byte chunk that another warpgroup's wgmma read is a race
+// unless the writer has seen, through barriers, that read retire. The write is recorded for wg_mma's check:
+// pending (a cp.async) until its wait_group, complete at once (a store).
+inline void note_write(size_t off, const char* what, bool pending) {
+  Block& b = *tl_block;
   const size_t chunk = off / 16;
   const int wg = tl_tid.x / 128;
-  if (tl_block->rphase[chunk] == tl_phase && (tl_block->rmask[chunk] & ~(1u << wg))) {
-    fprintf(stderr, "EMU FATAL: race: %s writes shared memory that another warpgroup's wgmma reads between the same "
-                    "barriers\n", what);
-    abort();
+  for (int g = 0; g < (int)b.wgs.size(); g++) {  // the warpgroups (none where the block is not whole ones)
+    if (g == wg) continue;  // the writer's own warpgroup retired its reads in program order (wgmma.wait_group)
+    const size_t i = chunk * 8 + g;
+    if (b.rpend[i]) race(what, "writes shared memory that another warpgroup's wgmma is still reading", chunk, g * 128);
+    if (b.rclk[i] > tl_clock[g * 128])
+      race(what, "writes shared memory that another warpgroup's wgmma read, with no barrier after that read", chunk,
+           g * 128);
   }
-  tl_block->wphase[chunk] = tl_phase, tl_block->wwg[chunk] = wg;
+  b.wtid[chunk] = tl_tid.x;
+  b.wclk[chunk] = pending ? kPending : tl_clock[tl_tid.x];
 }
-inline void do_copy(const Copy& c) {
+inline void do_copy(Copy& c) {
   if (c.valid)
     memcpy(c.dst, c.src, 16);
   else
     memset(c.dst, 0, 16);
+  c.landed = true;
   mark_unfenced((unsigned char*)c.dst - tl_block->smem, 16);
+}
+// A cp.async's wait_group: its write is complete (as of this thread's clock now), its data in place.
+inline void retire_copy(Copy& c) {
+  if (!c.landed) do_copy(c);
+  const size_t chunk = ((unsigned char*)c.dst - tl_block->smem) / 16;
+  if (tl_block->wtid[chunk] == (int)tl_tid.x && tl_block->wclk[chunk] == kPending)
+    tl_block->wclk[chunk] = tl_clock[tl_tid.x];
 }
 // fence.proxy.async: this thread's finished copies become visible to wgmma (the async proxy).
 inline void proxy_fence() {
@@ -280,12 +346,10 @@ inline void cp16(void* dst, const void* src, bool valid) {
   if (((uintptr_t)dst - (uintptr_t)tl_block->smem) % 16) die("cp.async dst not 16-byte aligned");
   if (valid && ((uintptr_t)src % 16)) die("cp.async src not 16-byte aligned");
   check_smem(dst, 16);
-  note_write((unsigned char*)dst - tl_block->smem, "cp.async");
-  Copy c{dst, src, valid};
-  if (g_lazy_cp)
-    tl_cur.push_back(c);
-  else
-    do_copy(c);
+  note_write((unsigned char*)dst - tl_block->smem, "cp.async", true);
+  Copy c{dst, src, valid, false};
+  if (!g_lazy_cp) do_copy(c);
+  tl_cur.push_back(c);
 }
 inline void commit() {
   tl_groups.push_back(tl_cur);
@@ -293,7 +357,7 @@ inline void commit() {
 }
 inline void wait_group(int n) {
   while ((int)tl_groups.size() > n) {
-    for (auto& c : tl_groups.front()) do_copy(c);
+    for (auto& c : tl_groups.front()) retire_copy(c);
     tl_groups.erase(tl_groups.begin());
   }
 }
@@ -320,12 +384,6 @@ inline float wg_load(uint32_t addr, bool half) {
   if (at % 2 || at + 2 > tl_block->smem_bytes) die("wgmma reads outside shared memory");
   if (tl_block->dirty[at])
     die("wgmma reads shared memory written by cp.async or a store without a fence.proxy.async after it");
-  const int wg = tl_tid.x / 128;
-  const size_t chunk = at / 16;
-  if (tl_block->wphase[chunk] == tl_phase && tl_block->wwg[chunk] != wg)
-    die("race: wgmma reads shared memory another warpgroup writes (cp.async or a store) between the same barriers");
-  if (tl_block->rphase[chunk] != tl_phase) tl_block->rphase[chunk] = tl_phase, tl_block->rmask[chunk] = 0;
-  tl_block->rmask[chunk] |= 1u << wg;
   uint16_t b;
   memcpy(&b, tl_block->smem + at, 2);
   return half ? tof<__half>(b) : tof<__nv_bfloat16>(b);
@@ -380,32 +438,64 @@ inline void wg_exec(const WgOp& op) {
   w.bar.arrive_and_wait();  // all reads done before any accumulator changes
   for (int i = 0; i < op.n / 2; i++) op.d[i] = out[i];
 }
+// The 16-byte chunks of a shared operand (rows x 16 elements), in an order that puts a chunk's 8 elements together.
+inline void operand_chunks(std::vector<uint32_t>& out, uint64_t desc, int rows, bool mn_major) {
+  for (int i = 0; i < rows * 16; i++) {
+    const int mn = mn_major ? i % rows : i / 16, k = mn_major ? i / rows : i % 16;
+    const uint32_t chunk = wg_swizzle(wg_operand_addr(desc, mn, k, mn_major)) / 16;
+    if (out.empty() || out.back() != chunk) out.push_back(chunk);
+  }
+}
 inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint64_t da, uint64_t db, int accumulate,
                    bool amn = false) {
   if (!tl_wg_fenced) die("wgmma.mma_async without a wgmma.fence after the last wait_group");
   WarpGroup& w = warpgroup();
-  const WgOp op{n, rs, amn, half, d, a, da, db, accumulate};
-  const int lt = tl_tid.x % 128;
+  Block& b = *tl_block;
+  WgOp op{n, rs, amn, half, d, a, da, db, accumulate, false, {}};
+  const int lt = tl_tid.x % 128, wg = tl_tid.x / 128;
+  if (lt == 0) {
+    if (!rs) operand_chunks(op.reads, da, 64, amn);
+    operand_chunks(op.reads, db, n, rs);
+  }
   w.ops[lt] = &op;
   w.bar.arrive_and_wait();
   const WgOp& o = *w.ops[0];
   if (o.n != n || o.rs != rs || o.amn != amn || o.half != half || o.da != da || o.db != db ||
       (o.accumulate != 0) != (accumulate != 0))
     die("wgmma: the warpgroup's threads disagree on the instruction, its descriptors or scale-d");
+  // Every thread issues the product: each must have seen every write of what it reads complete.
+  for (uint32_t chunk : o.reads) {
+    const int wt = b.wtid[chunk];
+    if (wt < 0) continue;
+    if (b.wclk[chunk] == kPending)
+      race("wgmma", "reads shared memory whose cp.async has not been waited for", chunk, wt);
+    if (wt != (int)tl_tid.x && tl_clock[wt] < b.wclk[chunk])
+      race("wgmma", "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
+  }
   w.bar.arrive_and_wait();
-  if (g_lazy_cp)
-    tl_wg_cur.push_back(op);
-  else
+  if (lt == 0)
+    for (uint32_t chunk : op.reads) b.rpend[chunk * 8 + wg]++;
+  if (!g_lazy_cp) {
     wg_exec(op);
+    op.done = true;
+  }
+  tl_wg_cur.push_back(std::move(op));
 }
 inline void wg_fence() { tl_wg_fenced = true; }
 inline void wg_commit() {
-  tl_wg_groups.push_back(tl_wg_cur);
+  tl_wg_groups.push_back(std::move(tl_wg_cur));
   tl_wg_cur.clear();
 }
+// Retiring a group: its products are made (lazy mode) and its reads complete as of this thread's clock now (the
+// warpgroup's first thread stands for the warpgroup: a wgmma is one operation of all 128).
 inline void wg_wait(int n) {
+  Block& b = *tl_block;
+  const int wg = tl_tid.x / 128;
   while ((int)tl_wg_groups.size() > n) {
-    for (const WgOp& op : tl_wg_groups.front()) wg_exec(op);
+    for (WgOp& op : tl_wg_groups.front()) {
+      if (!op.done) wg_exec(op);
+      for (uint32_t chunk : op.reads) b.rpend[chunk * 8 + wg]--, b.rclk[chunk * 8 + wg] = tl_clock[tl_tid.x];
+    }
     tl_wg_groups.erase(tl_wg_groups.begin());
   }
   tl_wg_fenced = false;
@@ -419,10 +509,92 @@ inline void st_shared_b32(void* p, uint32_t v) {
   const size_t off = (unsigned char*)p - tl_block->smem;
   if (off % 4) die("st.shared.b32 not 4-byte aligned");
   check_smem(p, 4);
-  note_write(off, "a store");
+  note_write(off, "a store", false);
   memcpy(p, &v, 4);
   mark_unfenced(off, 4);
 }
+// ---- mbarriers and named barriers (wgmma.cuh's, for the warp-specialised forward). A wait that cannot end is a
+// deadlock on the GPU too; here it is an error after kStuck (no emulated wait lasts more than a fraction of that).
+constexpr auto kStuck = std::chrono::seconds(120);
+inline Mbar& mbar_at(uint32_t off) {
+  auto it = tl_block->mbars.find(off);
+  if (it == tl_block->mbars.end()) die("mbarrier used before mbarrier.init");
+  return it->second;
+}
+inline void mbar_init(uint32_t off, int count) {
+  if (off % 8 || off + 8 > tl_block->smem_bytes) die("mbarrier.init: not an 8-byte aligned shared address");
+  if (count < 1) die("mbarrier.init: count must be positive");
+  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
+  Mbar& m = tl_block->mbars[off];
+  m.count = m.pending = count;
+  m.phase = 0;
+  m.seen.assign(tl_clock.size(), 0);
+  m.done.assign(tl_clock.size(), 0);
+}
+inline void mbar_arrive(uint32_t off) {
+  const Clock c = release();
+  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
+  Mbar& m = mbar_at(off);
+  join(m.seen, c);
+  if (--m.pending == 0) {  // the phase completes: its arrivals' clocks go to those who wait for it
+    m.done = m.seen;
+    std::fill(m.seen.begin(), m.seen.end(), 0);
+    m.phase++;
+    m.pending = m.count;
+    tl_block->sync_cv.notify_all();
+  }
+}
+// try_wait.parity until the phase of that parity has completed (the current phase's parity differs).
+inline void mbar_wait(uint32_t off, uint32_t parity) {
+  std::unique_lock<std::mutex> lock(tl_block->sync_mu);
+  Mbar& m = mbar_at(off);
+  if (!tl_block->sync_cv.wait_for(lock, kStuck, [&] { return (m.phase & 1) != (parity & 1); })) {
+    fprintf(stderr, "EMU FATAL: thread %u waits for parity %u of the mbarrier at %u forever (phase %u, %d of %d "
+                    "arrivals missing)\n", tl_tid.x, parity, off, m.phase, m.pending, m.count);
+    abort();
+  }
+  join(tl_clock, m.done);
+}
+inline Named& named_at(int id, int count) {
+  if (id < 1 || id > 15) die("named barrier: id must be 1-15 (0 is __syncthreads)");
+  if (count <= 0 || count % 32 || count > (int)tl_clock.size())
+    die("named barrier: count must be a positive multiple of 32, at most the block's threads");
+  Named& n = tl_block->named[id];
+  if (n.seen.empty()) n.seen.assign(tl_clock.size(), 0);
+  if (n.arrived == 0) n.count = count;
+  if (n.count != count) die("named barrier: threads disagree on its count");
+  return n;
+}
+inline unsigned named_arrive(Named& n, const Clock& c) {  // under sync_mu; the generation it arrived in
+  const unsigned gen = n.gen;
+  join(n.seen, c);
+  if (++n.arrived == n.count) {
+    n.done[gen % 4] = n.seen;
+    std::fill(n.seen.begin(), n.seen.end(), 0);
+    n.arrived = 0;
+    n.gen++;
+    tl_block->sync_cv.notify_all();
+  }
+  return gen;
+}
+inline void bar_sync(int id, int count) {
+  const Clock c = release();
+  std::unique_lock<std::mutex> lock(tl_block->sync_mu);
+  Named& n = named_at(id, count);
+  const unsigned gen = named_arrive(n, c);
+  if (!tl_block->sync_cv.wait_for(lock, kStuck, [&] { return n.gen != gen; })) {
+    fprintf(stderr, "EMU FATAL: thread %u waits at named barrier %d forever (%d of %d arrived)\n", tl_tid.x, id,
+            n.arrived, n.count);
+    abort();
+  }
+  join(tl_clock, n.done[gen % 4]);
+}
+inline void bar_arrive(int id, int count) {
+  const Clock c = release();
+  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
+  named_arrive(named_at(id, count), c);
+}
+
 // The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
 // the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
 // (or never comes), which on a GPU could hang; here it is an error at once.
@@ -521,8 +693,9 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       blk.smem_bytes = bytes;
       blk.smem = (unsigned char*)malloc(bytes ? bytes : 1);
       blk.dirty.assign(bytes, 0);
-      blk.wphase.assign(bytes / 16 + 1, -1), blk.rphase.assign(bytes / 16 + 1, -1);
-      blk.wwg.assign(bytes / 16 + 1, -1), blk.rmask.assign(bytes / 16 + 1, 0);
+      blk.wtid.assign(bytes / 16 + 1, -1), blk.wclk.assign(bytes / 16 + 1, 0);
+      blk.rpend.assign((bytes / 16 + 1) * 8, 0), blk.rclk.assign((bytes / 16 + 1) * 8, 0);
+      blk.sync_clock[0].assign(nt, 0), blk.sync_clock[1].assign(nt, 0);
       if (nt % 128 == 0)
         for (int i = 0; i < nt / 128; i++) blk.wgs.push_back(std::make_unique<WarpGroup>());
       memset(blk.smem, 0xff, bytes);  // garbage: NaN in bf16/fp16/fp32
@@ -536,6 +709,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
           tl_groups.clear();
           tl_unfenced.clear();
           tl_phase = 0;
+          tl_clock.assign(nt, 0);
+          tl_clock[t] = 1;
           tl_wg_fenced = false;
           tl_wg_cur.clear();
           tl_wg_groups.clear();
@@ -546,6 +721,12 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
           tl_groups.clear();
         });
       for (auto& x : th) x.join();
+      for (int id = 1; id < 16; id++)
+        if (blk.named[id].arrived) {
+          fprintf(stderr, "EMU FATAL: named barrier %d ends the block with %d of %d arrivals pending\n", id,
+                  blk.named[id].arrived, blk.named[id].count);
+          abort();
+        }
       free(blk.smem);
     }
 }

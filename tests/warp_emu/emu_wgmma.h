@@ -24,3 +24,16 @@ struct Mma {
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { emu::st_shared_b32(p, v); }
 __device__ __forceinline__ void wait_count(const int* counter, int want) { emu::wait_count(counter, want); }
 __device__ __forceinline__ void add_count(int* counter) { emu::add_count(counter); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) { emu::mbar_init(bar, count); }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) { emu::mbar_arrive(bar); }
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) { emu::mbar_wait(bar, parity); }
+__device__ __forceinline__ void bar_sync(int id, int count) { emu::bar_sync(id, count); }
+__device__ __forceinline__ void bar_arrive(int id, int count) { emu::bar_arrive(id, count); }
+template <int N>
+__device__ __forceinline__ void regs_dec() {  // register counts only matter to the hardware's allocator
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
+}

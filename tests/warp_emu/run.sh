@@ -4,13 +4,14 @@
 # (layernorm.cu, residual_layernorm.cu), the optimizer step's (adamw.cu) and the embedding's (encoder.cu; both
 # beside their CPU references; and the scratch workspace) on the CPU, in a host emulation of the few CUDA features
 # they use (emu.h: one OS thread per CUDA thread, ldmatrix / mma.sync / shuffles / ballots as warp collectives
-# written from the PTX ISA's fragment tables, cp.async copied at issue or as late as wait_group allows), and
+# written from the PTX ISA's fragment tables, cp.async copied at issue or as late as wait_group allows; Hopper's
+# wgmma, mbarriers and named barriers, with a vector-clock race check of the shared memory wgmma reads), and
 # compares their outputs with a float64 reference or the CPU's bits (emu_test.cpp). It checks the kernels' index,
 # fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real compiler's code. The
 # kernel sources are used as they are: only the asm helpers, the shared-memory declarations and the <<<>>> launches
 # are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|tiles|f32|tf32|sm75|sm90|fused|decode|ce|ln|adamw|encoder|big|peaky|grid, LAZY 0|1; or MODE
+#   MODE quick|mix|tc|tiles|f32|tf32|sm75|sm90|ws|fused|decode|ce|ln|adamw|encoder|big|peaky|grid, LAZY 0|1; or MODE
 #   cute
 #   (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the emulator's wgmma
 #   against CUTLASS.
@@ -28,8 +29,9 @@ cp "$here/emu.h" "$here/emu_ops.h" "$here/emu_wgmma.h" "$out/"
 # wgmma.cuh: its PTX part (between the "// ---- PTX" and "// ---- end of PTX" lines) becomes emu_wgmma.h.
 awk '/^\/\/ ---- PTX/{skip=1; print "#include \"../emu_wgmma.h\""} /^\/\/ ---- end of PTX/{skip=0} !skip{print}' \
   "$src/cuda/wgmma.cuh" > "$out/cuda/wgmma.cuh"
-units=(flash_attention_fwd flash_attention_bwd flash_attention flash_attention_sm90a flash_attention_bwd_sm90a
-       flash_attention_tf32 attention cast attention_decode cross_entropy layernorm residual_layernorm adamw encoder)
+units=(flash_attention_fwd flash_attention_bwd flash_attention flash_attention_sm90a flash_attention_ws_sm90a
+       flash_attention_bwd_sm90a flash_attention_tf32 attention cast attention_decode cross_entropy layernorm
+       residual_layernorm adamw encoder)
 for f in "${units[@]}"; do
   # cast.cu (the 16-bit fallback of attention.cu widens and narrows through it), attention_decode.cu,
   # cross_entropy.cu and the LayerNorm files do not include the swapped flash_attention.cuh: the CUDA headers and
