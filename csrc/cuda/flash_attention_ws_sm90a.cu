@@ -2,7 +2,7 @@
 // online softmax, with the CTA split by role as FlashAttention-3 splits it.
 // - Warpgroup 0 only copies: Q, then K_j and V_j for every key block, with cp.async into a ring of kStages
 //   buffers per tile kind. It gives most of its registers back (setmaxnreg), so that the multiplying warpgroups get
-//   240 (two of them) or 160 (three) instead of the 168 or 128 an even split would leave them.
+//   232 (two of them) or 160 (three) instead of the 168 or 128 an even split would leave them.
 // - Warpgroups 1..NC each own 64 query rows and only multiply and take the softmax. They never wait on each other
 //   or on the copier at a CTA-wide barrier (the other kernel's __syncthreads per key block): each buffer has a
 //   "full" mbarrier (the copier's 128 threads arrive once their copies have landed and been fenced for wgmma) and

@@ -132,20 +132,28 @@ FASTGPT_WGMMA_DEFINE(__half, "f16")
 // store (generic proxy), so a fence_proxy_async and a barrier must come between it and the wgmma.
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
 
+// A spin-wait's limit: one that outlasts 60 s (a whole kernel takes milliseconds) traps, so that a broken protocol
+// ends as a launch error, not a hung process. stuck_since(t0) traps once the global timer is 60 s past t0.
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void stuck_since(uint64_t t0) {
+  if (globaltimer() - t0 > 60000000000ull) __trap();
+}
+
 // The fused backward's ordered dQ sums across CTAs (flash_attention_bwd_sm90a.cu), as CUTLASS's barrier.h: one
 // thread waits until a counter in global memory reaches `want` (acquire: the sums released before are visible to
 // the CTA after its next barrier), and one thread adds one to it after a barrier (release, cumulative: every
-// thread's sums before that barrier go with it). A wait that outlasts 60 s (a whole backward takes milliseconds)
-// traps: a broken turn order ends as a launch error, not a hung process.
+// thread's sums before that barrier go with it). The wait has the 60 s limit.
 __device__ __forceinline__ void wait_count(const int* counter, int want) {
-  int v;
-  uint64_t t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+  const uint64_t t0 = globaltimer();
   for (;;) {
+    int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
     if (v == want) return;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-    if (t - t0 > 60000000000ull) __trap();
+    stuck_since(t0);
   }
 }
 __device__ __forceinline__ void add_count(int* counter) {
@@ -155,7 +163,7 @@ __device__ __forceinline__ void add_count(int* counter) {
 // The warp-specialised forward's synchronisation (flash_attention_ws_sm90a.cu), from the PTX ISA:
 // - mbarrier: a 64-bit object in shared memory that completes a phase when `count` arrivals have come; a waiter
 //   names the parity of the phase it waits for (the phases alternate 0, 1, 0, ...). Arrive releases and a
-//   completed wait acquires, at CTA scope. A wait that outlasts 60 s traps, as wait_count does.
+//   completed wait acquires, at CTA scope. The wait has the 60 s limit.
 // - Named barriers 1-15 (0 is __syncthreads): bar_sync waits until `count` threads have arrived or synced on `id`,
 //   bar_arrive counts this thread without waiting; count is a multiple of 32.
 // - setmaxnreg: the warpgroup gives registers back (dec) or takes them (inc) from the CTA's pool, so that a
@@ -177,12 +185,8 @@ __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   if (mbar_test(bar, parity)) return;
-  uint64_t t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
-  while (!mbar_test(bar, parity)) {
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-    if (t - t0 > 60000000000ull) __trap();
-  }
+  const uint64_t t0 = globaltimer();
+  while (!mbar_test(bar, parity)) stuck_since(t0);
 }
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");

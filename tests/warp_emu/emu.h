@@ -60,17 +60,30 @@ inline void join(Clock& into, const Clock& from) {
   for (size_t i = 0; i < into.size(); i++) into[i] = std::max(into[i], from[i]);
 }
 constexpr uint32_t kPending = 0xffffffffu;  // an access issued, not yet complete
-// mbarrier: `count` arrivals complete a phase; what the arrivals of the last completed phase had seen.
-struct Mbar {
-  int count = 0, pending = 0;
-  unsigned phase = 0;
-  Clock seen, done;
-};
-// A named barrier (bar.sync / bar.arrive): the generation counts completions.
-struct Named {
+// An mbarrier, or a named barrier (bar.sync / bar.arrive): `count` arrivals complete a phase, and what they had
+// seen goes to those who wait for it (done[phase % 4]: a waiter reads its phase's before the fourth one after it).
+struct Phases {
   int count = 0, arrived = 0;
-  unsigned gen = 0;
-  Clock seen, done[4];  // done[gen % 4]: what a completed generation carries to its waiters
+  unsigned phase = 0;
+  Clock seen, done[4];
+  void clear(int threads) {  // a fresh barrier: phase 0 pending, the ones "before" it complete and carrying nothing
+    arrived = 0, phase = 0;
+    seen.assign(threads, 0);
+    for (Clock& d : done) d.assign(threads, 0);
+  }
+  // Under the block's sync_mu: counts one arrival with clock c; -> the phase it arrived in.
+  unsigned arrive(const Clock& c, std::condition_variable& cv) {
+    const unsigned at = phase;
+    join(seen, c);
+    if (++arrived == count) {
+      done[at % 4] = seen;
+      std::fill(seen.begin(), seen.end(), 0);
+      arrived = 0;
+      phase++;
+      cv.notify_all();
+    }
+    return at;
+  }
 };
 struct Block {
   std::barrier<> bar;
@@ -85,8 +98,8 @@ struct Block {
   Clock sync_clock[2];  // __syncthreads: each thread's own entry, by barrier parity
   std::mutex sync_mu;   // the mbarriers and named barriers
   std::condition_variable sync_cv;
-  std::map<uint32_t, Mbar> mbars;  // by shared offset
-  Named named[16];
+  std::map<uint32_t, Phases> mbars;  // by shared offset
+  Phases named[16];
   unsigned char* smem;
   size_t smem_bytes;
   std::mutex statics_mu;
@@ -516,7 +529,16 @@ inline void st_shared_b32(void* p, uint32_t v) {
 // ---- mbarriers and named barriers (wgmma.cuh's, for the warp-specialised forward). A wait that cannot end is a
 // deadlock on the GPU too; here it is an error after kStuck (no emulated wait lasts more than a fraction of that).
 constexpr auto kStuck = std::chrono::seconds(120);
-inline Mbar& mbar_at(uint32_t off) {
+// Waits (under `lock`, on the block's sync_mu) until phase `at` of `b` has completed, and takes what it carries.
+inline void wait_phase(std::unique_lock<std::mutex>& lock, const Phases& b, unsigned at, const char* what, int id) {
+  if (!tl_block->sync_cv.wait_for(lock, kStuck, [&] { return b.phase != at; })) {
+    fprintf(stderr, "EMU FATAL: thread %u waits at %s %d forever (%d of %d arrived)\n", tl_tid.x, what, id,
+            b.arrived, b.count);
+    abort();
+  }
+  join(tl_clock, b.done[at % 4]);
+}
+inline Phases& mbar_at(uint32_t off) {
   auto it = tl_block->mbars.find(off);
   if (it == tl_block->mbars.end()) die("mbarrier used before mbarrier.init");
   return it->second;
@@ -525,74 +547,43 @@ inline void mbar_init(uint32_t off, int count) {
   if (off % 8 || off + 8 > tl_block->smem_bytes) die("mbarrier.init: not an 8-byte aligned shared address");
   if (count < 1) die("mbarrier.init: count must be positive");
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  Mbar& m = tl_block->mbars[off];
-  m.count = m.pending = count;
-  m.phase = 0;
-  m.seen.assign(tl_clock.size(), 0);
-  m.done.assign(tl_clock.size(), 0);
+  Phases& m = tl_block->mbars[off];
+  m.clear((int)tl_clock.size());
+  m.count = count;
 }
 inline void mbar_arrive(uint32_t off) {
   const Clock c = release();
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  Mbar& m = mbar_at(off);
-  join(m.seen, c);
-  if (--m.pending == 0) {  // the phase completes: its arrivals' clocks go to those who wait for it
-    m.done = m.seen;
-    std::fill(m.seen.begin(), m.seen.end(), 0);
-    m.phase++;
-    m.pending = m.count;
-    tl_block->sync_cv.notify_all();
-  }
+  mbar_at(off).arrive(c, tl_block->sync_cv);
 }
-// try_wait.parity until the phase of that parity has completed (the current phase's parity differs).
+// try_wait.parity: until the phase of that parity has completed. A thread waits for the current phase, or for the
+// one before if it has already completed (then at once): a phase two back would wait for the next one, as on the GPU.
 inline void mbar_wait(uint32_t off, uint32_t parity) {
   std::unique_lock<std::mutex> lock(tl_block->sync_mu);
-  Mbar& m = mbar_at(off);
-  if (!tl_block->sync_cv.wait_for(lock, kStuck, [&] { return (m.phase & 1) != (parity & 1); })) {
-    fprintf(stderr, "EMU FATAL: thread %u waits for parity %u of the mbarrier at %u forever (phase %u, %d of %d "
-                    "arrivals missing)\n", tl_tid.x, parity, off, m.phase, m.pending, m.count);
-    abort();
-  }
-  join(tl_clock, m.done);
+  Phases& m = mbar_at(off);
+  const unsigned at = (m.phase & 1) == (parity & 1) ? m.phase : m.phase - 1;
+  wait_phase(lock, m, at, "the mbarrier at shared byte", (int)off);
 }
-inline Named& named_at(int id, int count) {
+inline Phases& named_at(int id, int count) {
   if (id < 1 || id > 15) die("named barrier: id must be 1-15 (0 is __syncthreads)");
   if (count <= 0 || count % 32 || count > (int)tl_clock.size())
     die("named barrier: count must be a positive multiple of 32, at most the block's threads");
-  Named& n = tl_block->named[id];
-  if (n.seen.empty()) n.seen.assign(tl_clock.size(), 0);
+  Phases& n = tl_block->named[id];
+  if (n.seen.empty()) n.clear((int)tl_clock.size());
   if (n.arrived == 0) n.count = count;
   if (n.count != count) die("named barrier: threads disagree on its count");
   return n;
 }
-inline unsigned named_arrive(Named& n, const Clock& c) {  // under sync_mu; the generation it arrived in
-  const unsigned gen = n.gen;
-  join(n.seen, c);
-  if (++n.arrived == n.count) {
-    n.done[gen % 4] = n.seen;
-    std::fill(n.seen.begin(), n.seen.end(), 0);
-    n.arrived = 0;
-    n.gen++;
-    tl_block->sync_cv.notify_all();
-  }
-  return gen;
-}
 inline void bar_sync(int id, int count) {
   const Clock c = release();
   std::unique_lock<std::mutex> lock(tl_block->sync_mu);
-  Named& n = named_at(id, count);
-  const unsigned gen = named_arrive(n, c);
-  if (!tl_block->sync_cv.wait_for(lock, kStuck, [&] { return n.gen != gen; })) {
-    fprintf(stderr, "EMU FATAL: thread %u waits at named barrier %d forever (%d of %d arrived)\n", tl_tid.x, id,
-            n.arrived, n.count);
-    abort();
-  }
-  join(tl_clock, n.done[gen % 4]);
+  Phases& n = named_at(id, count);
+  wait_phase(lock, n, n.arrive(c, tl_block->sync_cv), "named barrier", id);
 }
 inline void bar_arrive(int id, int count) {
   const Clock c = release();
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  named_arrive(named_at(id, count), c);
+  named_at(id, count).arrive(c, tl_block->sync_cv);
 }
 
 // The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
