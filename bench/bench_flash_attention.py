@@ -164,15 +164,15 @@ def gpu_rows(args):
     return rows
 
 
-FUSED = "sm90 fused"  # the dkdv option that makes dq in the same kernel (the dq option is unused)
+FUSED = ("sm90 fused", "sm90 ws fused")  # the dkdv options that make dq in the same kernel (dq's is unused)
 
 
 def tile_rows(record, q, k, v, dout, causal, d):
     """fastgpt's other tile shapes: a forward row per fwd option (with its output's largest difference from the
     default's), a deterministic backward row per (dkdv, dq) pair (its forward from the default tiles: every option
-    reads the same out and lse; dkdv "sm90 fused" makes dq itself, so one row, with dq's first option), the default
-    shapes put back. At d 128 only the Hopper ("sm90") kernels: d 128 has
-    no other mma.sync shapes. An sm90 option this GPU or build cannot run is a skipped row."""
+    reads the same out and lse; dkdv "sm90 fused" and "sm90 ws fused" make dq themselves: one row each, with dq's
+    first option), the default shapes put back. At d 128 only the Hopper ("sm90") kernels: d 128 has no other
+    mma.sync shapes. An sm90 option this GPU or build cannot run is a skipped row."""
     from fastgpt import ops
 
     options = ops.flash_attention_tile_options()
@@ -199,7 +199,7 @@ def tile_rows(record, q, k, v, dout, causal, d):
         for dkdv in options["dkdv"]:
             for dq in options["dq"]:
                 tiles, name = dict(first, dkdv=dkdv, dq=dq), f"fastgpt tiles bwd {dkdv}/{dq}"
-                if (dkdv, dq) == (first["dkdv"], first["dq"]) or not applies(tiles) or (dkdv == FUSED and
+                if (dkdv, dq) == (first["dkdv"], first["dq"]) or not applies(tiles) or (dkdv in FUSED and
                                                                                           dq != first["dq"]):
                     continue  # the first pair is the "fastgpt deterministic" row; fused ignores dq
                 if choose(name, tiles):

@@ -325,9 +325,11 @@ SM90_FWD = ["sm90 128x128", "sm90 192x128", "sm90 128x64",  # the Hopper forward
             "sm90 ws 128x128", "sm90 ws 192x128"]  # and the warp-specialised ones (flash_attention_ws_sm90a.cu)
 SM90_BWD = "sm90 128x64"  # the deterministic backward's Hopper dkdv and dq passes (flash_attention_bwd_sm90a.cu)
 SM90_FUSED = "sm90 fused"  # the Hopper backward in one kernel: dq made beside dk, dv (flash_attention_bwd_sm90a.cu)
+SM90_WS_FUSED = "sm90 ws fused"  # and warp-specialised (flash_attention_bwd_ws_sm90a.cu; d 128 runs "sm90 fused")
 SM90_CHOICES = [dict(fwd=SM90_FWD[0], dkdv=SM90_BWD, dq=SM90_BWD), dict(fwd=SM90_FWD[1], dkdv=SM90_BWD, dq="16x64"),
                 dict(fwd=SM90_FWD[2], dkdv="16x64", dq=SM90_BWD), dict(fwd=SM90_FWD[2], dkdv=SM90_FUSED, dq="16x64"),
-                dict(fwd=SM90_FWD[3], dkdv=SM90_FUSED, dq="16x64"), dict(fwd=SM90_FWD[4], dkdv=SM90_BWD, dq=SM90_BWD)]
+                dict(fwd=SM90_FWD[3], dkdv=SM90_FUSED, dq="16x64"), dict(fwd=SM90_FWD[4], dkdv=SM90_BWD, dq=SM90_BWD),
+                dict(fwd=SM90_FWD[3], dkdv=SM90_WS_FUSED, dq="16x64")]
 TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") for k in ("16x64", "32x32")
                 for q in ("16x64", "32x64", "32x32")]
 
@@ -344,16 +346,17 @@ def default_tiles():
 def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     options = ops.flash_attention_tile_options()
     assert options == {"fwd": ["16x64", "32x64", "16x128"] + SM90_FWD,
-                       "dkdv": ["16x64", "32x32", SM90_BWD, SM90_FUSED], "dq": ["16x64", "32x64", "32x32", SM90_BWD]}
+                       "dkdv": ["16x64", "32x32", SM90_BWD, SM90_FUSED, SM90_WS_FUSED],
+                       "dq": ["16x64", "32x64", "32x32", SM90_BWD]}
     assert ops.flash_attention_tiles(fwd="32x64", dq=2) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
     assert ops.flash_attention_tiles(dkdv=1) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # None keeps each
-    for bad in (dict(fwd="64x64"), dict(dkdv=4), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
+    for bad in (dict(fwd="64x64"), dict(dkdv=5), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=f"flash_attention_tiles: {name} must be one of"):
             ops.flash_attention_tiles(**bad)
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # a refusal changes nothing
-    with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 4\), got 5"):  # the engine's own check
+    with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 5\), got 5"):  # the engine's own check
         _C.ops.flash_attention_tiles((0, 5, 0))
 
 
@@ -362,7 +365,8 @@ def test_sm90_tiles_are_refused_where_they_cannot_run(default_tiles):
     """The Hopper kernels run on a GPU of compute capability 9.0 only: anywhere else (no GPU, another GPU) choosing
     one is a clear error that names it and changes nothing; on an H100/H200 it is taken."""
     default = dict(fwd="16x64", dkdv="16x64", dq="16x64")
-    for kernel, name in [("fwd", n) for n in SM90_FWD] + [("dkdv", SM90_BWD), ("dkdv", SM90_FUSED), ("dq", SM90_BWD)]:
+    for kernel, name in [("fwd", n) for n in SM90_FWD] + [("dkdv", SM90_BWD), ("dkdv", SM90_FUSED),
+                                                                  ("dkdv", SM90_WS_FUSED), ("dq", SM90_BWD)]:
         if sm90_device():
             ops.flash_attention_tiles(**{kernel: name})
             assert ops.flash_attention_tiles(**default)[kernel] == name
@@ -440,9 +444,10 @@ def test_cuda_sm90_kernels_match_torch(rng, default_tiles, d, causal, dtype):
 def test_cuda_sm90_fused_backward_is_the_two_passes_dk_dv_and_repeats(rng, default_tiles, d, causal):
     """The fused Hopper backward (dkdv "sm90 fused": dq made in the dkdv kernel, the CTAs of a (b, h) adding their
     parts of dq in a fixed order, taking turns on counters): dk and dv are the two-pass Hopper dkdv's bits (the same
-    products in the same order), dq meets the rule, and five calls give the same bits, deterministic or not. GPT-2's
-    shape (B 8 x H 12, T 1024: 768 CTAs, many at once on the GPU, where the emulator runs them one by one) is where
-    the turn-taking could race or hang."""
+    products in the same order), dq meets the rule, and five calls give the same bits, deterministic or not. Its
+    warp-specialised form ("sm90 ws fused": a loader warp, a writer of the dq sums, mbarrier rings) gives its bits
+    in dq, dk and dv, five calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768 CTAs, many at once on the GPU, where
+    the emulator runs them one by one) is where the turn-taking or the barrier protocol could race or hang."""
     q, k, v, dout = cuda_inputs(8, 12, 1024, d, "bthd", torch.bfloat16, rng)
     out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout="bthd")
 
@@ -456,6 +461,9 @@ def test_cuda_sm90_fused_backward_is_the_two_passes_dk_dv_and_repeats(rng, defau
     for det in (True, False, True, False):
         again = backward(SM90_FUSED, det)
         assert all(torch.equal(a, b) for a, b in zip(fused, again)), f"det={det}: not repeatable"
+    for det in (True, False, True, False, True):
+        ws = backward(SM90_WS_FUSED, det)
+        assert all(torch.equal(a, b) for a, b in zip(fused, ws)), f"det={det}: ws differs from sm90 fused"
     # The rule on a slice (the float64 reference of the whole is slow): the first (b, h) pairs.
     sl = [x[:1, :, :2] for x in (q, k, v, dout)]
     ref, pt = reference(*sl, causal, "bthd"), torch_sdpa(*sl, causal, "bthd")

@@ -322,11 +322,12 @@ namespace {
 std::atomic<int> g_fwd_tiles{0}, g_dkdv_tiles{0}, g_dq_tiles{0};
 const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128", "sm90 128x128", "sm90 192x128", "sm90 128x64",
                                      "sm90 ws 128x128", "sm90 ws 192x128"},
-                                    {"16x64", "32x32", "sm90 128x64", "sm90 fused"},
+                                    {"16x64", "32x32", "sm90 128x64", "sm90 fused", "sm90 ws fused"},
                                     {"16x64", "32x64", "32x32", "sm90 128x64"}};
 static_assert(flash::kFirstSm90.fwd == 3 && flash::kFirstSm90.dkdv == 2 && flash::kFirstSm90.dq == 3,
               "kTileOptions: the sm90 options start at kFirstSm90");
-static_assert(flash::kFusedSm90 == 3, "kTileOptions: dkdv's 'sm90 fused' is kFusedSm90");
+static_assert(flash::kFusedSm90 == 3 && flash::kWsFusedSm90 == 4,
+              "kTileOptions: dkdv's 'sm90 fused' is kFusedSm90, 'sm90 ws fused' kWsFusedSm90");
 static_assert(flash::kFirstWsSm90 == 6, "kTileOptions: the fwd 'sm90 ws' options start at kFirstWsSm90");
 
 // Whether a choice names a Hopper kernel, per kernel.
@@ -489,7 +490,8 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   Scratch delta(rows, stream);
   // dq's fp32 sums: the atomic path's (the simt path is deterministic anyway), or the fused sm90 kernel's, whose
   // rows are padded to its 64-query steps, with its turn counters after them.
-  const bool fused = p.tiles.dkdv == flash::kFusedSm90;  // make_params keeps it only where it runs
+  // (both fused options; make_params keeps them only where they run)
+  const bool fused = p.tiles.dkdv == flash::kFusedSm90 || p.tiles.dkdv == flash::kWsFusedSm90;
   const int64_t padded = (int64_t)shape.B * shape.H * ((shape.T + 63) / 64);
   Scratch accum(fused ? padded * (64 * shape.d + 1) : tc && !deterministic ? rows * shape.d : 0, stream);
   p.delta = delta.ptr;

@@ -59,9 +59,10 @@ void backward_tc(const Params& p, bool deterministic, Stream stream);
 // device of compute capability 9.0; fwd options from kFirstWsSm90 on are the warp-specialised forward's
 // (forward_ws_sm90, its `option` counted from there; forward_sm90 sends them on); dkdv_sm90 and dq_sm90 are the
 // deterministic backward's two passes, backward_fused_sm90 (the dkdv option kFusedSm90) both in one, deterministic
-// too; it needs dq_accum and dq_turn.
+// too; it needs dq_accum and dq_turn, as does backward_ws_sm90 (the dkdv option kWsFusedSm90, its warp-specialised
+// form, flash_attention_bwd_ws_sm90a.cu; head dim 64 only).
 constexpr Tiles kFirstSm90{3, 2, 3};
-constexpr int kFusedSm90 = 3;
+constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4;
 constexpr int kFirstWsSm90 = 6;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
@@ -73,6 +74,8 @@ template <typename E>
 void dq_sm90(const Params& p, Stream stream);
 template <typename E>
 void backward_fused_sm90(const Params& p, Stream stream);
+template <typename E>
+void backward_ws_sm90(const Params& p, Stream stream);
 // The CUDA-core path (flash_attention.cu), for float, __nv_bfloat16 and __half: fp32 at any d <= 256, and 16-bit
 // elements on GPUs without the tensor-core kernels (older than sm_80).
 template <typename E>

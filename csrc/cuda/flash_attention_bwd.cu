@@ -322,12 +322,14 @@ void launch_dq(const Params& p, Stream stream) {
 // The dkdv / dq options of kTileOptions (flash_attention.cu) in order; head dim 128 has only the first of each (more
 // would not fit in registers), with 32 queries per dkdv step, and the sm90 ones (flash_attention_bwd_sm90a.cu,
 // passed on to only where the caller found them runnable). The atomic path keeps the first dkdv shape; the fused
-// sm90 one (dq in the dkdv kernel) serves both.
+// sm90 ones (dq in the dkdv kernel, plain or warp-specialised: flash_attention_bwd_ws_sm90a.cu, head dim 64; at 128
+// it runs the plain one) serve both.
 template <typename E, int D>
 void launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
 #ifdef FASTGPT_SM90A
-  if (p.tiles.dkdv == kFusedSm90) return backward_fused_sm90<E>(p, stream);  // deterministic either way
+  if (D == 64 && p.tiles.dkdv == kWsFusedSm90) return backward_ws_sm90<E>(p, stream);  // deterministic either way
+  if (p.tiles.dkdv == kFusedSm90 || p.tiles.dkdv == kWsFusedSm90) return backward_fused_sm90<E>(p, stream);
 #endif
   if (deterministic) {
     // d 128's mma.sync options past the first fall back to it; the sm90 ones stay.

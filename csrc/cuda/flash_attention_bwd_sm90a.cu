@@ -4,7 +4,8 @@
 // the CTA's warpgroups share the double-buffered blocks of the other side.
 // - dkdv: S^T = K Q^T and dP^T = V dO^T (both operands K-major from shared memory), P^T = exp2(S^T scale log2e -
 //   lse2) and dS^T = P^T (dP^T - delta) in the accumulators, which are the A operands of dV += P^T dO and
-//   dK += dS^T Q (dO and Q read MN-major from the same tiles).
+//   dK += dS^T Q (dO and Q read MN-major from the same tiles). The step is flash_attention_sm90.cuh's dkdv_block,
+//   which the warp-specialised kernel (flash_attention_bwd_ws_sm90a.cu) shares.
 // - dq: S = Q K^T and dP = dO V^T, dS = P (dP - delta), dQ += dS K (K read MN-major).
 // Each product is its own wgmma group, waited for only when its result is needed, so that the exponentials and dS
 // run while the tensor cores finish the next product. Each sums its blocks in sequence order in one CTA:
@@ -23,7 +24,8 @@
 //   pass, as FlashAttention-3's deterministic mode does. Why the order cannot hang: a CTA waits only for CTAs of
 //   higher key blocks of its (b, h), which come earlier in the grid (x counts the key blocks down), so the hardware,
 //   which starts CTAs in grid order, has started them; and causal key block j + 1 meets step i two steps before j
-//   does, so the turn is usually free when j gets there.
+//   does, so the turn is usually free when j gets there. The dkdv option "sm90 ws fused" is this kernel
+//   warp-specialised (flash_attention_bwd_ws_sm90a.cu), with the same bits.
 #include <cstdint>
 #include <stdexcept>
 
@@ -47,37 +49,6 @@ constexpr int dq_sm90_smem() {  // Q and dO, K and V twice each, alignment
   return sm90::tile_bytes<2 * kRows + 4 * kStep, D>() + 1024;
 }
 
-// A warp's 16 keys (rows r0 ..) x BR queries of dS^T, as dK's A fragments (mma.m16n8k16's A layout: registers 0-3
-// are rows g, g + 8, g, g + 8 and queries 2c, 2c, 2c + 8, 2c + 8 of 16 queries each, two per register), into the
-// swizzled (KB, BR) tile at sS: the A operand (MN-major: queries along its rows) of the fused backward's dQ.
-template <int KB, int BR>
-__device__ __forceinline__ void store_ds(unsigned char* sS, const uint32_t (&ad)[BR / 16][4], int r0, int g, int c) {
-#pragma unroll
-  for (int ks = 0; ks < BR / 16; ks++)
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-      wgmma::st_shared_b32(sS + sm90::offset<KB>(r0 + g + 8 * (r & 1), ks * 16 + 2 * c + 8 * (r >> 1)), ad[ks][r]);
-}
-
-// dst (D, KB) = src (KB, D)^T, both swizzled tiles of 16-bit elements: each thread moves pairs of keys of one column.
-template <int KB, int D>
-__device__ __forceinline__ void transpose(unsigned char* dst, const unsigned char* src, int tid) {
-  for (int e = tid; e < KB / 2 * D; e += kNT) {
-    const int x = e % D, key = 2 * (e / D);
-    const uint32_t lo = *reinterpret_cast<const uint16_t*>(src + sm90::offset<KB>(key, x)),
-                   hi = *reinterpret_cast<const uint16_t*>(src + sm90::offset<KB>(key + 1, x));
-    wgmma::st_shared_b32(dst + sm90::offset<D>(x, key), lo | hi << 16);
-  }
-}
-
-// dV += P^T dO for a warpgroup's 64 keys: 16 queries (two 8-row groups of the (BR, D) dO tile at ob, read MN-major)
-// per wgmma, P^T from registers.
-template <typename E, int BR, int D>
-__device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t (&ap)[BR / 16][4], uint32_t ob) {
-#pragma unroll
-  for (int ks = 0; ks < BR / 16; ks++) wgmma::Mma<E, D>::rs(&dv[0][0], ap[ks], sm90::mnmajor<BR>(ob, ks), 1);
-}
-
 // The fused backward's dQ for query step i (rows q0 ..): this CTA's part dS_i K_j (dS^T of its KB keys in the tile at
 // aS, K^T (D, KB) at aKt), warpgroup wg's D / 2 columns 32 at a time, added in turn into the fp32 buffer (key block
 // jmax first, 0 last, which writes dq instead).
@@ -94,13 +65,7 @@ __device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t a
   for (int h2 = 0; h2 < D / 64; h2++) {
     const int n0 = wg * (D / 2) + h2 * 32;
     float part[4][4];  // this warp's 16 queries x 32 columns
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++)
-      wgmma::Mma<E, 32>::ss_amn(&part[0][0], sm90::mnmajor<KB>(aS, ks), sm90::kmajor<D>(aKt, n0, ks), ks > 0);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::keep(part);
+    sm90::dq_product<E, KB, D>(part, aS, aKt, n0);
     if (h2 == 0) {  // this CTA's turn: every part before it is in acc (thread 0's acquire, then the barrier)
       if (tid == 0) wgmma::wait_count(counter, turn);
       __syncthreads();
@@ -161,8 +126,7 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
   const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV), aQ = wgmma::shared_addr(sQ),
                  adO = wgmma::shared_addr(sdO);
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D (wgmma's accumulators, in order)
-  const float sl2 = p.scale * kLog2e;
-  const int wk0 = k0 + wg * 64, kw0 = wk0 + warp * 16;  // the warpgroup's and the warp's first key
+  const int kw0 = k0 + wg * 64 + warp * 16;  // the warp's first key
 
   for (int i = i_first; i < n_q; i++) {
     const int buf = (i - i_first) & 1, q0 = i * BR;
@@ -178,66 +142,9 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     wgmma::fence_proxy_async();
     __syncthreads();
     if constexpr (kDq)
-      if (i == i_first) transpose<KB, D>(sKt, sK, tid);  // K has landed; read after the next barrier
-
-    // Warpgroup-uniform: some query of the step sees some key of the warpgroup.
-    if (!(p.causal && q0 + BR - 1 < wk0)) {
-      const uint32_t qb = aQ + buf * kQBytes, ob = adO + buf * kQBytes;
-      float st[BR / 8][4], dpt[BR / 8][4];  // S^T and dP^T (then P^T, dS^T): this warp's 16 keys x BR queries
-      uint32_t ap[BR / 16][4], ad[BR / 16][4];  // P^T and dS^T as A fragments
-      // Each product waited for only when its result is needed: P^T's exponentials run while dP^T is on the tensor
-      // cores, and dS^T while dV += P^T dO is. At d 128 (dK, dV, S^T, dP^T and the fragments fill the registers)
-      // ptxas serialises split groups (its C7520 warning): there S^T with dP^T, and dV with dK, are one group each.
-      constexpr bool kSplit = D == 64;
-      wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; kk++)
-        wgmma::Mma<E, BR>::ss(&st[0][0], sm90::kmajor<KB>(aK, wg * 64, kk), sm90::kmajor<BR>(qb, 0, kk), kk > 0);
-      if constexpr (kSplit) wgmma::commit();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; kk++)
-        wgmma::Mma<E, BR>::ss(&dpt[0][0], sm90::kmajor<KB>(aV, wg * 64, kk), sm90::kmajor<BR>(ob, 0, kk), kk > 0);
-      wgmma::commit();
-      wgmma::wait<kSplit ? 1 : 0>();  // S^T (groups retire in order)
-      wgmma::keep(st);
-#pragma unroll
-      for (int t = 0; t < BR / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8;
-          st[t][e] = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;  // P^T
-        }
-#pragma unroll
-      for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
-      if constexpr (kSplit) {
-        wgmma::fence();
-        dv_product<E, BR, D>(dv, ap, ob);
-        wgmma::commit();
-        wgmma::wait<1>();  // dP^T
-      }
-      wgmma::keep(dpt);
-#pragma unroll
-      for (int t = 0; t < BR / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dpt[t][e] = st[t][e] * (dpt[t][e] - sDl[t * 8 + 2 * c + (e & 1)]);  // dS^T
-#pragma unroll
-      for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ad[ks], dpt[2 * ks], dpt[2 * ks + 1]);
-      wgmma::fence();
-      if constexpr (!kSplit) dv_product<E, BR, D>(dv, ap, ob);
-#pragma unroll
-      for (int ks = 0; ks < BR / 16; ks++)  // dK += dS^T Q, 16 queries (two 8-row groups of Q) per wgmma
-        wgmma::Mma<E, D>::rs(&dk[0][0], ad[ks], sm90::mnmajor<BR>(qb, ks), 1);
-      wgmma::commit();
-      if constexpr (kDq) store_ds<KB, BR>(sS, ad, wg * 64 + warp * 16, g, c);  // while dK (and dV) are in flight
-      wgmma::wait<0>();
-      wgmma::keep(dk);
-      wgmma::keep(dv);
-      wgmma::keep(ap);
-      wgmma::keep(ad);
-    } else if constexpr (kDq) {  // no key of the warpgroup is seen: its rows of dS^T are zeros
-      uint32_t zero[BR / 16][4] = {};
-      store_ds<KB, BR>(sS, zero, wg * 64 + warp * 16, g, c);
-    }
+      if (i == i_first) sm90::transpose<KB, D, kNT>(sKt, sK, tid);  // K has landed; read after the next barrier
+    sm90::dkdv_block<E, KB, BR, D, kDq>(dk, dv, aK, aV, aQ + buf * kQBytes, adO + buf * kQBytes, sL, sDl, sS, p, wg,
+                                        k0, q0, tid);
     if constexpr (kDq) {
       wgmma::fence_proxy_async();
       __syncthreads();  // both warpgroups' dS^T are in the tile

@@ -130,6 +130,129 @@ __device__ __forceinline__ void last_pv(float (&o)[D / 8][4], uint32_t (&pa)[BC 
   pv_read();
 }
 
+// ---- The backward's pieces (flash_attention_bwd_sm90a.cu, flash_attention_bwd_ws_sm90a.cu)
+
+// A warp's 16 keys (rows r0 ..) x BR queries of dS^T, as dK's A fragments (mma.m16n8k16's A layout: registers 0-3
+// are rows g, g + 8, g, g + 8 and queries 2c, 2c, 2c + 8, 2c + 8 of 16 queries each, two per register), into the
+// swizzled (KB, BR) tile at sS: the A operand (MN-major: queries along its rows) of the fused backward's dQ.
+template <int KB, int BR>
+__device__ __forceinline__ void store_ds(unsigned char* sS, const uint32_t (&ad)[BR / 16][4], int r0, int g, int c) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ks++)
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+      wgmma::st_shared_b32(sS + offset<KB>(r0 + g + 8 * (r & 1), ks * 16 + 2 * c + 8 * (r >> 1)), ad[ks][r]);
+}
+
+// dst (D, KB) = src (KB, D)^T, both swizzled tiles of 16-bit elements, by NT threads (tid 0 ..): each moves pairs
+// of keys of one column.
+template <int KB, int D, int NT>
+__device__ __forceinline__ void transpose(unsigned char* dst, const unsigned char* src, int tid) {
+  for (int e = tid; e < KB / 2 * D; e += NT) {
+    const int x = e % D, key = 2 * (e / D);
+    const uint32_t lo = *reinterpret_cast<const uint16_t*>(src + offset<KB>(key, x)),
+                   hi = *reinterpret_cast<const uint16_t*>(src + offset<KB>(key + 1, x));
+    wgmma::st_shared_b32(dst + offset<D>(x, key), lo | hi << 16);
+  }
+}
+
+// dV += P^T dO for a warpgroup's 64 keys: 16 queries (two 8-row groups of the (BR, D) dO tile at ob, read MN-major)
+// per wgmma, P^T from registers.
+template <typename E, int BR, int D>
+__device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t (&ap)[BR / 16][4], uint32_t ob) {
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ks++) wgmma::Mma<E, D>::rs(&dv[0][0], ap[ks], mnmajor<BR>(ob, ks), 1);
+}
+
+// One backward step of warpgroup wg's 64 keys (from k0 + 64 wg; rows 64 wg .. of the (KB, D) K and V tiles at aK,
+// aV) against BR queries (from q0; the (BR, D) Q and dO tiles at qb, ob, their lse in log2 units and delta at sL,
+// sDl): S^T = K Q^T and dP^T = V dO^T (both operands K-major), P^T = exp2(S^T scale log2e - lse2) and
+// dS^T = P^T (dP^T - delta) in the accumulators, which are the A operands of dV += P^T dO and dK += dS^T Q (dO and
+// Q read MN-major). Each product is its own wgmma group, waited for only when its result is needed: P^T's
+// exponentials run while dP^T is on the tensor cores, and dS^T while dV is. At d 128 (dK, dV, S^T, dP^T and the
+// fragments fill the registers) ptxas serialises split groups (its C7520 warning): there S^T with dP^T, and dV with
+// dK, are one group each. kDq: dS^T also goes into the (KB, BR) tile at sS for the fused backward's dQ (zeros from
+// a warpgroup none of whose keys a query of the step sees; it multiplies nothing). Every wgmma has retired on
+// return: the Q and dO tiles, sL and sDl may be refilled once the warpgroup's threads are past it.
+template <typename E, int KB, int BR, int D, bool kDq>
+__device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t aK, uint32_t aV,
+                                           uint32_t qb, uint32_t ob, const float* sL, const float* sDl,
+                                           unsigned char* sS, const Params& p, int wg, int k0, int q0, int tid) {
+  const int warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int wk0 = k0 + wg * 64, kw0 = wk0 + warp * 16;  // the warpgroup's and the warp's first key
+  if (p.causal && q0 + BR - 1 < wk0) {  // warpgroup-uniform: no query of the step sees a key of the warpgroup
+    if constexpr (kDq) {
+      uint32_t zero[BR / 16][4] = {};
+      store_ds<KB, BR>(sS, zero, wg * 64 + warp * 16, g, c);
+    }
+    return;
+  }
+  const int T = p.T;
+  const float sl2 = p.scale * kLog2e;
+  float st[BR / 8][4], dpt[BR / 8][4];      // S^T and dP^T (then P^T, dS^T): this warp's 16 keys x BR queries
+  uint32_t ap[BR / 16][4], ad[BR / 16][4];  // P^T and dS^T as A fragments
+  constexpr bool kSplit = D == 64;
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk++)
+    wgmma::Mma<E, BR>::ss(&st[0][0], kmajor<KB>(aK, wg * 64, kk), kmajor<BR>(qb, 0, kk), kk > 0);
+  if constexpr (kSplit) wgmma::commit();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; kk++)
+    wgmma::Mma<E, BR>::ss(&dpt[0][0], kmajor<KB>(aV, wg * 64, kk), kmajor<BR>(ob, 0, kk), kk > 0);
+  wgmma::commit();
+  wgmma::wait<kSplit ? 1 : 0>();  // S^T (groups retire in order)
+  wgmma::keep(st);
+#pragma unroll
+  for (int t = 0; t < BR / 8; t++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8;
+      st[t][e] = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - wgmma::ld_shared_f32(sL + ql)) : 0.f;
+    }
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
+  if constexpr (kSplit) {
+    wgmma::fence();
+    dv_product<E, BR, D>(dv, ap, ob);
+    wgmma::commit();
+    wgmma::wait<1>();  // dP^T
+  }
+  wgmma::keep(dpt);
+#pragma unroll
+  for (int t = 0; t < BR / 8; t++)
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+      dpt[t][e] = st[t][e] * (dpt[t][e] - wgmma::ld_shared_f32(sDl + t * 8 + 2 * c + (e & 1)));  // dS^T
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ad[ks], dpt[2 * ks], dpt[2 * ks + 1]);
+  wgmma::fence();
+  if constexpr (!kSplit) dv_product<E, BR, D>(dv, ap, ob);
+#pragma unroll
+  for (int ks = 0; ks < BR / 16; ks++)  // dK += dS^T Q, 16 queries (two 8-row groups of Q) per wgmma
+    wgmma::Mma<E, D>::rs(&dk[0][0], ad[ks], mnmajor<BR>(qb, ks), 1);
+  wgmma::commit();
+  if constexpr (kDq) store_ds<KB, BR>(sS, ad, wg * 64 + warp * 16, g, c);  // while dK (and dV) are in flight
+  wgmma::wait<0>();
+  wgmma::keep(dk);
+  wgmma::keep(dv);
+  wgmma::keep(ap);
+  wgmma::keep(ad);
+}
+
+// The fused backward's dQ part for one step: columns [n0, n0 + 32) of dS K_j over the CTA's KB keys (dS^T in the
+// (KB, BR) tile at aS, read MN-major; K^T (D, KB) at aKt, K-major): this warp's 16 queries x 32 columns.
+template <typename E, int KB, int D>
+__device__ __forceinline__ void dq_product(float (&part)[4][4], uint32_t aS, uint32_t aKt, int n0) {
+  wgmma::fence();
+#pragma unroll
+  for (int ks = 0; ks < KB / 16; ks++)
+    wgmma::Mma<E, 32>::ss_amn(&part[0][0], mnmajor<KB>(aS, ks), kmajor<D>(aKt, n0, ks), ks > 0);
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::keep(part);
+}
+
 // The first 1024-byte aligned address in dynamic shared memory (the launch asks for 1024 bytes more).
 __device__ __forceinline__ unsigned char* aligned(unsigned char* smem) {
   return smem + (1024 - wgmma::shared_addr(smem) % 1024) % 1024;

@@ -131,6 +131,12 @@ FASTGPT_WGMMA_DEFINE(__half, "f16")
 // Two bf16/fp16 values stored into a tile that wgmma then reads (the fused backward's dS^T): an ordinary shared
 // store (generic proxy), so a fence_proxy_async and a barrier must come between it and the wgmma.
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
+// Ordinary shared loads and stores, named so that the emulator can check their ordering (the backward's staged lse
+// and delta, the warp-specialised backward's dQ parts): the hardware needs only the barriers between them.
+__device__ __forceinline__ float ld_shared_f32(const float* p) { return *p; }
+__device__ __forceinline__ void st_shared_f32(float* p, float v) { *p = v; }
+__device__ __forceinline__ float4 ld_shared_v4(const float4* p) { return *p; }
+__device__ __forceinline__ void st_shared_v4(float4* p, float4 v) { *p = v; }
 
 // A spin-wait's limit: one that outlasts 60 s (a whole kernel takes milliseconds) traps, so that a broken protocol
 // ends as a launch error, not a hung process. stuck_since(t0) traps once the global timer is 60 s past t0.
@@ -183,10 +189,18 @@ __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
       : "memory");
   return done != 0;
 }
+// kLimit false spins without the limit: a trap that code may reach makes ptxas hold that code to the launch's
+// register count, not setmaxnreg's (the warp-specialised backward's consumers spilled at 168 registers).
+template <bool kLimit = true>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   if (mbar_test(bar, parity)) return;
-  const uint64_t t0 = globaltimer();
-  while (!mbar_test(bar, parity)) stuck_since(t0);
+  if constexpr (kLimit) {
+    const uint64_t t0 = globaltimer();
+    while (!mbar_test(bar, parity)) stuck_since(t0);
+  } else {
+    while (!mbar_test(bar, parity)) {
+    }
+  }
 }
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");

@@ -421,9 +421,10 @@ def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
     bits, and so do the mma.sync forward options with the same key block. The "sm90" options are Hopper kernels
     (warpgroup MMA, wgmma; fwd "sm90 ws ...": warp-specialised, one warpgroup copying K and V while the others take
     turns on the tensor cores; dkdv and dq: the deterministic backward's passes; dkdv "sm90 fused": one kernel that also
-    makes dq, deterministic too, for either backward, the dq option then unused): they need a GPU of compute capability
-    9.0 and a build with sm_90a code, choosing one elsewhere raises ValueError, and a call on another device of the
-    process runs the default. -> the previous choice, {"fwd": name, "dkdv": name, "dq": name}, which can be passed
+    makes dq, deterministic too, for either backward, the dq option then unused; dkdv "sm90 ws fused": the same bits
+    from a warp-specialised kernel, a loader warp and three dq-summing warps beside the two multiplying warpgroups,
+    head dim 128 running "sm90 fused"): they need a GPU of compute capability 9.0 and a build with sm_90a code,
+    choosing one elsewhere raises ValueError, and a call on another device of the process runs the default. -> the previous choice, {"fwd": name, "dkdv": name, "dq": name}, which can be passed
     back as flash_attention_tiles(**previous). Needs a build with CUDA."""
     options = flash_attention_tile_options()
     current = _ops.flash_attention_tiles()

@@ -95,6 +95,10 @@ struct Block {
   // last wgmma read of the chunk retired (kPending while in flight; 0 none).
   std::vector<int> wtid, rpend;
   std::vector<uint32_t> wclk, rclk;
+  // Per 16-byte chunk, the ordinary loads that the race check follows (wgmma.cuh's ld_shared_*): each reading
+  // thread with its clock at the load, until the next write; under reads_mu.
+  std::vector<std::vector<std::pair<int, uint32_t>>> reads;
+  std::mutex reads_mu;
   Clock sync_clock[2];  // __syncthreads: each thread's own entry, by barrier parity
   std::mutex sync_mu;   // the mbarriers and named barriers
   std::condition_variable sync_cv;
@@ -332,8 +336,33 @@ inline void note_write(size_t off, const char* what, bool pending) {
       race(what, "writes shared memory that another warpgroup's wgmma read, with no barrier after that read", chunk,
            g * 128);
   }
+  {
+    std::lock_guard<std::mutex> lock(b.reads_mu);
+    for (auto [t, clk] : b.reads[chunk])
+      if (t != (int)tl_tid.x && clk > tl_clock[t])
+        race(what, "writes shared memory another thread read, with no barrier after that read", chunk, t);
+    b.reads[chunk].clear();
+  }
   b.wtid[chunk] = tl_tid.x;
   b.wclk[chunk] = pending ? kPending : tl_clock[tl_tid.x];
+}
+// An ordinary load of a 16-byte chunk: the last write to it must be complete and seen through barriers; the load
+// is recorded for note_write's check of the next write.
+inline void note_read(size_t off, const char* what) {
+  Block& b = *tl_block;
+  const size_t chunk = off / 16;
+  const int wt = b.wtid[chunk];
+  if (wt >= 0 && b.wclk[chunk] == kPending)
+    race(what, "reads shared memory whose cp.async has not been waited for", chunk, wt);
+  if (wt >= 0 && wt != (int)tl_tid.x && tl_clock[wt] < b.wclk[chunk])
+    race(what, "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
+  std::lock_guard<std::mutex> lock(b.reads_mu);
+  for (auto& [t, clk] : b.reads[chunk])
+    if (t == (int)tl_tid.x) {
+      clk = tl_clock[tl_tid.x];
+      return;
+    }
+  b.reads[chunk].push_back({(int)tl_tid.x, tl_clock[tl_tid.x]});
 }
 inline void do_copy(Copy& c) {
   if (c.valid)
@@ -526,6 +555,26 @@ inline void st_shared_b32(void* p, uint32_t v) {
   memcpy(p, &v, 4);
   mark_unfenced(off, 4);
 }
+// Ordinary shared loads and stores the race check follows (wgmma.cuh's ld_shared_* / st_shared_*).
+template <typename T>
+inline T ld_shared(const T* p, const char* what) {
+  const size_t off = (const unsigned char*)p - tl_block->smem;
+  if (off % sizeof(T)) die("ld.shared not aligned to its size");
+  check_smem(p, sizeof(T));
+  note_read(off, what);
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+}
+template <typename T>
+inline void st_shared(T* p, T v, const char* what) {
+  const size_t off = (unsigned char*)p - tl_block->smem;
+  if (off % sizeof(T)) die("st.shared not aligned to its size");
+  check_smem(p, sizeof(T));
+  note_write(off, what, false);
+  memcpy(p, &v, sizeof(T));
+  mark_unfenced(off, sizeof(T));
+}
 // ---- mbarriers and named barriers (wgmma.cuh's, for the warp-specialised forward). A wait that cannot end is a
 // deadlock on the GPU too; here it is an error after kStuck (no emulated wait lasts more than a fraction of that).
 constexpr auto kStuck = std::chrono::seconds(120);
@@ -686,6 +735,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       blk.dirty.assign(bytes, 0);
       blk.wtid.assign(bytes / 16 + 1, -1), blk.wclk.assign(bytes / 16 + 1, 0);
       blk.rpend.assign((bytes / 16 + 1) * 8, 0), blk.rclk.assign((bytes / 16 + 1) * 8, 0);
+      blk.reads.assign(bytes / 16 + 1, {});
       blk.sync_clock[0].assign(nt, 0), blk.sync_clock[1].assign(nt, 0);
       if (nt % 128 == 0)
         for (int i = 0; i < nt / 128; i++) blk.wgs.push_back(std::make_unique<WarpGroup>());

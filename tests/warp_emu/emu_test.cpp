@@ -121,6 +121,16 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
   bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
   if (!ok) failures++;
   const cuda::FlashTiles tiles = cuda::flash_tiles();
+  if (getenv("EMU_HASH")) {  // a digest of the outputs' bits, to compare two builds of the same case (FNV-1a)
+    uint64_t hsh = 1469598103934665603ull;
+    for (const std::vector<double>* v : {&got.out, &got.lse, &got.dq, &got.dk, &got.dv})
+      for (double x : *v) {
+        uint64_t u;
+        memcpy(&u, &x, 8);
+        hsh = (hsh ^ u) * 1099511628211ull;
+      }
+    printf("hash %016llx ", (unsigned long long)hsh);
+  }
   printf("%s dt=%d%s cc=%d.x B=%d H=%d T=%d d=%d causal=%d %s det=%d lazy=%d tiles=%d%d%d: out %.2e lse %.2e dq %.2e "
          "dk %.2e dv %.2e%s\n", ok ? "ok  " : "FAIL", (int)dt,
          dt != DType::f32                  ? ""
@@ -200,10 +210,32 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
 // their parts in turn) after forward `fwd`, deterministic or not (it serves both): run() checks it against the
 // reference; its dK and dV must be the bits of the two-pass dkdv kernel (option 2; the same products in the same
 // order), and out and lse those of the same forward.
+// The warp-specialised form (dkdv option 4, "sm90 ws fused", flash_attention_bwd_ws_sm90a.cu; head dim 64, where
+// 128 runs option 3) must give option 3's bits (`fused`, a run of the same case) in dq, dk and dv: the same
+// products, sums and order.
+template <typename E>
+void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd,
+                const Outs& fused) {
+  cuda::set_flash_tiles({fwd, 4, 0});
+  const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
+  const bool same = o.out == fused.out && o.lse == fused.lse && o.dq == fused.dq && o.dk == fused.dk &&
+                    o.dv == fused.dv;
+  if (!same) failures++;
+  printf("%s sm90 ws fused: dq, dk, dv are sm90 fused's bits\n", same ? "ok  " : "FAIL");
+  cuda::set_flash_tiles({0, 0, 0});
+  fflush(stdout);
+}
+template <typename E>
+void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd) {
+  cuda::set_flash_tiles({fwd, 3, 0});
+  run_ws_bwd<E>(B, H, T, causal, bthd, dt, tol, seed, fwd, run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed));
+}
+
 template <typename E>
 void run_fused_sm90(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd) {
   cuda::set_flash_tiles({fwd, 2, 3});
   const Outs two = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
+  Outs fused;
   for (bool det : {true, false}) {
     cuda::set_flash_tiles({fwd, 3, 0});
     const Outs o = run<E>(B, H, T, d, causal, bthd, det, dt, tol, seed);
@@ -211,7 +243,9 @@ void run_fused_sm90(int B, int H, int T, int d, bool causal, bool bthd, DType dt
     if (!same) failures++;
     printf("%s sm90 fused det=%d: dk, dv (and out, lse) are the two-pass sm90 dkdv's bits\n", same ? "ok  " : "FAIL",
            det);
+    if (det) fused = o;
   }
+  if (d == 64) run_ws_bwd<E>(B, H, T, causal, bthd, dt, tol, seed, fwd, fused);
   cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);
 }
@@ -796,6 +830,13 @@ int main(int argc, char** argv) {
                                           seed++, T % 3 ? 3 : 0);
       run_fused_sm90<__half>(2, 1, 257, 64, true, false, DType::f16, 5e-3, seed++, 4);
       run_fused_sm90<__half>(1, 2, 190, 128, false, true, DType::f16, 5e-3, seed++, 5);
+    } else if (mode == "wsbwd") {  // the warp-specialised fused backward alone: T below, at and past its tiles,
+      // rings reused (T 520: eight steps), key blocks past the diagonal
+      for (int T : {1, 64, 65, 129, 260, 520})
+        for (int causal : {0, 1})
+          run_ws_bwd<__nv_bfloat16>(T < 200 ? 2 : 1, 2, T, causal, (T + causal) % 2, DType::bf16, 3e-2, seed++,
+                                    T % 3 ? 3 : 6);
+      run_ws_bwd<__half>(2, 1, 190, true, false, DType::f16, 5e-3, seed++, 0);
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
     } else if (mode == "decode") {

@@ -22,10 +22,15 @@ struct Mma {
   }
 };
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { emu::st_shared_b32(p, v); }
+__device__ __forceinline__ float ld_shared_f32(const float* p) { return emu::ld_shared(p, "a load"); }
+__device__ __forceinline__ void st_shared_f32(float* p, float v) { emu::st_shared(p, v, "a store"); }
+__device__ __forceinline__ float4 ld_shared_v4(const float4* p) { return emu::ld_shared(p, "a load"); }
+__device__ __forceinline__ void st_shared_v4(float4* p, float4 v) { emu::st_shared(p, v, "a store"); }
 __device__ __forceinline__ void wait_count(const int* counter, int want) { emu::wait_count(counter, want); }
 __device__ __forceinline__ void add_count(int* counter) { emu::add_count(counter); }
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) { emu::mbar_init(bar, count); }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) { emu::mbar_arrive(bar); }
+template <bool kLimit = true>  // the emulator's waits all have its own limit
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) { emu::mbar_wait(bar, parity); }
 __device__ __forceinline__ void bar_sync(int id, int count) { emu::bar_sync(id, count); }
 __device__ __forceinline__ void bar_arrive(int id, int count) { emu::bar_arrive(id, count); }

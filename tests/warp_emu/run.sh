@@ -11,10 +11,9 @@
 # kernel sources are used as they are: only the asm helpers, the shared-memory declarations and the <<<>>> launches
 # are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|tiles|f32|tf32|sm75|sm90|ws|fused|decode|ce|ln|adamw|encoder|big|peaky|grid, LAZY 0|1; or MODE
-#   cute
-#   (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the emulator's wgmma
-#   against CUTLASS.
+#   MODE quick|mix|tc|tiles|f32|tf32|sm75|sm90|ws|fused|wsbwd|decode|ce|ln|adamw|encoder|big|peaky|grid, LAZY
+#   0|1; or MODE cute (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the
+#   emulator's wgmma against CUTLASS.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../../csrc" && pwd)
@@ -30,7 +29,8 @@ cp "$here/emu.h" "$here/emu_ops.h" "$here/emu_wgmma.h" "$out/"
 awk '/^\/\/ ---- PTX/{skip=1; print "#include \"../emu_wgmma.h\""} /^\/\/ ---- end of PTX/{skip=0} !skip{print}' \
   "$src/cuda/wgmma.cuh" > "$out/cuda/wgmma.cuh"
 units=(flash_attention_fwd flash_attention_bwd flash_attention flash_attention_sm90a flash_attention_ws_sm90a
-       flash_attention_bwd_sm90a flash_attention_tf32 attention cast attention_decode cross_entropy layernorm
+       flash_attention_bwd_sm90a flash_attention_bwd_ws_sm90a flash_attention_tf32 attention cast attention_decode
+       cross_entropy layernorm
        residual_layernorm adamw encoder)
 for f in "${units[@]}"; do
   # cast.cu (the 16-bit fallback of attention.cu widens and narrows through it), attention_decode.cu,

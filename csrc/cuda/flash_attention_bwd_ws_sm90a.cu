@@ -1,0 +1,252 @@
+// Flash attention's fused backward for Hopper, warp-specialised (sm_90a only): flash_attention_bwd_sm90a.cu's
+// "sm90 fused" kernel (dk, dv and dq in one; the steps are flash_attention_sm90.cuh's dkdv_block and dq_product)
+// with the CTA split by role, as FlashAttention-3's backward splits it. That kernel stops both warpgroups three
+// times per query step at __syncthreads, and the dQ sums across CTAs (wait for the turn, read the sum so far from
+// L2, add, write back) sit between one step's products and the next. Here:
+// - Warpgroup 0 does not multiply. Its warp 0 copies K and V once, then each step's Q, dO (cp.async) and lse,
+//   delta into a ring of kStages buffers, each published on a "full" mbarrier once landed and fenced for wgmma, and
+//   refilled after its "empty" one. Its warps 1-3 (the writer) add each step's dQ part to the CTA's turn in the
+//   ordered sums, from a ring of kDqStages fp32 parts in shared memory. The warpgroup gives registers back
+//   (setmaxnreg), so the other two get 232.
+// - Warpgroups 1 and 2 own 64 keys each and only multiply: a step waits for its buffer, makes dV, dK and dS^T, hands
+//   the buffer back, meets the other warpgroup at one named barrier (dS^T of all 128 keys is in shared memory; two
+//   dS^T tiles alternate, so one barrier per step is enough), multiplies its half of the step's dQ part and leaves
+//   it in the ring. They never wait for another CTA unless the ring is full.
+// The sums, their order (highest key block first; key block 0 writes dq) and therefore dq, dk and dv are the "sm90
+// fused" kernel's bits. Head dim 64 only (the dkdv option "sm90 ws fused"; at 128 that option runs "sm90 fused":
+// the kernel there needs all 255 registers). Written and run only in the warp emulator (tests/warp_emu) so far.
+#include <cstdint>
+#include <stdexcept>
+
+#include "cuda/check.h"
+#include "cuda/flash_attention_sm90.cuh"
+
+namespace fastgpt::cuda::flash {
+
+namespace {
+
+constexpr int KB = 128, BR = 64;               // keys per CTA, queries per step
+constexpr int kStages = 2, kDqStages = 2;      // Q/dO/lse/delta buffers, dQ part buffers
+constexpr int kNT = 384, kWriters = 96;        // threads: warpgroup 0 (loader warp, writer warps), two consumers
+constexpr int kConsumerBar = 1, kWriterBar = 2;  // named barriers (0 is __syncthreads)
+constexpr int kCopierRegs = 56, kConsumerRegs = 224;
+// setmaxnreg.inc blocks until the pool has the registers: ptxas gives the launch 168 per thread (65536 / 384), and
+// the consumers' 2 x 128 x (224 - 168) must come from warpgroup 0's 128 x (168 - 56).
+static_assert(128 * (168 - kCopierRegs) >= 256 * (kConsumerRegs - 168), "registers: the pool");
+
+// The mbarriers after the tiles: K and V full, then per stage Q full and empty, then per dQ stage full and empty.
+struct Bars {
+  uint32_t base;
+  __device__ uint32_t kv_full() const { return base; }
+  __device__ uint32_t q_full(int s) const { return base + 8 * (1 + 2 * s); }
+  __device__ uint32_t q_empty(int s) const { return base + 8 * (2 + 2 * s); }
+  __device__ uint32_t dq_full(int s) const { return base + 8 * (1 + 2 * kStages + 2 * s); }
+  __device__ uint32_t dq_empty(int s) const { return base + 8 * (2 + 2 * kStages + 2 * s); }
+};
+constexpr int kBarBytes = 8 * (1 + 2 * kStages + 2 * kDqStages);
+
+// Shared memory, every tile 1024-byte aligned (their sizes are multiples of 1024).
+template <int D>
+struct Layout {
+  static constexpr int kKBytes = sm90::tile_bytes<KB, D>(), kQBytes = sm90::tile_bytes<BR, D>();
+  static constexpr int kSBytes = sm90::tile_bytes<KB, BR>(), kDqBytes = BR * D * 4, kLdBytes = 2 * BR * 4;
+  static constexpr int kK = 0, kV = kKBytes, kKt = 2 * kKBytes;   // (KB, D), (KB, D), (D, KB) K^T
+  static constexpr int kQ = 3 * kKBytes;                          // kStages x (BR, D)
+  static constexpr int kdO = kQ + kStages * kQBytes;              // kStages x (BR, D)
+  static constexpr int kS = kdO + kStages * kQBytes;              // 2 x (KB, BR) dS^T
+  static constexpr int kDq = kS + 2 * kSBytes;                    // kDqStages x (BR, D) fp32, in fragment order
+  static constexpr int kLd = kDq + kDqStages * kDqBytes;          // kStages x (lse in log2 units, delta) x BR
+  static constexpr int kBars = kLd + kStages * kLdBytes;
+  static constexpr int kBytes = kBars + kBarBytes + 1024;         // and room to align
+};
+
+// A step's dQ part in the ring and in the fp32 sums is in fragment order: float4 number
+// (((consumer * (D / 64) + column block) * 4 + warp) * 4 + t) * 32 + lane holds that lane's accumulators of 8-column
+// tile t (rows g and g + 8, columns 2c and 2c + 1): each warp stores and each writer thread loads 16 contiguous
+// bytes per lane (no bank conflicts), and the sums are one coalesced pass. Row and column of float4 number q:
+template <int D>
+__device__ __forceinline__ void dq_coords(int q, int& row, int& col) {
+  const int lane = q % 32, t = q / 32 % 4, warp = q / 128 % 4, cb = q / 512 % (D / 64), ci = q / (512 * (D / 64));
+  row = 16 * warp + lane / 4;
+  col = ci * (D / 2) + cb * 32 + 8 * t + 2 * (lane % 4);
+}
+
+// Warp 0 of warpgroup 0: K and V, then for each step Q, dO (one cp.async group with them) and lse, delta (ordinary
+// stores), a step's buffer refilled once its empty barrier says both consumers are done with it. A group is
+// published (its full barrier arrived at by all 32 lanes) once the next one is issued and it has landed and been
+// fenced for wgmma, so that one is always in flight behind the one being published.
+template <typename E, int D>
+__device__ __forceinline__ void loader(const Params& p, unsigned char* sm, Bars bars, int bh, int k0, int i_first,
+                                       int n_q, int64_t in_off, int64_t out_off, int lane) {
+  using L = Layout<D>;
+  const int T = p.T;
+  const E* Q = static_cast<const E*>(p.q) + in_off;
+  const E* dO = static_cast<const E*>(p.dout) + out_off;
+  sm90::load<E, KB, D, 32>(sm + L::kK, static_cast<const E*>(p.k) + in_off, p.is.st, k0, T, lane);
+  sm90::load<E, KB, D, 32>(sm + L::kV, static_cast<const E*>(p.v) + in_off, p.is.st, k0, T, lane);
+  cp_async_commit();
+  uint32_t last = bars.kv_full();
+  for (int i = i_first; i < n_q; i++) {
+    const int u = i - i_first, s = u % kStages, use = u / kStages, q0 = i * BR;
+    if (use > 0) wgmma::mbar_wait(bars.q_empty(s), (use - 1) & 1);
+    sm90::load<E, BR, D, 32>(sm + L::kQ + s * L::kQBytes, Q, p.is.st, q0, T, lane);
+    sm90::load<E, BR, D, 32>(sm + L::kdO + s * L::kQBytes, dO, p.os.st, q0, T, lane);
+    cp_async_commit();
+    float* ld = reinterpret_cast<float*>(sm + L::kLd + s * L::kLdBytes);
+    for (int r = lane; r < BR; r += 32) {  // as stage_lse_delta: zeros past T
+      const int q = q0 + r;
+      wgmma::st_shared_f32(ld + r, q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f);
+      wgmma::st_shared_f32(ld + BR + r, q < T ? p.delta[(int64_t)bh * T + q] : 0.f);
+    }
+    cp_async_wait<1>();
+    wgmma::fence_proxy_async();
+    wgmma::mbar_arrive(last);
+    last = bars.q_full(s);
+  }
+  cp_async_wait<0>();
+  wgmma::fence_proxy_async();
+  wgmma::mbar_arrive(last);
+}
+
+// Warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn to the sums of
+// query step i (as dq_part in flash_attention_bwd_sm90a.cu: the same additions in the same order), key block 0
+// writing dq (times the scale, rounded once) instead. The part's buffer is handed back as soon as it is read; the
+// turn is passed on (a barrier of the 96, then one thread's release add) once every sum is out.
+template <typename E, int D>
+__device__ __forceinline__ void writer(const Params& p, unsigned char* sm, Bars bars, int bh, int j, int n_kb,
+                                       int i_first, int n_q, int64_t in_off, int wt) {
+  using L = Layout<D>;
+  constexpr int kChunks = BR * D / 4;
+  E* dq = static_cast<E*>(p.dq) + in_off;
+  for (int i = i_first; i < n_q; i++) {
+    const int u = i - i_first, s = u % kDqStages, q0 = i * BR;
+    const int jmax = p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1, turn = jmax - j;
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + ((int64_t)bh * n_q + i) * BR * D);
+    int* counter = p.dq_turn + (int64_t)bh * n_q + i;
+    const float4* part = reinterpret_cast<const float4*>(sm + L::kDq + s * L::kDqBytes);
+    wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
+    if (wt == 0) wgmma::wait_count(counter, turn);
+    wgmma::bar_sync(kWriterBar, kWriters);  // the turn is this CTA's: the sums before it are visible
+    for (int q = wt; q < kChunks; q += kWriters) {
+      float4 v = wgmma::ld_shared_v4(part + q);
+      if (turn > 0) {  // the sum so far, from L2 (another SM wrote it)
+        const float4 o = __ldcg(acc + q);
+        v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
+      }
+      if (j > 0) {
+        __stcg(acc + q, v);
+      } else {
+        int row, col;
+        dq_coords<D>(q, row, col);
+        if (q0 + row < p.T) store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v.x * p.scale, v.y * p.scale);
+        if (q0 + row + 8 < p.T)
+          store_two(dq + (int64_t)(q0 + row + 8) * p.is.st + col, v.z * p.scale, v.w * p.scale);
+      }
+    }
+    wgmma::mbar_arrive(bars.dq_empty(s));
+    if (j > 0) {
+      wgmma::bar_sync(kWriterBar, kWriters);
+      if (wt == 0) wgmma::add_count(counter);
+    }
+  }
+}
+
+template <typename E, int D>
+__global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
+  using L = Layout<D>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* sm = sm90::aligned(smem_raw);
+  const Bars bars{wgmma::shared_addr(sm + L::kBars)};
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  // One grid row, each (b, h)'s key blocks counted down: a CTA waits only for CTAs started before it (the turns).
+  const int n_kb = (p.T + KB - 1) / KB;
+  const int bh = blockIdx.x / n_kb, j = n_kb - 1 - blockIdx.x % n_kb;
+  const int b = bh / p.H, h = bh % p.H, T = p.T, k0 = j * KB;
+  const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
+  const int i_first = p.causal ? k0 / BR : 0, n_q = (T + BR - 1) / BR;
+
+  if (tid == 0) {
+    wgmma::mbar_init(bars.kv_full(), 32);  // the loader's lanes
+    for (int s = 0; s < kStages; s++) {
+      wgmma::mbar_init(bars.q_full(s), 32);
+      wgmma::mbar_init(bars.q_empty(s), 256);  // every consumer thread (each read lse and delta itself)
+    }
+    for (int s = 0; s < kDqStages; s++) {
+      wgmma::mbar_init(bars.dq_full(s), 256);  // every consumer thread (each stored its part)
+      wgmma::mbar_init(bars.dq_empty(s), kWriters);
+    }
+  }
+  __syncthreads();  // the barriers are initialised before anyone uses them; the only CTA-wide barrier
+
+  if (wg == 0) {
+    wgmma::regs_dec<kCopierRegs>();
+    if (tid < 32)
+      loader<E, D>(p, sm, bars, bh, k0, i_first, n_q, in_off, out_off, tid);
+    else
+      writer<E, D>(p, sm, bars, bh, j, n_kb, i_first, n_q, in_off, tid - 32);
+    return;
+  }
+  wgmma::regs_inc<kConsumerRegs>();
+  const int ci = wg - 1, ct = tid - 128;  // this consumer's 64 keys; the consumers' thread index
+  const int warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const uint32_t aK = wgmma::shared_addr(sm + L::kK), aV = wgmma::shared_addr(sm + L::kV);
+  const uint32_t aKt = wgmma::shared_addr(sm + L::kKt);
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D
+
+  wgmma::mbar_wait<false>(bars.kv_full(), 0);
+  sm90::transpose<KB, D, 256>(sm + L::kKt, sm + L::kK, ct);  // read by wgmma after the first step's barrier
+  for (int i = i_first; i < n_q; i++) {
+    const int u = i - i_first, s = u % kStages, sd = u % kDqStages, q0 = i * BR;
+    const float* ld = reinterpret_cast<const float*>(sm + L::kLd + s * L::kLdBytes);
+    unsigned char* sS = sm + L::kS + (u & 1) * L::kSBytes;
+    wgmma::mbar_wait<false>(bars.q_full(s), (u / kStages) & 1);
+    sm90::dkdv_block<E, KB, BR, D, true>(dk, dv, aK, aV, wgmma::shared_addr(sm + L::kQ + s * L::kQBytes),
+                                         wgmma::shared_addr(sm + L::kdO + s * L::kQBytes), ld, ld + BR, sS, p, ci,
+                                         k0, q0, ct);
+    wgmma::mbar_arrive(bars.q_empty(s));  // its wgmma have retired, its lse and delta loads are done
+    wgmma::fence_proxy_async();           // its dS^T (and K^T) stores, for wgmma
+    // Both consumers' dS^T are in sS. The other dS^T tile is free: the other consumer passed this barrier after its
+    // last product from it.
+    wgmma::bar_sync(kConsumerBar, 256);
+    if (u >= kDqStages) wgmma::mbar_wait<false>(bars.dq_empty(sd), (u / kDqStages - 1) & 1);
+    float4* ring = reinterpret_cast<float4*>(sm + L::kDq + sd * L::kDqBytes);
+#pragma unroll
+    for (int cb = 0; cb < D / 64; cb++) {
+      float part[4][4];  // this warp's 16 queries x 32 columns of dQ
+      sm90::dq_product<E, KB, D>(part, wgmma::shared_addr(sS), aKt, ci * (D / 2) + cb * 32);
+#pragma unroll
+      for (int t = 0; t < 4; t++)
+        wgmma::st_shared_v4(ring + (((ci * (D / 64) + cb) * 4 + warp) * 4 + t) * 32 + lane,
+                            make_float4(part[t][0], part[t][1], part[t][2], part[t][3]));
+    }
+    wgmma::mbar_arrive(bars.dq_full(sd));
+  }
+
+  const int kw0 = k0 + ci * 64 + warp * 16;
+  store_tile_rows(dk, kw0, g, c, T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
+  store_tile_rows(dv, kw0, g, c, T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
+}
+
+}  // namespace
+
+// The dkdv option "sm90 ws fused" at head dim 64 (flash_attention_bwd.cu sends head dim 128 to backward_fused_sm90).
+// The turn counters and dq_accum are the "sm90 fused" kernel's (flash_attention.cu allocates them for both).
+template <typename E>
+void backward_ws_sm90(const Params& p, Stream stream) {
+  if (p.d != 64) throw std::logic_error("backward_ws_sm90: head dim 64 only");
+  if ((int64_t)p.B * p.H * ((p.T + KB - 1) / KB) > INT32_MAX)
+    throw std::invalid_argument("flash attention backward ('sm90 ws fused'): B * H * ceil(T / 128) must be below 2^31");
+  const int64_t turns = (int64_t)p.B * p.H * ((p.T + BR - 1) / BR);
+  FASTGPT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, turns * sizeof(int), stream));
+  constexpr int bytes = Layout<64>::kBytes;
+  FASTGPT_CUDA_CHECK(
+      cudaFuncSetAttribute(backward_ws_kernel<E, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  backward_ws_kernel<E, 64><<<p.B * p.H * ((p.T + KB - 1) / KB), kNT, bytes, stream>>>(p);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
+
+template void backward_ws_sm90<__nv_bfloat16>(const Params&, Stream);
+template void backward_ws_sm90<__half>(const Params&, Stream);
+
+}  // namespace fastgpt::cuda::flash
