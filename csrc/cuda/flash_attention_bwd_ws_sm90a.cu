@@ -7,7 +7,7 @@
 //   delta into a ring of kStages buffers, each published on a "full" mbarrier once landed and fenced for wgmma, and
 //   refilled after its "empty" one. Its warps 1-3 (the writer) add each step's dQ part to the CTA's turn in the
 //   ordered sums, from a ring of kDqStages fp32 parts in shared memory. The warpgroup gives registers back
-//   (setmaxnreg), so the other two get 232.
+//   (setmaxnreg), so the other two get 208 (they use 181; the writer's batched loads use 74).
 // - Warpgroups 1 and 2 own 64 keys each and only multiply: a step waits for its buffer, makes dV, dK and dS^T, hands
 //   the buffer back, meets the other warpgroup at one named barrier (dS^T of all 128 keys is in shared memory; two
 //   dS^T tiles alternate, so one barrier per step is enough), multiplies its half of the step's dQ part and leaves
@@ -29,9 +29,9 @@ constexpr int KB = 128, BR = 64;               // keys per CTA, queries per step
 constexpr int kStages = 2, kDqStages = 2;      // Q/dO/lse/delta buffers, dQ part buffers
 constexpr int kNT = 384, kWriters = 96;        // threads: warpgroup 0 (loader warp, writer warps), two consumers
 constexpr int kConsumerBar = 1, kWriterBar = 2;  // named barriers (0 is __syncthreads)
-constexpr int kCopierRegs = 56, kConsumerRegs = 224;
+constexpr int kCopierRegs = 80, kConsumerRegs = 208;
 // setmaxnreg.inc blocks until the pool has the registers: ptxas gives the launch 168 per thread (65536 / 384), and
-// the consumers' 2 x 128 x (224 - 168) must come from warpgroup 0's 128 x (168 - 56).
+// the consumers' 2 x 128 x (208 - 168) must come from warpgroup 0's 128 x (168 - 80).
 static_assert(128 * (168 - kCopierRegs) >= 256 * (kConsumerRegs - 168), "registers: the pool");
 
 // The mbarriers after the tiles: K and V full, then per stage Q full and empty, then per dQ stage full and empty.
@@ -116,7 +116,7 @@ template <typename E, int D>
 __device__ __forceinline__ void writer(const Params& p, unsigned char* sm, Bars bars, int bh, int j, int n_kb,
                                        int i_first, int n_q, int64_t in_off, int wt) {
   using L = Layout<D>;
-  constexpr int kChunks = BR * D / 4;
+  constexpr int kChunks = BR * D / 4, kBatch = 4;  // 4: no spills at 80 registers (5: 28 bytes)
   E* dq = static_cast<E*>(p.dq) + in_off;
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kDqStages, q0 = i * BR;
@@ -127,20 +127,36 @@ __device__ __forceinline__ void writer(const Params& p, unsigned char* sm, Bars 
     wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
     if (wt == 0) wgmma::wait_count(counter, turn);
     wgmma::bar_sync(kWriterBar, kWriters);  // the turn is this CTA's: the sums before it are visible
-    for (int q = wt; q < kChunks; q += kWriters) {
-      float4 v = wgmma::ld_shared_v4(part + q);
-      if (turn > 0) {  // the sum so far, from L2 (another SM wrote it)
-        const float4 o = __ldcg(acc + q);
-        v.x += o.x, v.y += o.y, v.z += o.z, v.w += o.w;
-      }
+    // kBatch chunks per thread at a time, all their loads issued before the first add: three round trips to L2
+    // per step (d 64), not one per chunk.
+    for (int qb = wt; qb < kChunks; qb += kBatch * kWriters) {
+      const float4* pb = part + qb;
+      float4* ab = acc + qb;
+      float4 v[kBatch], o[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; k++)
+        if (qb + k * kWriters < kChunks) {
+          v[k] = wgmma::ld_shared_v4(pb + k * kWriters);
+          if (turn > 0) o[k] = __ldcg(ab + k * kWriters);  // the sum so far, from L2 (another SM wrote it)
+        }
+#pragma unroll
+      for (int k = 0; k < kBatch; k++)
+        if (turn > 0) v[k].x += o[k].x, v[k].y += o[k].y, v[k].z += o[k].z, v[k].w += o[k].w;
       if (j > 0) {
-        __stcg(acc + q, v);
-      } else {
+#pragma unroll
+        for (int k = 0; k < kBatch; k++)
+          if (qb + k * kWriters < kChunks) __stcg(ab + k * kWriters, v[k]);
+        continue;
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; k++) {
         int row, col;
-        dq_coords<D>(q, row, col);
-        if (q0 + row < p.T) store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v.x * p.scale, v.y * p.scale);
+        dq_coords<D>(qb + k * kWriters, row, col);
+        if (qb + k * kWriters >= kChunks) continue;
+        if (q0 + row < p.T)
+          store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v[k].x * p.scale, v[k].y * p.scale);
         if (q0 + row + 8 < p.T)
-          store_two(dq + (int64_t)(q0 + row + 8) * p.is.st + col, v.z * p.scale, v.w * p.scale);
+          store_two(dq + (int64_t)(q0 + row + 8) * p.is.st + col, v[k].z * p.scale, v[k].w * p.scale);
       }
     }
     wgmma::mbar_arrive(bars.dq_empty(s));
