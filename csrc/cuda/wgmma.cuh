@@ -189,8 +189,9 @@ __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
       : "memory");
   return done != 0;
 }
-// kLimit false spins without the limit: a trap that code may reach makes ptxas hold that code to the launch's
-// register count, not setmaxnreg's (the warp-specialised backward's consumers spilled at 168 registers).
+// kLimit false spins without the limit: in the warp-specialised backward's consumers, a reachable trap made ptxas
+// hold their code to the launch's 168 registers, not setmaxnreg's (they spilled; the forward's were not held, for
+// reasons unknown).
 template <bool kLimit = true>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   if (mbar_test(bar, parity)) return;
