@@ -411,6 +411,46 @@ def test_cuda_tile_options_give_the_first_options_bits(rng, default_tiles, causa
     assert lse_err(lse, ref[1]) < 1e-3
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_runs_on_the_callers_stream(rng, dtype):
+    q, k, v, dout = cuda_inputs(2, 3, 300, 64, "bhtd", dtype, rng)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
+    with torch.cuda.stream(s):
+        out, lse = ops.flash_attention_forward(q, k, v)
+        grads = ops.flash_attention_backward(dout, q, k, v, out, lse)
+    s.synchronize()
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == dtype
+    ref = reference(q, k, v, dout, True, "bhtd")
+    if dtype == torch.float32:
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads), ref):
+            assert_close(name, host(got), host(want))
+    else:
+        pt = torch_sdpa(q, k, v, dout, True, "bhtd")
+        for name, got, yardstick, want in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), pt,
+                                              ref[:1] + ref[2:]):
+            check_rule(name, got, yardstick, want)
+
+
+@needs_cuda
+def test_cuda_half_needs_d_64_or_128():
+    q = torch.randn(1, 2, 16, 12, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim d 64 or 128"):
+        ops.flash_attention_forward(q, q.clone(), q.clone())
+
+
+@needs_cuda
+def test_cuda_mixed_devices_and_dtypes():
+    q = torch.randn(1, 2, 16, 64, device="cuda")
+    with pytest.raises(ValueError, match="k must be on the GPU"):
+        ops.flash_attention_forward(q, q.cpu(), q)
+    with pytest.raises(ValueError, match="v must have the same dtype as q"):
+        ops.flash_attention_forward(q, q, q.to(torch.bfloat16))
+
+
+# The Hopper kernels last: they have never run on a GPU, and a trap (their 60 s wait limit) or a fault there would
+# leave the CUDA context unusable for the tests after them in this process.
 @pytest.mark.skipif(not sm90_device(), reason="the sm90 kernels need a GPU of compute capability 9.0")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -489,41 +529,3 @@ def test_cuda_sm90_ws_forward_is_the_sm90_bits(rng, default_tiles, d, causal):
         for _ in range(5):
             got = forward(fwd)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{fwd}: not the sm90 bits"
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_runs_on_the_callers_stream(rng, dtype):
-    q, k, v, dout = cuda_inputs(2, 3, 300, 64, "bhtd", dtype, rng)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
-    with torch.cuda.stream(s):
-        out, lse = ops.flash_attention_forward(q, k, v)
-        grads = ops.flash_attention_backward(dout, q, k, v, out, lse)
-    s.synchronize()
-    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == dtype
-    ref = reference(q, k, v, dout, True, "bhtd")
-    if dtype == torch.float32:
-        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads), ref):
-            assert_close(name, host(got), host(want))
-    else:
-        pt = torch_sdpa(q, k, v, dout, True, "bhtd")
-        for name, got, yardstick, want in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), pt,
-                                              ref[:1] + ref[2:]):
-            check_rule(name, got, yardstick, want)
-
-
-@needs_cuda
-def test_cuda_half_needs_d_64_or_128():
-    q = torch.randn(1, 2, 16, 12, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="head dim d 64 or 128"):
-        ops.flash_attention_forward(q, q.clone(), q.clone())
-
-
-@needs_cuda
-def test_cuda_mixed_devices_and_dtypes():
-    q = torch.randn(1, 2, 16, 64, device="cuda")
-    with pytest.raises(ValueError, match="k must be on the GPU"):
-        ops.flash_attention_forward(q, q.cpu(), q)
-    with pytest.raises(ValueError, match="v must have the same dtype as q"):
-        ops.flash_attention_forward(q, q, q.to(torch.bfloat16))
