@@ -37,6 +37,10 @@ def main():
     combos = [(f, 0, 0) for f in range(1, len(options["fwd"]))] + [
         (0, k, q) for k, q in itertools.product(range(len(options["dkdv"])), range(len(options["dq"])))
         if (k or q) and not ("fused" in options["dkdv"][k] and q)]
+    # The Hopper ones last, the warp-specialised after the rest: they have never run on a GPU, and a trap (their 60 s
+    # wait limit) or a fault would end the process before the choices after it.
+    combos.sort(key=lambda c: sum(2 if " ws" in n else 1 for n in (options["fwd"][c[0]], options["dkdv"][c[1]],
+                                                                     options["dq"][c[2]]) if n.startswith("sm90")))
     try:
         for fwd, dkdv, dq in combos:
             names = (options["fwd"][fwd], options["dkdv"][dkdv], options["dq"][dq])
