@@ -210,6 +210,8 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
   const uint32_t aKt = wgmma::shared_addr(sm + L::kKt);
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D
 
+  // The consumers' waits have no 60 s limit (wgmma.cuh's mbar_wait: with it, ptxas held this code to 168 registers).
+  // A consumer that never gets its buffer still ends in a trap: the writer waits, with the limit, for its dQ part.
   wgmma::mbar_wait<false>(bars.kv_full(), 0);
   sm90::transpose<KB, D, 256>(sm + L::kKt, sm + L::kK, ct);  // read by wgmma after the first step's barrier
   for (int i = i_first; i < n_q; i++) {
