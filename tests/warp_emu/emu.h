@@ -1,9 +1,10 @@
 // Host emulation of the CUDA features the flash kernels use: one OS thread per CUDA thread, barriers for
 // __syncthreads and for warp collectives (ldmatrix, mma, shfl), cp.async eager or lazy; for Hopper, wgmma, mbarriers
-// and named barriers. Shared memory that wgmma reads is checked for races by vector clocks: every barrier (CTA-wide,
-// named, mbarrier) carries what its arrivals had seen to those who wait on it, and a read or write of a 16-byte chunk
-// that no chain of barriers orders after the last conflicting access is an error, whichever order the OS threads
-// happened to run in.
+// and named barriers. Shared memory that wgmma reads, and the ordinary loads and stores made through wgmma.cuh's
+// ld_shared_*/st_shared_*, are checked for races by vector clocks: every barrier (CTA-wide, named, mbarrier) carries
+// what its arrivals had seen to those who wait on it, and a read or write of a 16-byte chunk that no chain of
+// barriers orders after the last conflicting access (the chunk's last write; every load of it since) is an error,
+// whichever order the OS threads happened to run in.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,10 +20,10 @@
 #include <cstring>
 #include <functional>
 #include <latch>
-#include <semaphore>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <semaphore>
 #include <thread>
 #include <vector>
 using std::max;
@@ -578,7 +579,7 @@ inline void st_shared(T* p, T v, const char* what) {
   memcpy(p, &v, sizeof(T));
   mark_unfenced(off, sizeof(T));
 }
-// ---- mbarriers and named barriers (wgmma.cuh's, for the warp-specialised forward). A wait that cannot end is a
+// ---- mbarriers and named barriers (wgmma.cuh's, for the warp-specialised kernels). A wait that cannot end is a
 // deadlock on the GPU too; here it is an error after kStuck (no emulated wait lasts more than a fraction of that).
 constexpr auto kStuck = std::chrono::seconds(120);
 // Waits (under `lock`, on the block's sync_mu) until phase `at` of `b` has completed, and takes what it carries.

@@ -206,10 +206,6 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
   fflush(stdout);
 }
 
-// The fused Hopper backward (dkdv option 3, "sm90 fused": dq made in the dkdv kernel, the CTAs of a (b, h) adding
-// their parts in turn) after forward `fwd`, deterministic or not (it serves both): run() checks it against the
-// reference; its dK and dV must be the bits of the two-pass dkdv kernel (option 2; the same products in the same
-// order), and out and lse those of the same forward.
 // The warp-specialised form (dkdv option 4, "sm90 ws fused", flash_attention_bwd_ws_sm90a.cu; head dim 64, where
 // 128 runs option 3) must give option 3's bits (`fused`, a run of the same case) in dq, dk and dv: the same
 // products, sums and order.
@@ -231,6 +227,10 @@ void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double to
   run_ws_bwd<E>(B, H, T, causal, bthd, dt, tol, seed, fwd, run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed));
 }
 
+// The fused Hopper backward (dkdv option 3, "sm90 fused": dq made in the dkdv kernel, the CTAs of a (b, h) adding
+// their parts in turn) after forward `fwd`, deterministic or not (it serves both): run() checks it against the
+// reference; its dK and dV must be the bits of the two-pass dkdv kernel (option 2; the same products in the same
+// order), and out and lse those of the same forward; at head dim 64 the warp-specialised form follows (run_ws_bwd).
 template <typename E>
 void run_fused_sm90(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd) {
   cuda::set_flash_tiles({fwd, 2, 3});
@@ -831,7 +831,7 @@ int main(int argc, char** argv) {
       run_fused_sm90<__half>(2, 1, 257, 64, true, false, DType::f16, 5e-3, seed++, 4);
       run_fused_sm90<__half>(1, 2, 190, 128, false, true, DType::f16, 5e-3, seed++, 5);
     } else if (mode == "wsbwd") {  // the warp-specialised fused backward alone: T below, at and past its tiles,
-      // rings reused (T 520: eight steps), key blocks past the diagonal
+      // rings reused (T 520: nine steps), key blocks past the diagonal
       for (int T : {1, 64, 65, 129, 260, 520})
         for (int causal : {0, 1})
           run_ws_bwd<__nv_bfloat16>(T < 200 ? 2 : 1, 2, T, causal, (T + causal) % 2, DType::bf16, 3e-2, seed++,
