@@ -60,17 +60,26 @@ def test_sm90_tiles_descriptors_and_emulator_match_cute(tmp_path):
     assert int(m.group(1)) > 300_000, report
 
 
-def _wgmma_lines(ptx):
-    """The PTX wgmma instruction (and its scale-d predicate) of each kernel, register numbers and spacing dropped."""
+def _entries(ptx, name_pattern):
+    """{name: its lines} for each kernel of the PTX whose mangled entry name matches name_pattern (group 1 the name
+    kept), the lines up to the next entry."""
     out, name = {}, None
     for line in ptx.splitlines():
-        entry = re.match(r"\.visible \.entry _Z\d+(\w+?)P", line)
-        if entry:
-            name = entry.group(1)
-            out[name] = []
-        elif name and re.match(r"\s*(wgmma\.|setp\.ne\.b32 p,)", line):
-            out[name].append(" ".join(re.sub(r"%(f|rd|r|p)\d+", r"%\1", line).replace(",", " , ").split()))
+        if line.startswith(".visible .entry"):
+            entry = re.match(r"\.visible \.entry _Z\d+" + name_pattern, line)
+            name = entry.group(1) if entry else None
+            if name:
+                out[name] = []
+        elif name:
+            out[name].append(line)
     return out
+
+
+def _wgmma_lines(ptx):
+    """The PTX wgmma instruction (and its scale-d predicate) of each kernel, register numbers and spacing dropped."""
+    return {name: [" ".join(re.sub(r"%(f|rd|r|p)\d+", r"%\1", line).replace(",", " , ").split()) for line in lines
+                   if re.match(r"\s*(wgmma\.|setp\.ne\.b32 p,)", line)]
+            for name, lines in _entries(ptx, r"(\w+?)P").items()}
 
 
 @pytest.fixture(scope="module")
@@ -99,19 +108,9 @@ def test_wgmma_instructions_are_cutlass_instructions(cute_ptx):
 
 def _sync_instructions(ptx):
     """The synchronisation instructions (opcode and qualifiers; setmaxnreg with its count) of each sync_ kernel."""
-    out, name = {}, None
-    for line in ptx.splitlines():
-        entry = re.match(r"\.visible \.entry _Z\d+(\w+?_sync_\w+?)[A-Z]?[ijv]*\(", line)
-        if entry:
-            name = entry.group(1)
-            out[name] = set()
-        elif line.startswith(".visible .entry"):
-            name = None
-        elif name:
-            m = re.match(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg)\.[\w.:]+)(\s+\d+)?", line)
-            if m:
-                out[name].add(m.group(1) + (m.group(2) or "").replace(" ", " "))
-    return out
+    pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg)\.[\w.:]+)(\s+\d+)?")
+    return {name: {m.group(1) + (m.group(2) or "") for m in map(pattern.match, lines) if m}
+            for name, lines in _entries(ptx, r"(\w+?_sync_\w+?)[A-Z]?[ijv]*\(").items()}
 
 
 def test_barrier_instructions_are_cutlass_instructions(cute_ptx):

@@ -490,8 +490,7 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   Scratch delta(rows, stream);
   // dq's fp32 sums: the atomic path's (the simt path is deterministic anyway), or the fused sm90 kernel's, whose
   // rows are padded to its 64-query steps, with its turn counters after them.
-  // (both fused options; make_params keeps them only where they run)
-  const bool fused = p.tiles.dkdv == flash::kFusedSm90 || p.tiles.dkdv == flash::kWsFusedSm90;
+  const bool fused = flash::fused_sm90(p.tiles.dkdv);  // make_params keeps it only where it runs
   const int64_t padded = (int64_t)shape.B * shape.H * ((shape.T + 63) / 64);
   Scratch accum(fused ? padded * (64 * shape.d + 1) : tc && !deterministic ? rows * shape.d : 0, stream);
   p.delta = delta.ptr;

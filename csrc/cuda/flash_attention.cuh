@@ -63,6 +63,8 @@ void backward_tc(const Params& p, bool deterministic, Stream stream);
 // form, flash_attention_bwd_ws_sm90a.cu; head dim 64 only).
 constexpr Tiles kFirstSm90{3, 2, 3};
 constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4;
+// Whether a dkdv option makes dq itself (either fused kernel): it needs dq_accum and dq_turn, and no dq pass.
+constexpr bool fused_sm90(int dkdv) { return dkdv == kFusedSm90 || dkdv == kWsFusedSm90; }
 constexpr int kFirstWsSm90 = 6;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
@@ -76,6 +78,9 @@ template <typename E>
 void backward_fused_sm90(const Params& p, Stream stream);
 template <typename E>
 void backward_ws_sm90(const Params& p, Stream stream);
+// Both fused kernels' launch prologue: checks that their grid (B * H * ceil(T / 128) CTAs, one row) fits and zeroes
+// the turn counters on `stream`; -> the number of CTAs. `option` names the choice in the error.
+int start_fused_sm90(const Params& p, Stream stream, const char* option);
 // The CUDA-core path (flash_attention.cu), for float, __nv_bfloat16 and __half: fp32 at any d <= 256, and 16-bit
 // elements on GPUs without the tensor-core kernels (older than sm_80).
 template <typename E>

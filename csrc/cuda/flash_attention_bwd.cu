@@ -329,7 +329,7 @@ void launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
 #ifdef FASTGPT_SM90A
   if (D == 64 && p.tiles.dkdv == kWsFusedSm90) return backward_ws_sm90<E>(p, stream);  // deterministic either way
-  if (p.tiles.dkdv == kFusedSm90 || p.tiles.dkdv == kWsFusedSm90) return backward_fused_sm90<E>(p, stream);
+  if (fused_sm90(p.tiles.dkdv)) return backward_fused_sm90<E>(p, stream);
 #endif
   if (deterministic) {
     // d 128's mma.sync options past the first fall back to it; the sm90 ones stay.

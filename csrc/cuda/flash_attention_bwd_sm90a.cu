@@ -28,6 +28,7 @@
 //   warp-specialised (flash_attention_bwd_ws_sm90a.cu), with the same bits.
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "cuda/check.h"
 #include "cuda/flash_attention_sm90.cuh"
@@ -268,12 +269,19 @@ void dkdv_sm90(const Params& p, Stream stream) {
     launch(dkdv_sm90_kernel<E, 128, false>, dkdv_sm90_smem<128, false>(), p, stream);
 }
 
-template <typename E>
-void backward_fused_sm90(const Params& p, Stream stream) {
-  if ((int64_t)p.B * p.H * ((p.T + kRows - 1) / kRows) > INT32_MAX)
-    throw std::invalid_argument("flash attention backward ('sm90 fused'): B * H * ceil(T / 128) must be below 2^31");
+int start_fused_sm90(const Params& p, Stream stream, const char* option) {
+  const int64_t blocks = (int64_t)p.B * p.H * ((p.T + kRows - 1) / kRows);
+  if (blocks > INT32_MAX)
+    throw std::invalid_argument(std::string("flash attention backward ('") + option +
+                                "'): B * H * ceil(T / 128) must be below 2^31");
   const int64_t turns = (int64_t)p.B * p.H * ((p.T + kStep - 1) / kStep);
   FASTGPT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, turns * sizeof(int), stream));
+  return (int)blocks;
+}
+
+template <typename E>
+void backward_fused_sm90(const Params& p, Stream stream) {
+  start_fused_sm90(p, stream, "sm90 fused");
   if (p.d == 64)
     launch(dkdv_sm90_kernel<E, 64, true>, dkdv_sm90_smem<64, true>(), p, stream, true);
   else

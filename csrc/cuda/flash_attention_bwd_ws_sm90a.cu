@@ -15,7 +15,6 @@
 // The sums, their order (highest key block first; key block 0 writes dq) and therefore dq, dk and dv are the "sm90
 // fused" kernel's bits. Head dim 64 only (the dkdv option "sm90 ws fused"; at 128 that option runs "sm90 fused":
 // the kernel there needs all 255 registers). Written and run only in the warp emulator (tests/warp_emu) so far.
-#include <cstdint>
 #include <stdexcept>
 
 #include "cuda/check.h"
@@ -63,7 +62,12 @@ struct Layout {
 // A step's dQ part in the ring and in the fp32 sums is in fragment order: float4 number
 // (((consumer * (D / 64) + column block) * 4 + warp) * 4 + t) * 32 + lane holds that lane's accumulators of 8-column
 // tile t (rows g and g + 8, columns 2c and 2c + 1): each warp stores and each writer thread loads 16 contiguous
-// bytes per lane (no bank conflicts), and the sums are one coalesced pass. Row and column of float4 number q:
+// bytes per lane (no bank conflicts), and the sums are one coalesced pass. The float4 number of consumer ci's warp's
+// tile t of column block cb, and (dq_coords) the row and column of float4 number q:
+template <int D>
+__device__ __forceinline__ int dq_chunk(int ci, int cb, int warp, int t, int lane) {
+  return (((ci * (D / 64) + cb) * 4 + warp) * 4 + t) * 32 + lane;
+}
 template <int D>
 __device__ __forceinline__ void dq_coords(int q, int& row, int& col) {
   const int lane = q % 32, t = q / 32 % 4, warp = q / 128 % 4, cb = q / 512 % (D / 64), ci = q / (512 * (D / 64));
@@ -235,7 +239,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
       sm90::dq_product<E, KB, D>(part, wgmma::shared_addr(sS), aKt, ci * (D / 2) + cb * 32);
 #pragma unroll
       for (int t = 0; t < 4; t++)
-        wgmma::st_shared_v4(ring + (((ci * (D / 64) + cb) * 4 + warp) * 4 + t) * 32 + lane,
+        wgmma::st_shared_v4(ring + dq_chunk<D>(ci, cb, warp, t, lane),
                             make_float4(part[t][0], part[t][1], part[t][2], part[t][3]));
     }
     wgmma::mbar_arrive(bars.dq_full(sd));
@@ -249,18 +253,16 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
 }  // namespace
 
 // The dkdv option "sm90 ws fused" at head dim 64 (flash_attention_bwd.cu sends head dim 128 to backward_fused_sm90).
-// The turn counters and dq_accum are the "sm90 fused" kernel's (flash_attention.cu allocates them for both).
+// The turn counters, dq_accum and the grid are the "sm90 fused" kernel's (start_fused_sm90 checks the grid and
+// zeroes the counters; flash_attention.cu allocates both buffers).
 template <typename E>
 void backward_ws_sm90(const Params& p, Stream stream) {
   if (p.d != 64) throw std::logic_error("backward_ws_sm90: head dim 64 only");
-  if ((int64_t)p.B * p.H * ((p.T + KB - 1) / KB) > INT32_MAX)
-    throw std::invalid_argument("flash attention backward ('sm90 ws fused'): B * H * ceil(T / 128) must be below 2^31");
-  const int64_t turns = (int64_t)p.B * p.H * ((p.T + BR - 1) / BR);
-  FASTGPT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, turns * sizeof(int), stream));
+  const int blocks = start_fused_sm90(p, stream, "sm90 ws fused");
   constexpr int bytes = Layout<64>::kBytes;
   FASTGPT_CUDA_CHECK(
       cudaFuncSetAttribute(backward_ws_kernel<E, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  backward_ws_kernel<E, 64><<<p.B * p.H * ((p.T + KB - 1) / KB), kNT, bytes, stream>>>(p);
+  backward_ws_kernel<E, 64><<<blocks, kNT, bytes, stream>>>(p);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 

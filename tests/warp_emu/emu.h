@@ -549,17 +549,9 @@ inline void wg_wait(int n) {
 
 inline void atomic_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
 
-// A generic store into a tile wgmma reads (the fused backward's dS^T): like a cp.async write, it needs this thread's
+// Ordinary shared loads and stores the race check follows (wgmma.cuh's ld_shared_* / st_shared_*, st_shared_b32).
+// A store into a tile wgmma reads (the fused backward's dS^T), like a cp.async write, needs this thread's
 // fence.proxy.async and then a barrier before another warpgroup's wgmma may read it.
-inline void st_shared_b32(void* p, uint32_t v) {
-  const size_t off = (unsigned char*)p - tl_block->smem;
-  if (off % 4) die("st.shared.b32 not 4-byte aligned");
-  check_smem(p, 4);
-  note_write(off, "a store", false);
-  memcpy(p, &v, 4);
-  mark_unfenced(off, 4);
-}
-// Ordinary shared loads and stores the race check follows (wgmma.cuh's ld_shared_* / st_shared_*).
 template <typename T>
 inline T ld_shared(const T* p, const char* what) {
   const size_t off = (const unsigned char*)p - tl_block->smem;
@@ -579,6 +571,7 @@ inline void st_shared(T* p, T v, const char* what) {
   memcpy(p, &v, sizeof(T));
   mark_unfenced(off, sizeof(T));
 }
+inline void st_shared_b32(void* p, uint32_t v) { st_shared(static_cast<uint32_t*>(p), v, "a store"); }
 // ---- mbarriers and named barriers (wgmma.cuh's, for the warp-specialised kernels). A wait that cannot end is a
 // deadlock on the GPU too; here it is an error after kStuck (no emulated wait lasts more than a fraction of that).
 constexpr auto kStuck = std::chrono::seconds(120);
