@@ -13,6 +13,10 @@ kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the 
 (wgmma, "sm90") kernels, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
 """
 import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,6 +181,55 @@ def test_empty_q():
     z = np.ones((1, 2, 0, 4), np.float32)
     with pytest.raises(ValueError, match="q must be a non-empty"):
         ops.flash_attention_forward(z, z, z)
+
+
+# ---- the tensor-core kernels' softmax as compiled (nvcc, no GPU needed)
+
+SOFTMAX_PTX = r"""
+#include "cuda/flash_attention.cuh"
+using namespace fastgpt::cuda::flash;
+// The forward's online softmax of 8 accumulator tiles (32 scores per lane), and the backward's probabilities of as
+// many, masked where hides_any says.
+__global__ void forward_scores(float* x, float sl2) {
+  float s[8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {}, alpha[2];
+  for (int i = 0; i < 32; i++) s[i / 4][i % 4] = x[threadIdx.x * 32 + i];
+  softmax_rows(s, sl2, m, l, alpha);
+  for (int i = 0; i < 32; i++) x[threadIdx.x * 32 + i] = s[i / 4][i % 4];
+  x[0] += m[0] + m[1] + l[0] + l[1] + alpha[0] + alpha[1];
+}
+__global__ void backward_probs(float* x, const float* lse2, float sl2, int T) {
+  float s[8][4];
+  for (int i = 0; i < 32; i++) s[i / 4][i % 4] = x[threadIdx.x * 32 + i];
+  const int q0 = blockIdx.x * 64, key = threadIdx.x;
+  probs(s, sl2, hides_any(q0, q0 + 64, 0, 16, T, true), [&](int t, int e) { return lse2[t * 8 + e]; },
+        [&](int t, int e) { return !visible(q0 + t * 8 + e, key, T, true); });
+  for (int i = 0; i < 32; i++) x[threadIdx.x * 32 + i] = s[i / 4][i % 4];
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_each_score_costs_one_fma_and_one_ex2(tmp_path):
+    """The exponentials of flash_attention.cuh's softmax_rows (every tensor-core forward) and probs (every
+    tensor-core backward), compiled to PTX: one fma.rn.f32 (score x scale log2 e - max, or - lse) and one
+    ex2.approx.ftz.f32 per score, and no ex2.approx.f32 without ftz: exp2f without fast math, which ptxas lowers to a
+    range test and two multiplies around the EX2 (four issue slots per score where one does). The backward's
+    probabilities are written twice (with and without the mask test), so 64 there."""
+    src = tmp_path / "softmax.cu"
+    src.write_text(SOFTMAX_PTX)
+    ptx = tmp_path / "softmax.ptx"
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_80", "-ptx", "-DFASTGPT_WITH_CUDA",
+                        f"-I{Path(__file__).resolve().parent.parent / 'csrc'}", str(src), "-o", str(ptx)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    entries = re.split(r"\.visible \.entry ", ptx.read_text())[1:]
+    body = {e.split("(")[0]: e for e in entries}
+    fwd = next(b for n, b in body.items() if "forward_scores" in n)
+    bwd = next(b for n, b in body.items() if "backward_probs" in n)
+    for name, text, scores in (("forward", fwd, 32 + 2), ("backward", bwd, 2 * 32)):  # + 2: alpha of each row
+        assert "ex2.approx.f32" not in text, f"{name}: an exponential without ftz (exp2f)"
+        assert text.count("ex2.approx.ftz.f32") == scores, name
+        assert text.count("fma.rn.f32") >= scores - 2, f"{name}: the exponent is not one fma per score"
 
 
 # ---- GPU

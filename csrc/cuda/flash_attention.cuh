@@ -95,6 +95,26 @@ void compute_delta(const Params& p, Stream stream);
 __device__ __forceinline__ bool visible(int query, int key, int T, bool causal) {
   return query < T && key < T && !(causal && key > query);
 }
+// Whether a tile of queries [q0, q_end) x keys [k0, k_end) has a score that visible() hides. Where it has none the
+// backward's element loops skip the test: per score it costs more integer instructions than the exponential.
+__device__ __forceinline__ bool hides_any(int q0, int q_end, int k0, int k_end, int T, bool causal) {
+  return q_end > T || k_end > T || (causal && k_end - 1 > q0);
+}
+
+// 2^x on the SFU alone: ex2.approx.ftz, whose results below 2^-126 are 0. exp2f without fast math wraps the same
+// MUFU.EX2 in a range test and two multiplies (FSETP, FMUL, EX2, FMUL) to keep subnormal results, three issue slots
+// per score in kernels whose softmax competes with the tensor cores for issue; a probability below 2^-126 of the
+// row's largest adds nothing to a float sum of it. (The host branch is the warp emulator's.)
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float y = exp2f(x);
+  return y < 1.17549435e-38f ? 0.f : y;  // flushed below FLT_MIN
+#endif
+}
 
 // ---- device helpers (tensor-core path)
 
@@ -127,42 +147,43 @@ __device__ __forceinline__ void a_from_acc(uint32_t* a, const float* lo, const f
 // ---- Steps the tensor-core kernels share on one warp's 16-row accumulator tile: rows g and g + 8, columns 2c and
 // 2c + 1 of each 8-wide tile t (mma.sync's m16n8 accumulators and wgmma's per-warp rows are laid out alike).
 
-// Forward: S to log2 units (times scale * log2 e), and -inf where a key is hidden from a query: keys past T and
-// (causal) keys after the query. k0 is the block's first key, row0 the tile's first query; `mask` false skips the
-// test (no element can be hidden).
+// Forward: -inf where a key is hidden from a query: keys past T and (causal) keys after the query. k0 is the
+// block's first key, row0 the tile's first query. Callers skip it for blocks with no such key.
 template <int NT>
-__device__ __forceinline__ void scale_and_mask(float (&s)[NT][4], int k0, int row0, int g, int c, int T, bool causal,
-                                               bool mask, float sl2) {
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], int k0, int row0, int g, int c, int T, bool causal) {
 #pragma unroll
   for (int t = 0; t < NT; t++)
 #pragma unroll
     for (int e = 0; e < 4; e++) {
       const int key = k0 + t * 8 + 2 * c + (e & 1), row = row0 + g + (e >> 1) * 8;
-      s[t][e] *= sl2;
-      if (mask && (key >= T || (causal && key > row))) s[t][e] = -INFINITY;
+      if (key >= T || (causal && key > row)) s[t][e] = -INFINITY;
     }
 }
 
-// Forward: the online softmax of one key block, without O. Each row's values are spread over the 4 lanes of its
-// group; m (log2 units) and l are the running max and this lane's share of the sum (the group's shares are added
-// once at the end); s becomes P, and alpha the factor O must be rescaled by (before P V is added to it).
+// Forward: the online softmax of one key block of raw scores s (masked: -inf), without O. Each row's values are
+// spread over the 4 lanes of its group; m (log2 units: scores times sl2 = scale * log2 e) and l are the running max
+// and this lane's share of the sum (the group's shares are added once at the end); s becomes P, and alpha the factor
+// O must be rescaled by (before P V is added to it). The max is taken over raw scores (sl2 > 0) and each exponent is
+// one FFMA, s sl2 - max, as FlashAttention's: not a multiply per score and then a subtraction.
 template <int NT>
-__device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+__device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float sl2, float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
-    float mx = m[r];
+    float mx = -INFINITY;
 #pragma unroll
     for (int t = 0; t < NT; t++) mx = fmaxf(mx, fmaxf(s[t][2 * r], s[t][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(m[r], mx * sl2);
     const float base = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet stays all zeros
-    alpha[r] = exp2f(m[r] - base);
+    alpha[r] = fast_exp2(m[r] - base);
     m[r] = mx;
     float sum = 0.f;
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-      s[t][2 * r] = exp2f(s[t][2 * r] - base);
-      s[t][2 * r + 1] = exp2f(s[t][2 * r + 1] - base);
+      s[t][2 * r] = fast_exp2(fmaf(s[t][2 * r], sl2, -base));
+      s[t][2 * r + 1] = fast_exp2(fmaf(s[t][2 * r + 1], sl2, -base));
       sum += s[t][2 * r] + s[t][2 * r + 1];
     }
     l[r] = l[r] * alpha[r] + sum;
@@ -183,9 +204,10 @@ __device__ __forceinline__ void rescale_rows(float (&o)[ND][4], const float (&al
 
 // Forward: the online softmax of one key block, O rescaled at once (the kernels whose P V follows in order).
 template <int NT, int ND>
-__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[ND][4], float (&m)[2], float (&l)[2]) {
+__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float sl2, float (&o)[ND][4], float (&m)[2],
+                                               float (&l)[2]) {
   float alpha[2];
-  softmax_rows(s, m, l, alpha);
+  softmax_rows(s, sl2, m, l, alpha);
   rescale_rows(o, alpha);
 }
 
@@ -260,34 +282,50 @@ __device__ __forceinline__ void load_row_stats(float (&lse2)[2], float (&dl)[2],
   }
 }
 
+// Backward, on a lane's accumulators of 8N columns (columns t * 8 + 2c and + 1 of rows g and g + 8): the
+// probabilities P = 2^(s sl2 - lse2(t, e)) in place of the scores, 0 where hidden(t, e) (the query does not see the
+// key), which is asked only when `mask` (hides_any over the warp's tile: most tiles hide nothing). One FFMA and one
+// EX2 per score otherwise.
+template <int N, class Lse2, class Hidden>
+__device__ __forceinline__ void probs(float (&s)[N][4], float sl2, bool mask, Lse2 lse2, Hidden hidden) {
+  if (mask) {
+#pragma unroll
+    for (int t = 0; t < N; t++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[t][e] = hidden(t, e) ? 0.f : fast_exp2(fmaf(s[t][e], sl2, -lse2(t, e)));
+  } else {
+#pragma unroll
+    for (int t = 0; t < N; t++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[t][e] = fast_exp2(fmaf(s[t][e], sl2, -lse2(t, e)));
+  }
+}
+
 // Backward, on a warp's 16 rows x 8N columns of m16n8 accumulators (a lane holds rows `row` and row + 8, columns
-// t * 8 + 2c and + 1): the probabilities P = exp2(S * sl2 - lse2), 0 where the query does not see the key, in place
-// of S, and dS = P (dP - delta) in place of dP. Queries on the rows (dq: keys k0 + column), or keys (dkdv: queries
-// q0 + column, their lse and delta staged in shared memory by stage_lse_delta). The Hopper kernels split the two
-// halves around their wgmma waits and keep loops of their own.
+// t * 8 + 2c and + 1): P (probs) in place of S, and dS = P (dP - delta) in place of dP. Queries on the rows (dq: keys
+// k0 + column), or keys (dkdv: queries q0 + column, their lse and delta staged in shared memory by stage_lse_delta).
+// `mask`: hides_any over the warp's tile. The Hopper kernels split the two halves around their wgmma waits and keep
+// loops of their own.
 template <int N>
 __device__ __forceinline__ void probs_ds_rows(float (&s)[N][4], float (&dp)[N][4], int k0, int row, int c, int T,
-                                              bool causal, float sl2, const float (&lse2)[2], const float (&dl)[2]) {
+                                              bool causal, bool mask, float sl2, const float (&lse2)[2],
+                                              const float (&dl)[2]) {
+  probs(s, sl2, mask, [&](int, int e) { return lse2[e >> 1]; },
+        [&](int t, int e) { return !visible(row + (e >> 1) * 8, k0 + t * 8 + 2 * c + (e & 1), T, causal); });
 #pragma unroll
   for (int t = 0; t < N; t++)
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
-      s[t][e] = visible(row + r * 8, key, T, causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;
-      dp[t][e] = s[t][e] * (dp[t][e] - dl[r]);
-    }
+    for (int e = 0; e < 4; e++) dp[t][e] = s[t][e] * (dp[t][e] - dl[e >> 1]);
 }
 template <int N>
 __device__ __forceinline__ void probs_ds_cols(float (&st)[N][4], float (&dpt)[N][4], int q0, int row, int c, int T,
-                                              bool causal, float sl2, const float* sL, const float* sDl) {
+                                              bool causal, bool mask, float sl2, const float* sL, const float* sDl) {
+  probs(st, sl2, mask, [&](int t, int e) { return sL[t * 8 + 2 * c + (e & 1)]; },
+        [&](int t, int e) { return !visible(q0 + t * 8 + 2 * c + (e & 1), row + (e >> 1) * 8, T, causal); });
 #pragma unroll
   for (int t = 0; t < N; t++)
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int ql = t * 8 + 2 * c + (e & 1);
-      st[t][e] = visible(q0 + ql, row + (e >> 1) * 8, T, causal) ? exp2f(st[t][e] * sl2 - sL[ql]) : 0.f;
-      dpt[t][e] = st[t][e] * (dpt[t][e] - sDl[ql]);
-    }
+    for (int e = 0; e < 4; e++) dpt[t][e] = st[t][e] * (dpt[t][e] - sDl[t * 8 + 2 * c + (e & 1)]);
 }
 
 // c (16 x 8, fp32) += a (16 x 16) * b (16 x 8).

@@ -108,8 +108,11 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Params p) {
 
       // P^T = exp2(S^T * scale * log2 e - lse2), dS^T = P^T (dP^T - delta); both stay in st / dpt.
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++)
-        probs_ds_cols(st[mt], dpt[mt], q0, kw0 + mt * 16 + g, c, T, p.causal, sl2, sL, sDl);
+      for (int mt = 0; mt < MT; mt++) {
+        const int kt = kw0 + mt * 16;  // the tile's first key
+        probs_ds_cols(st[mt], dpt[mt], q0, kt + g, c, T, p.causal,
+                      hides_any(q0, q0 + BR, kt, kt + 16, T, p.causal), sl2, sL, sDl);
+      }
 
       // dV += P^T dO and dK += dS^T Q, 16 queries at a time.
 #pragma unroll
@@ -259,8 +262,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Params p) {
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++)  // P, dS
-        probs_ds_rows(s[mt], dp[mt], k0, w0 + mt * 16 + g, c, T, p.causal, sl2, lse2[mt], dl[mt]);
+      for (int mt = 0; mt < MT; mt++) {  // P, dS
+        const int qt = w0 + mt * 16;      // the tile's first query
+        probs_ds_rows(s[mt], dp[mt], k0, qt + g, c, T, p.causal, hides_any(qt, qt + 16, k0, k0 + BC, T, p.causal),
+                      sl2, lse2[mt], dl[mt]);
+      }
 #pragma unroll
       for (int ks = 0; ks < BC / 16; ks++) {  // dQ += dS K
         uint32_t a[MT][4];

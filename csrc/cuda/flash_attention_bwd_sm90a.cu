@@ -218,13 +218,8 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
       wgmma::commit();
       wgmma::wait<1>();  // S (groups retire in order)
       wgmma::keep(s);
-#pragma unroll
-      for (int t = 0; t < BC / 8; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int key = k0 + t * 8 + 2 * c + (e & 1), r = e >> 1;
-          s[t][e] = visible(w0 + g + r * 8, key, T, p.causal) ? exp2f(s[t][e] * sl2 - lse2[r]) : 0.f;  // P
-        }
+      probs(s, sl2, hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal), [&](int, int e) { return lse2[e >> 1]; },
+            [&](int t, int e) { return !visible(w0 + g + (e >> 1) * 8, k0 + t * 8 + 2 * c + (e & 1), T, p.causal); });
       wgmma::wait<0>();
       wgmma::keep(dp);
 #pragma unroll

@@ -90,12 +90,13 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
         }
       }
 
-      // Scale to log2 units and mask, then the online softmax (flash_attention.cuh).
-      const bool need_mask = k0 + BC > T || (p.causal && k0 + BC > w0);
+      // Mask (blocks that hide a key from some row), then the online softmax (flash_attention.cuh).
+      if (k0 + BC > T || (p.causal && k0 + BC > w0)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++) scale_and_mask(s[mt], k0, w0 + mt * 16, g, c, T, p.causal, need_mask, sl2);
+        for (int mt = 0; mt < MT; mt++) mask_scores(s[mt], k0, w0 + mt * 16, g, c, T, p.causal);
+      }
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++) online_softmax(s[mt], o[mt], m[mt], l[mt]);
+      for (int mt = 0; mt < MT; mt++) online_softmax(s[mt], sl2, o[mt], m[mt], l[mt]);
 
       // O += P V, 16 keys at a time: P's accumulators of tiles 2ks, 2ks+1 are the A fragment.
 #pragma unroll

@@ -76,7 +76,7 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[BC / 16][4], const float (
 // is S_0 alone; block j > 0 issues S_j = Q K_j^T and then P_{j-1} V_{j-1} behind it, runs block j's softmax while
 // that product is still on the tensor cores, and rescales O once it is in; after the last block, P V alone. Each
 // holds its wgmma and their waits whole: a wait inside a nested branch makes ptxas serialise every wgmma of the
-// kernel (C7520), even on a uniform condition. `softmax(s, alpha)` scales, masks and takes the online softmax of S;
+// kernel (C7520), even on a uniform condition. `softmax(s, alpha)` masks and takes the online softmax of S;
 // the hooks run once the products are issued (`issued`), once S_j has retired (K_j read: `s_read`) and once P V
 // has (V_{j-1} read: `pv_read`): the warp-specialised kernel's turns and buffer releases; no-ops in the other.
 template <typename E, int BR, int BC, int D, class Softmax, class Issued, class SRead>
@@ -203,13 +203,9 @@ __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D 
   wgmma::commit();
   wgmma::wait<kSplit ? 1 : 0>();  // S^T (groups retire in order)
   wgmma::keep(st);
-#pragma unroll
-  for (int t = 0; t < BR / 8; t++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int ql = t * 8 + 2 * c + (e & 1), key = kw0 + g + (e >> 1) * 8;
-      st[t][e] = visible(q0 + ql, key, T, p.causal) ? exp2f(st[t][e] * sl2 - wgmma::ld_shared_f32(sL + ql)) : 0.f;
-    }
+  probs(st, sl2, hides_any(q0, q0 + BR, kw0, kw0 + 16, T, p.causal),
+        [&](int t, int e) { return wgmma::ld_shared_f32(sL + t * 8 + 2 * c + (e & 1)); },
+        [&](int t, int e) { return !visible(q0 + t * 8 + 2 * c + (e & 1), kw0 + g + (e >> 1) * 8, T, p.causal); });
 #pragma unroll
   for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
   if constexpr (kSplit) {

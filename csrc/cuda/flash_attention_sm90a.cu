@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
     // A block with keys to mask; tested once before the branches (inside the lambda, 192x128 spilled 80 bytes).
     const bool partial = k0 + BC > T || (p.causal && k0 + BC > w0);
     const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
-      scale_and_mask(sc, k0, w0, g, c, T, p.causal, partial, sl2);
-      softmax_rows(sc, m, l, alpha);
+      if (partial) mask_scores(sc, k0, w0, g, c, T, p.causal);
+      softmax_rows(sc, sl2, m, l, alpha);
     };
     const auto none = [] {};
     // Step 0 is its own branch, not a `j > 0` test around the P V issue (flash_attention_sm90.cuh's steps).

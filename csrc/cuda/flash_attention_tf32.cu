@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(kThreads) forward_tf32_kernel(Params p) {
     if (!(p.causal && k0 > w0 + 15)) {
       float s[BC / 8][4] = {};  // S = Q K^T: the warp's 16 rows x BC keys
       rows_dot<kSplit, D>(s, sQ, wrow, k_s, lane);
-      scale_and_mask(s, k0, w0, g, c, T, p.causal, k0 + BC > T || (p.causal && k0 + BC > w0), sl2);
-      online_softmax(s, o, m, l);
+      if (k0 + BC > T || (p.causal && k0 + BC > w0)) mask_scores(s, k0, w0, g, c, T, p.causal);
+      online_softmax(s, sl2, o, m, l);
       rows_product<kSplit>(o, s, v_s, P, g, c);  // O += P V
     }
     __syncthreads();  // every warp is done with this buffer before iteration j + 1 prefetches into it
@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_tf32_kernel(Params p) {
       float st[BR / 8][4] = {}, dpt[BR / 8][4] = {};  // S^T = K Q^T, dP^T = V dO^T (then P^T, dS^T)
       rows_dot<kSplit, D>(st, sK, wkey, q_s, lane);
       rows_dot<kSplit, D>(dpt, sV, wkey, do_s, lane);
-      probs_ds_cols(st, dpt, q0, kw0 + g, c, T, p.causal, sl2, sL, sDl);  // P^T, dS^T
+      probs_ds_cols(st, dpt, q0, kw0 + g, c, T, p.causal, hides_any(q0, q0 + BR, kw0, kw0 + 16, T, p.causal), sl2,
+                    sL, sDl);  // P^T, dS^T
       // dV += P^T dO, then dK += dS^T Q, 8 queries at a time (one after the other: P^T's registers are free for
       // the second).
       rows_product<kSplit>(dv, st, do_s, P, g, c);
@@ -306,7 +307,8 @@ __global__ void __launch_bounds__(kThreads) dq_tf32_kernel(Params p) {
       float s[BC / 8][4] = {}, dp[BC / 8][4] = {};  // S = Q K^T, dP = dO V^T: 16 rows x BC keys
       rows_dot<kSplit, D>(s, sQ, wrow, k_s, lane);
       rows_dot<kSplit, D>(dp, sdO, wrow, v_s, lane);
-      probs_ds_rows(s, dp, k0, w0 + g, c, T, p.causal, sl2, lse2, dl);  // P, dS
+      probs_ds_rows(s, dp, k0, w0 + g, c, T, p.causal, hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal), sl2, lse2,
+                    dl);  // P, dS
       rows_product<kSplit>(dq, dp, k_s, P, g, c);  // dQ += dS K
     }
     __syncthreads();

@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
     const int k0 = j * BC;
     // (The mask test inside: computed before the branches, three consumers spill 68 bytes at 160 registers.)
     const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
-      scale_and_mask(sc, k0, w0, g, c, T, p.causal, k0 + BC > T || (p.causal && k0 + BC > w0), sl2);
-      softmax_rows(sc, m, l, alpha);
+      if (k0 + BC > T || (p.causal && k0 + BC > w0)) mask_scores(sc, k0, w0, g, c, T, p.causal);
+      softmax_rows(sc, sl2, m, l, alpha);
     };
     const auto issued = [&] {  // the next consumer's turn
       if (hand_on) wgmma::bar_arrive(next_turn, 256);
