@@ -96,7 +96,8 @@ __device__ __forceinline__ bool visible(int query, int key, int T, bool causal) 
   return query < T && key < T && !(causal && key > query);
 }
 // Whether a tile of queries [q0, q_end) x keys [k0, k_end) has a score that visible() hides. Where it has none the
-// backward's element loops skip the test: per score it costs more integer instructions than the exponential.
+// element loops skip the test (the forward's mask_scores, the backward's probs): per score it costs more integer
+// instructions than the exponential, and most tiles hide nothing.
 __device__ __forceinline__ bool hides_any(int q0, int q_end, int k0, int k_end, int T, bool causal) {
   return q_end > T || k_end > T || (causal && k_end - 1 > q0);
 }

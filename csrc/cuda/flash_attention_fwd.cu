@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params p) {
       }
 
       // Mask (blocks that hide a key from some row), then the online softmax (flash_attention.cuh).
-      if (k0 + BC > T || (p.causal && k0 + BC > w0)) {
+      if (hides_any(w0, w0 + 16 * MT, k0, k0 + BC, T, p.causal)) {
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) mask_scores(s[mt], k0, w0 + mt * 16, g, c, T, p.causal);
       }

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
     const uint32_t kb = aK + (j & 1) * kKVBytes, vb = aV + ((j - 1) & 1) * kKVBytes;
     const int k0 = j * BC;
     // A block with keys to mask; tested once before the branches (inside the lambda, 192x128 spilled 80 bytes).
-    const bool partial = k0 + BC > T || (p.causal && k0 + BC > w0);
+    const bool partial = hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal);
     const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
       if (partial) mask_scores(sc, k0, w0, g, c, T, p.causal);
       softmax_rows(sc, sl2, m, l, alpha);

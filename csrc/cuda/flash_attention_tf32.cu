@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) forward_tf32_kernel(Params p) {
     if (!(p.causal && k0 > w0 + 15)) {
       float s[BC / 8][4] = {};  // S = Q K^T: the warp's 16 rows x BC keys
       rows_dot<kSplit, D>(s, sQ, wrow, k_s, lane);
-      if (k0 + BC > T || (p.causal && k0 + BC > w0)) mask_scores(s, k0, w0, g, c, T, p.causal);
+      if (hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal)) mask_scores(s, k0, w0, g, c, T, p.causal);
       online_softmax(s, sl2, o, m, l);
       rows_product<kSplit>(o, s, v_s, P, g, c);  // O += P V
     }

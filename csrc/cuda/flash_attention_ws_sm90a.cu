@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
     const int k0 = j * BC;
     // (The mask test inside: computed before the branches, three consumers spill 68 bytes at 160 registers.)
     const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
-      if (k0 + BC > T || (p.causal && k0 + BC > w0)) mask_scores(sc, k0, w0, g, c, T, p.causal);
+      if (hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal)) mask_scores(sc, k0, w0, g, c, T, p.causal);
       softmax_rows(sc, sl2, m, l, alpha);
     };
     const auto issued = [&] {  // the next consumer's turn
