@@ -13,10 +13,7 @@ kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the 
 (wgmma, "sm90") kernels, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
 """
 import math
-import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +22,7 @@ import torch.nn.functional as F
 
 from fastgpt import _C, ops
 from devices import host, needs_cuda, sm90_device
+from ptx import compile_ptx, entries
 from reference_gpt import lse_err, rel_err
 
 TOL = 1e-5
@@ -217,16 +215,10 @@ def test_each_score_costs_one_fma_and_one_ex2(tmp_path):
     probabilities are written twice (with and without the mask test), so 64 there."""
     src = tmp_path / "softmax.cu"
     src.write_text(SOFTMAX_PTX)
-    ptx = tmp_path / "softmax.ptx"
-    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_80", "-ptx", "-DFASTGPT_WITH_CUDA",
-                        f"-I{Path(__file__).resolve().parent.parent / 'csrc'}", str(src), "-o", str(ptx)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    entries = re.split(r"\.visible \.entry ", ptx.read_text())[1:]
-    body = {e.split("(")[0]: e for e in entries}
-    fwd = next(b for n, b in body.items() if "forward_scores" in n)
-    bwd = next(b for n, b in body.items() if "backward_probs" in n)
-    for name, text, scores in (("forward", fwd, 32 + 2), ("backward", bwd, 2 * 32)):  # + 2: alpha of each row
+    kernels = entries(compile_ptx(src, tmp_path / "softmax.ptx", "sm_80", timeout=120), r"(\w+?)P")
+    assert sorted(kernels) == ["backward_probs", "forward_scores"], sorted(kernels)
+    for name, scores in (("forward_scores", 32 + 2), ("backward_probs", 2 * 32)):  # + 2: alpha of each row
+        text = "\n".join(kernels[name])
         assert "ex2.approx.f32" not in text, f"{name}: an exponential without ftz (exp2f)"
         assert text.count("ex2.approx.ftz.f32") == scores, name
         assert text.count("fma.rn.f32") >= scores - 2, f"{name}: the exponent is not one fma per score"

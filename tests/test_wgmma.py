@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from ptx import compile_ptx, entries
+
 HERE = Path(__file__).parent / "warp_emu"
 
 
@@ -60,26 +62,11 @@ def test_sm90_tiles_descriptors_and_emulator_match_cute(tmp_path):
     assert int(m.group(1)) > 300_000, report
 
 
-def _entries(ptx, name_pattern):
-    """{name: its lines} for each kernel of the PTX whose mangled entry name matches name_pattern (group 1 the name
-    kept), the lines up to the next entry."""
-    out, name = {}, None
-    for line in ptx.splitlines():
-        if line.startswith(".visible .entry"):
-            entry = re.match(r"\.visible \.entry _Z\d+" + name_pattern, line)
-            name = entry.group(1) if entry else None
-            if name:
-                out[name] = []
-        elif name:
-            out[name].append(line)
-    return out
-
-
 def _wgmma_lines(ptx):
     """The PTX wgmma instruction (and its scale-d predicate) of each kernel, register numbers and spacing dropped."""
     return {name: [" ".join(re.sub(r"%(f|rd|r|p)\d+", r"%\1", line).replace(",", " , ").split()) for line in lines
                    if re.match(r"\s*(wgmma\.|setp\.ne\.b32 p,)", line)]
-            for name, lines in _entries(ptx, r"(\w+?)P").items()}
+            for name, lines in entries(ptx, r"(\w+?)P").items()}
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +74,8 @@ def cute_ptx(tmp_path_factory):
     """tests/warp_emu/cute_ptx.cu compiled by nvcc to PTX for sm_90a (once for the tests that read it)."""
     if _cutlass_include() is None or shutil.which("nvcc") is None:
         pytest.skip("needs CUTLASS's headers (pip install nvidia-cutlass) and nvcc")
-    ptx = tmp_path_factory.mktemp("cute_ptx") / "cute_ptx.ptx"
-    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{HERE.parent.parent / 'csrc'}",
-                        f"-I{_cutlass_include()}", str(HERE / "cute_ptx.cu"), "-o", str(ptx)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return ptx.read_text()
+    return compile_ptx(HERE / "cute_ptx.cu", tmp_path_factory.mktemp("cute_ptx") / "cute_ptx.ptx", "sm_90a",
+                       [_cutlass_include()])
 
 
 def test_wgmma_instructions_are_cutlass_instructions(cute_ptx):
@@ -110,7 +93,7 @@ def _sync_instructions(ptx):
     """The synchronisation instructions (opcode and qualifiers; setmaxnreg with its count) of each sync_ kernel."""
     pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg)\.[\w.:]+)(\s+\d+)?")
     return {name: {m.group(1) + (m.group(2) or "") for m in map(pattern.match, lines) if m}
-            for name, lines in _entries(ptx, r"(\w+?_sync_\w+?)[A-Z]?[ijv]*\(").items()}
+            for name, lines in entries(ptx, r"(\w+?_sync_\w+?)[A-Z]?[ijv]*\(").items()}
 
 
 def test_barrier_instructions_are_cutlass_instructions(cute_ptx):

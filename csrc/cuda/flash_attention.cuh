@@ -302,17 +302,25 @@ __device__ __forceinline__ void probs(float (&s)[N][4], float sl2, bool mask, Ls
   }
 }
 
+// Backward (dq), queries on the rows (a lane's `row` and row + 8, their lse in log2 units in lse2), keys k0 +
+// column: probs. `mask`: hides_any over the warp's tile.
+template <int N>
+__device__ __forceinline__ void probs_rows(float (&s)[N][4], int k0, int row, int c, int T, bool causal, bool mask,
+                                           float sl2, const float (&lse2)[2]) {
+  probs(s, sl2, mask, [&](int, int e) { return lse2[e >> 1]; },
+        [&](int t, int e) { return !visible(row + (e >> 1) * 8, k0 + t * 8 + 2 * c + (e & 1), T, causal); });
+}
+
 // Backward, on a warp's 16 rows x 8N columns of m16n8 accumulators (a lane holds rows `row` and row + 8, columns
 // t * 8 + 2c and + 1): P (probs) in place of S, and dS = P (dP - delta) in place of dP. Queries on the rows (dq: keys
 // k0 + column), or keys (dkdv: queries q0 + column, their lse and delta staged in shared memory by stage_lse_delta).
-// `mask`: hides_any over the warp's tile. The Hopper kernels split the two halves around their wgmma waits and keep
-// loops of their own.
+// `mask`: hides_any over the warp's tile. The Hopper kernels split the two halves around their wgmma waits (the dq
+// pass's P by probs_rows).
 template <int N>
 __device__ __forceinline__ void probs_ds_rows(float (&s)[N][4], float (&dp)[N][4], int k0, int row, int c, int T,
                                               bool causal, bool mask, float sl2, const float (&lse2)[2],
                                               const float (&dl)[2]) {
-  probs(s, sl2, mask, [&](int, int e) { return lse2[e >> 1]; },
-        [&](int t, int e) { return !visible(row + (e >> 1) * 8, k0 + t * 8 + 2 * c + (e & 1), T, causal); });
+  probs_rows(s, k0, row, c, T, causal, mask, sl2, lse2);
 #pragma unroll
   for (int t = 0; t < N; t++)
 #pragma unroll

@@ -218,8 +218,7 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
       wgmma::commit();
       wgmma::wait<1>();  // S (groups retire in order)
       wgmma::keep(s);
-      probs(s, sl2, hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal), [&](int, int e) { return lse2[e >> 1]; },
-            [&](int t, int e) { return !visible(w0 + g + (e >> 1) * 8, k0 + t * 8 + 2 * c + (e & 1), T, p.causal); });
+      probs_rows(s, k0, w0 + g, c, T, p.causal, hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal), sl2, lse2);  // P
       wgmma::wait<0>();
       wgmma::keep(dp);
 #pragma unroll

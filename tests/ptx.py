@@ -1,0 +1,32 @@
+"""PTX for tests that read what nvcc makes of the kernels' building blocks (test_wgmma.py, test_flash_attention.py):
+a source compiled to PTX, and its kernels' lines by entry name. No GPU needed; nvcc on PATH."""
+import re
+import subprocess
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def compile_ptx(src, out, arch, includes=(), timeout=600):
+    """nvcc -ptx of the file `src` for `arch` (e.g. "sm_90a") with csrc/ and `includes` on the include path; -> the
+    PTX text (written to `out`). A failed compile fails the test with nvcc's message."""
+    args = ["nvcc", "-std=c++17", f"-arch={arch}", "-ptx", "-DFASTGPT_WITH_CUDA", f"-I{CSRC}"]
+    r = subprocess.run(args + [f"-I{i}" for i in includes] + [str(src), "-o", str(out)], capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Path(out).read_text()
+
+
+def entries(ptx, name_pattern):
+    """{name: its lines} for each kernel of the PTX whose mangled entry name matches name_pattern (group 1 the name
+    kept), the lines up to the next entry."""
+    out, name = {}, None
+    for line in ptx.splitlines():
+        if line.startswith(".visible .entry"):
+            entry = re.match(r"\.visible \.entry _Z\d+" + name_pattern, line)
+            name = entry.group(1) if entry else None
+            if name:
+                out[name] = []
+        elif name:
+            out[name].append(line)
+    return out
