@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build fastgpt with CUDA, then run the parts named on the command line (default:
-# all of them), and print a short table last (the device tool returns only the tail of the output).
+# tests sanitize bench), and print a short table last (the device tool returns only the tail of the output).
 #   tests     every test file on its own (a fault in one cannot poison the others), GPU cases on; NCCL line
 #   sanitize  compute-sanitizer memcheck/racecheck/initcheck/synccheck on every flash variant and a 3-step training
 #   bench     GPT-2 124M training, precision table, flash attention, AdamW bandwidth, generation (JSON)
 #   accuracy  scripts/flash_accuracy.py: half-precision flash error beside every SDPA backend and an emulation
+#   diagnose  scripts/flash_diagnose.py: each flash kernel choice against float64 on small shapes, each in its own
+#             process; for a wrong output, which rows, columns and heads, and a map (where to look first)
+#   ncu       Nsight Compute: every flash attention kernel choice at GPT-2's attention shape (the full set of
+#             sections; scripts/ncu_targets.py) and one bf16 training step (speed of light, launch, occupancy), then
+#             scripts/ncu_summary.py's tables; the raw CSV of every metric and the SASS with its stall samples in
+#             ncu.tgz, ncu_sass.tgz (the sessions that tune kernels have no GPU to open a report on)
 #   ladder    bench/bench_ladder.py: notebooks/02_speedup_progression's rungs at GPT-2 124M, PyTorch and fastgpt side
 #             by side (table in ladder.log, rows in ladder.json, bar chart ladder.png when matplotlib is there)
 # TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py), SANITIZERS="memcheck ..." the
 # sanitize part.
-# A device call is limited to 600 s: `tests sanitize` and `bench` fit one call each; the whole set may not.
+# A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each.
 # Raw evidence goes to $OUT (or ./gpu_out): logs, benchmark JSON, nvidia-smi line (at most 8 files come back).
 # Before calling: copy ../shared/data into .device/shared/data here (ignored by git) and carry .device.
 set -uo pipefail
@@ -121,6 +127,13 @@ if [ $build = ok ] && has bench; then
     --json "$out/bench_generate.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_generate]=$b
 fi
+if [ $build = ok ] && has diagnose; then
+  timeout 300 python3 scripts/flash_diagnose.py > "$out/diagnose.log" 2>&1; res[diagnose]="rc=$?"
+  tail -1 "$out/diagnose.log"
+fi
+if [ $build = ok ] && has ncu; then
+  res[ncu]=$(bash scripts/ncu_profile.sh "$out")
+fi
 if [ $build = ok ] && has ladder; then
   b=FAIL; timeout 400 python3 bench/bench_ladder.py --device cuda --preset gpt2 \
     --data "$FASTGPT_SHARED/data/tinyshakespeare.txt" --encoder "$FASTGPT_SHARED/data/gpt2/encoder.json" \
@@ -141,4 +154,6 @@ if has bench; then
   grep -E -A5 "^precision " "$out/bench.log"
   grep -E "vs fastest torch|^adamw|copy|AdamW" "$out/bench.log" | tail -18
 fi
+if has diagnose && [ -f "$out/diagnose.log" ]; then grep "^== " "$out/diagnose.log"; fi
+if has ncu && [ -f "$out/ncu.log" ]; then cut -c1-230 "$out/ncu.log"; fi
 exit 0

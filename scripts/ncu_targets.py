@@ -1,0 +1,172 @@
+"""What Nsight Compute (ncu) profiles in `scripts/gpu_check.sh ncu`: each flash attention kernel choice once at
+GPT-2 124M's attention shape (bf16, d 64, T 1024, causal, 12 heads), beside torch's cuDNN and flash SDPA backends
+("flash"), or one fastgpt bf16 training step of GPT-2 124M ("step").
+
+Why: issue 10 asks for flash attention at Hopper speed and says "profile with ncu"; the benchmarks give each
+kernel's time, not why it takes it (tensor-pipe use, issue slots, stalls, bank conflicts, spills). The sessions that
+tune the kernels have no GPU: they work from what one ncu run brings back (scripts/ncu_summary.py's table and the
+raw CSV of every metric).
+
+Each profiled call runs once untimed first, then inside cudaProfilerStart/Stop (ncu --profile-from-start off: the
+warm-up calls and torch's own set-up kernels stay out of the report) and an NVTX range named by its label
+(ncu --nvtx, then --print-nvtx-rename kernel on import names the kernels by it). Labels and their order are printed.
+A choice this GPU or build cannot run (the Hopper kernels elsewhere) is printed as skipped.
+
+    ncu --profile-from-start off --nvtx --set full -o flash python3 scripts/ncu_targets.py flash
+    python3 scripts/ncu_targets.py --list        # the labels, no GPU needed
+"""
+import argparse
+import sys
+
+# (label, tile choices, pass): each fastgpt kernel choice once. The deterministic backward's dq pass and dkdv pass
+# are separate kernels, so one row per dkdv option (dq at its default) and per dq option (dkdv at its default)
+# covers both; "sm90 fused"/"sm90 ws fused" make dq themselves. The Hopper kernels come last: they have never run
+# on a GPU, and a trap there would end the process before the others.
+FLASH_TARGETS = (
+    [("fwd " + f, {"fwd": f}, "fwd") for f in ("16x64", "32x64", "16x128")]
+    + [("bwd atomic 16x64", {}, "bwd atomic")]
+    + [(f"bwd det {k}/16x64", {"dkdv": k}, "bwd det") for k in ("16x64", "32x32")]
+    + [(f"bwd det 16x64/{q}", {"dq": q}, "bwd det") for q in ("32x64", "32x32")]
+    + [("fwd " + f, {"fwd": f}, "fwd") for f in ("sm90 128x128", "sm90 192x128", "sm90 128x64", "sm90 ws 128x128",
+                                                  "sm90 ws 192x128")]
+    + [("bwd det sm90 128x64/sm90 128x64", {"dkdv": "sm90 128x64", "dq": "sm90 128x64"}, "bwd det")]
+    + [(f"bwd det {k}", {"dkdv": k}, "bwd det") for k in ("sm90 fused", "sm90 ws fused")]
+)
+TORCH_TARGETS = [(f"torch {b.lower()} {what}", b, what) for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION")
+                 for what in ("fwd", "bwd")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("what", nargs="?", choices=("flash", "step"), default="flash")
+    p.add_argument("--list", action="store_true", help="print the flash labels and exit (no GPU needed)")
+    p.add_argument("--B", type=int, default=None, help="batch (default: flash 16, step 4)")
+    p.add_argument("--T", type=int, default=1024)
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--d", type=int, default=64, help="flash: head dim")
+    p.add_argument("--n-layer", type=int, default=12, help="step: layers")
+    p.add_argument("--n-embd", type=int, default=768, help="step: width (a multiple of --n-head)")
+    p.add_argument("--vocab", type=int, default=50304, help="step: vocab size")
+    p.add_argument("--device", default="cuda", help="cpu: the same calls without a GPU or profiler (a smoke test)")
+    args = p.parse_args(argv)
+    if args.B is None:
+        args.B = 16 if args.what == "flash" else 4
+    if min(args.B, args.T, args.n_head, args.d, args.n_layer, args.n_embd, args.vocab) < 1:
+        p.error("sizes must be >= 1")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
+    return args
+
+
+class Profiled:
+    """Runs fn once (warm-up), then once more inside the profiler's window and an NVTX range named label."""
+
+    def __init__(self, torch):
+        self.torch, self.labels = torch, []
+
+    def __call__(self, label, fn):
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        torch.cuda.nvtx.range_push(label)
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.profiler.stop()
+        self.labels.append(label)
+        print(f"profiled: {label}", flush=True)
+
+
+class Plain:
+    """--device cpu: each call once, no profiler."""
+
+    def __init__(self):
+        self.labels = []
+
+    def __call__(self, label, fn):
+        fn()
+        self.labels.append(label)
+        print(f"ran: {label}", flush=True)
+
+
+def flash(args, torch, run):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fastgpt import ops
+
+    B, H, T, d = args.B, args.n_head, args.T, args.d
+    g = torch.Generator(device=args.device).manual_seed(1234)
+    q, k, v, dout = (torch.randn(B, H, T, d, device=args.device, generator=g, dtype=torch.bfloat16)
+                     for _ in range(4))
+    first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
+    try:
+        for label, tiles, what in FLASH_TARGETS:
+            try:
+                ops.flash_attention_tiles(**dict(first, **tiles))
+            except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
+                print(f"skipped: {label}: {e}", flush=True)
+                continue
+            out, lse = ops.flash_attention_forward(q, k, v, causal=True)
+            if what == "fwd":
+                run(label, lambda: ops.flash_attention_forward(q, k, v, causal=True))
+            else:
+                run(label, lambda: ops.flash_attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                                deterministic=what == "bwd det"))
+    finally:
+        ops.flash_attention_tiles(**first)
+    qt, kt, vt = (x.clone().requires_grad_(True) for x in (q, k, v))
+    for label, backend, what in TORCH_TARGETS:
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            try:
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            except RuntimeError as e:
+                print(f"skipped: {label}: {str(e).splitlines()[0]}", flush=True)
+                continue
+            if what == "fwd":
+                run(label, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
+            else:
+                run(label, lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True))
+
+
+def step(args, torch, run):
+    """One fastgpt bf16 training step of GPT-2 124M (by default; vocab 50304), the fused model's one train_step
+    call, eager (a CUDA graph's kernels are the same ones)."""
+    import numpy as np
+
+    import fastgpt
+
+    cfg = fastgpt.GPTConfig(block_size=args.T, vocab_size=args.vocab, n_layer=args.n_layer, n_head=args.n_head,
+                            n_embd=args.n_embd)
+    model = fastgpt.GPT(cfg, device=args.device, precision="bf16", seed=1234)
+    opt = fastgpt.AdamW(model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    rng = np.random.default_rng(1234)
+    toks = rng.integers(0, min(args.vocab, 50257), size=(args.B, args.T + 1), dtype=np.int32)
+    x, y = np.ascontiguousarray(toks[:, :-1]), np.ascontiguousarray(toks[:, 1:])
+    run("step fastgpt bf16", lambda: float(opt.train_step(x, y, max_norm=1.0).loss))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.list:
+        print("\n".join(label for label, _, _ in FLASH_TARGETS))
+        print("\n".join(label for label, _, _ in TORCH_TARGETS))
+        return 0
+    import torch
+    if args.device == "cpu":
+        run = Plain()
+    elif not torch.cuda.is_available():
+        print("ncu_targets: no CUDA GPU visible to torch; nothing to profile")
+        return 0
+    else:
+        run = Profiled(torch)
+    (flash if args.what == "flash" else step)(args, torch, run)
+    print(f"ncu_targets {args.what}: {len(run.labels)} labels, in order: {'; '.join(run.labels)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
