@@ -90,12 +90,20 @@ def reference(q, k, v, dout, causal):
 
 
 def check_choice(label, fwd, dkdv, dq, device, seed):
-    """One choice over its cases; -> (ok, lines). Raises ValueError if the choice cannot run here."""
-    import torch
-
+    """One choice over its cases, the tiles put back after; -> (ok, lines). Raises ValueError if the choice cannot
+    run here."""
     from fastgpt import ops
     first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
-    ops.flash_attention_tiles(**{k: v or first[k] for k, v in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq))})
+    before = ops.flash_attention_tiles(**{k: v or first[k] for k, v in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq))})
+    try:
+        return check_cases(label, fwd, dkdv, dq, device, seed, ops)
+    finally:
+        ops.flash_attention_tiles(**before)
+
+
+def check_cases(label, fwd, dkdv, dq, device, seed, ops):
+    import torch
+
     sm90 = any(x is not None and x.startswith("sm90") for x in (fwd, dkdv, dq))
     cases = [(64, T, causal) for T in (64, 130, 256) for causal in (True, False)]
     if sm90:

@@ -78,14 +78,22 @@ def test_choices_are_the_builds_options():
     assert listed == {"fwd": options["fwd"], "dkdv": options["dkdv"], "dq": options["dq"][1:]}
 
 def test_a_choice_runs_in_its_own_process_on_the_cpu():
-    """The CPU kernels are right: --only picks the choices, each runs in a child process, and the Hopper ones say
-    they are skipped where they cannot run."""
+    """The CPU kernels are right: --only picks the choices and each runs in a child process; a Hopper choice says it
+    cannot run here (ValueError, reported as skipped)."""
     fastgpt = pytest.importorskip("fastgpt")
     if not fastgpt._C.built_with_cuda:
         pytest.skip("fastgpt built without CUDA: no tile options")
     pytest.importorskip("torch")
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "flash_diagnose.py"), "--device", "cpu", "--only",
-                        "dq "], capture_output=True, text=True, timeout=300)
+                        "dq 32x32"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    last = r.stdout.strip().splitlines()[-1]
-    assert last == "flash_diagnose: dq 32x64 OK; dq 32x32 OK; dq sm90 128x64 skipped"
+    assert r.stdout.strip().splitlines()[-1] == "flash_diagnose: dq 32x32 OK"
+    from fastgpt import ops
+    before = ops.flash_attention_tiles()
+    ok, lines = diag.check_choice(*next(c for c in diag.CHOICES if c[0] == "dkdv 32x32"), "cpu", 0)
+    assert ok and lines == [] and ops.flash_attention_tiles() == before  # the tiles put back
+    if fastgpt.cuda_available():
+        return  # a GPU machine may run the Hopper choice
+    with pytest.raises(ValueError, match="sm90"):
+        diag.check_choice(*next(c for c in diag.CHOICES if c[0] == "dq sm90 128x64"), "cpu", 0)
+    assert ops.flash_attention_tiles() == before

@@ -278,22 +278,23 @@ def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
         assert t.extractfile("flash-sass.csv").read().decode().startswith("source page of")
 
 
-def test_targets_run_on_the_cpu():
-    """ncu_targets.py's calls with --device cpu (the same lambdas, no profiler): every fastgpt choice this machine
-    can run runs, in order, and one training step; the Hopper choices say why they are skipped."""
+def test_targets_run_on_the_cpu(capsys):
+    """ncu_targets.py's calls on the CPU (the same lambdas, no profiler): every fastgpt choice this machine can run
+    runs, in order, and one training step; the Hopper choices say why they are skipped."""
     fastgpt = pytest.importorskip("fastgpt")
+    torch = pytest.importorskip("torch")
     if not fastgpt._C.built_with_cuda:
         pytest.skip("fastgpt built without CUDA: no tile options")
-    cmd = [sys.executable, str(REPO / "scripts" / "ncu_targets.py")]
-    res = subprocess.run(cmd + ["flash", "--device", "cpu", "--B", "1", "--T", "80", "--n-head", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    ran = [line[5:] for line in res.stdout.splitlines() if line.startswith("ran: ")]
-    skipped = [line[9:].split(":")[0] for line in res.stdout.splitlines() if line.startswith("skipped: ")]
+    run = targets.Plain()
+    targets.flash(targets.parse_args(["flash", "--device", "cpu", "--B", "1", "--T", "80", "--n-head", "2"]), torch,
+                  run)
+    skipped = [line[9:].split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("skipped: ")]
     fastgpt_labels = [label for label, _, _ in targets.FLASH_TARGETS]
-    assert [x for x in ran if not x.startswith("torch")] == [x for x in fastgpt_labels if x not in skipped]
-    assert all("sm90" in x for x in skipped if not x.startswith("torch")) and "fwd 16x64" in ran
-    res = subprocess.run(cmd + ["step", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2", "--n-embd", "32",
-                                "--n-layer", "2", "--vocab", "96"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "ran: step fastgpt bf16" in res.stdout
+    assert [x for x in run.labels if not x.startswith("torch")] == [x for x in fastgpt_labels if x not in skipped]
+    assert "fwd 16x64" in run.labels
+    if not fastgpt.cuda_available():
+        assert all("sm90" in x for x in skipped if not x.startswith("torch"))
+    run = targets.Plain()
+    targets.step(targets.parse_args(["step", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2", "--n-embd",
+                                     "32", "--n-layer", "2", "--vocab", "96"]), torch, run)
+    assert run.labels == ["step fastgpt bf16"]
