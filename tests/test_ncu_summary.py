@@ -298,3 +298,42 @@ def test_targets_run_on_the_cpu(capsys):
     targets.step(targets.parse_args(["step", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2", "--n-embd",
                                      "32", "--n-layer", "2", "--vocab", "96"]), torch, run)
     assert run.labels == ["step fastgpt bf16"]
+
+
+def test_profiled_calls_bracket_only_the_second_call():
+    """The GPU runner's order of calls, with a recording stand-in for torch: the warm-up call outside the profiler's
+    window, the measured one inside it and inside its NVTX range, the range and the window closed even if the call
+    raises."""
+    events = []
+
+    class Rec:
+        def __getattr__(self, name):
+            return Rec.Node(name)
+
+        class Node:
+            def __init__(self, name):
+                self.name = name
+
+            def __getattr__(self, name):
+                return Rec.Node(f"{self.name}.{name}")
+
+            def __call__(self, *args):
+                events.append((self.name,) + args)
+
+    fake = Rec()
+    run = targets.Profiled(fake)
+    run("fwd x", lambda: events.append(("fn",)))
+    assert events == [("fn",), ("cuda.synchronize",), ("cuda.profiler.start",), ("cuda.nvtx.range_push", "fwd x"),
+                      ("fn",), ("cuda.synchronize",), ("cuda.nvtx.range_pop",), ("cuda.profiler.stop",)]
+    assert run.labels == ["fwd x"]
+    events.clear()
+    calls = []
+
+    def fails():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("kernel fault")
+
+    with pytest.raises(RuntimeError):
+        run("bwd y", fails)
+    assert events[-2:] == [("cuda.nvtx.range_pop",), ("cuda.profiler.stop",)] and run.labels == ["fwd x"]
