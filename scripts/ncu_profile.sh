@@ -2,10 +2,10 @@
 # gpu_check.sh's `ncu` part: Nsight Compute over scripts/ncu_targets.py, every flash attention kernel choice at
 # GPT-2's attention shape with the full set of sections, then one bf16 training step with speed of light, launch and
 # occupancy only (about 400 kernels); the reports imported as CSV (every metric; the same with the NVTX labels as
-# kernel names; ncu's own findings; per SASS instruction, executions and sampled stalls); scripts/ncu_summary.py's
-# tables into OUT/ncu.log, the rest into OUT/ncu.tgz and OUT/ncu_sass.tgz. The reports themselves are dropped: the
-# sessions that tune the kernels have no ncu to open them, and they are large. Prints one line for gpu_check's
-# table: ok, or what failed.
+# kernel names; ncu's own findings; per SASS instruction and per .cu line, executions and sampled stalls);
+# scripts/ncu_summary.py's tables into OUT/ncu.log, the rest into OUT/ncu.tgz and OUT/ncu_sass.tgz. The reports
+# themselves are dropped: the sessions that tune the kernels have no ncu to open them, and they are large. Prints
+# one line for gpu_check's table: ok, or what failed.
 # Usage: bash scripts/ncu_profile.sh OUT   (NCU=path overrides `ncu`; tests/test_ncu_summary.py passes a fake one)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +32,8 @@ if [ -f "$dir/flash.ncu-rep" ]; then
   # (--print-source is newer than --page source: without it, the page's default view)
   timeout 120 "$ncu" -i "$dir/flash.ncu-rep" --page source --csv --print-source sass > "$dir/flash-sass.csv" 2>&1 ||
     timeout 120 "$ncu" -i "$dir/flash.ncu-rep" --page source --csv > "$dir/flash-sass.csv" 2>&1
+  # The same per .cu line (the build has -lineinfo; the sources are where the build left them, in this tree).
+  timeout 120 "$ncu" -i "$dir/flash.ncu-rep" --page source --csv --print-source cuda > "$dir/flash-cuda.csv" 2>&1
 fi
 {
   python3 scripts/ncu_summary.py "$dir/flash-raw.csv" --labels "$dir/flash-labels.csv" --json "$dir/flash-summary.json"
@@ -40,6 +42,8 @@ fi
 } > "$out/ncu.log" 2>&1
 rm -f "$dir"/*.ncu-rep
 # The SASS pages in an archive of their own: if they pass the device call's 16 MB a file, the rest still comes back.
-[ -f "$dir/flash-sass.csv" ] && tar -czf "$out/ncu_sass.tgz" -C "$dir" flash-sass.csv && rm "$dir/flash-sass.csv"
+if [ -f "$dir/flash-sass.csv" ]; then
+  tar -czf "$out/ncu_sass.tgz" -C "$dir" flash-sass.csv flash-cuda.csv && rm "$dir"/flash-sass.csv "$dir"/flash-cuda.csv
+fi
 tar -czf "$out/ncu.tgz" -C "$out" ncu && rm -rf "$dir"
 echo "$status"

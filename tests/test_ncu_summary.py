@@ -264,7 +264,7 @@ def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
         assert "--nvtx" in c and c[-3:-1] == ["python3", "scripts/ncu_targets.py"]
     assert "--set" in profiles[0] and profiles[0][-1] == "flash" and profiles[1][-1] == "step"
     imports = [c for c in calls if "-i" in c]
-    assert sum("--print-nvtx-rename" in c for c in imports) == 2 and len(imports) == 7  # 3 per report, + SASS
+    assert sum("--print-nvtx-rename" in c for c in imports) == 2 and len(imports) == 8  # 3 per report, SASS, .cu
     text = (out / "ncu.log").read_text()
     assert "fwd 16x64" in text and "bwd det 16x64/16x64" in text and "dq_kernel<bf16,64>" in text
     assert "2 kernels, 143.0 us in all" in text
@@ -274,7 +274,7 @@ def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
     assert {"ncu/flash-raw.csv", "ncu/flash-labels.csv", "ncu/step-details.csv", "ncu/flash-summary.json"} <= names
     assert not any(n.endswith(".ncu-rep") or "sass" in n for n in names)
     with tarfile.open(out / "ncu_sass.tgz") as t:
-        assert t.getnames() == ["flash-sass.csv"]
+        assert t.getnames() == ["flash-sass.csv", "flash-cuda.csv"]
         assert t.extractfile("flash-sass.csv").read().decode().startswith("source page of")
 
 
