@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("what", nargs="?", choices=("flash", "step"), default="flash")
     p.add_argument("--list", action="store_true", help="print the flash labels and exit (no GPU needed)")
-    p.add_argument("--B", type=int, default=None, help="batch (default: flash 16, step 4)")
+    p.add_argument("--B", type=int, default=None, help="batch (default: flash 16, step 8)")
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--d", type=int, default=64, help="flash: head dim")
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", help="cpu: the same calls without a GPU or profiler (a smoke test)")
     args = p.parse_args(argv)
     if args.B is None:
-        args.B = 16 if args.what == "flash" else 4
+        args.B = 16 if args.what == "flash" else 8
     if min(args.B, args.T, args.n_head, args.d, args.n_layer, args.n_embd, args.vocab) < 1:
         p.error("sizes must be >= 1")
     if args.n_embd % args.n_head:

@@ -263,6 +263,7 @@ def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
             assert c[i:i + 2] == opt
         assert "--nvtx" in c and c[-3:-1] == ["python3", "scripts/ncu_targets.py"]
     assert "--set" in profiles[0] and profiles[0][-1] == "flash" and profiles[1][-1] == "step"
+    assert "--replay-mode" not in profiles[0] and profiles[1][profiles[1].index("--replay-mode") + 1] == "application"
     imports = [c for c in calls if "-i" in c]
     assert sum("--print-nvtx-rename" in c for c in imports) == 2 and len(imports) == 8  # 3 per report, SASS, .cu
     text = (out / "ncu.log").read_text()
