@@ -13,8 +13,8 @@
 #             ncu.tgz, ncu_sass.tgz (the sessions that tune kernels have no GPU to open a report on)
 #   ladder    bench/bench_ladder.py: notebooks/02_speedup_progression's rungs at GPT-2 124M, PyTorch and fastgpt side
 #             by side (table in ladder.log, rows in ladder.json, bar chart ladder.png when matplotlib is there)
-# TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py), SANITIZERS="memcheck ..." the
-# sanitize part.
+# TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py with a GPU case; the CPU-only
+# ones are CI's), SANITIZERS="memcheck ..." the sanitize part.
 # A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each.
 # Raw evidence goes to $OUT (or ./gpu_out): logs, benchmark JSON, nvidia-smi line (at most 8 files come back).
 # Before calling: copy ../shared/data into .device/shared/data here (ignored by git) and carry .device.
@@ -62,7 +62,11 @@ if [ $build = ok ] && has tests; then
   # Each file in its own pytest (a fault in one cannot poison the others), test_cuda.py first: it proves that the
   # build runs here at all. (One pytest -n 8 over all files ran slower beside the sanitizers, 2026-11-23.)
   # TEST_BUDGET: seconds after which the remaining files are reported "not run" (the call has 600 s in all).
-  for f in ${TESTS:-tests/test_cuda.py $(ls tests/test_*.py | grep -v test_cuda.py)}; do
+  # Files with no GPU case at all (the emulator, the CuTe checks, tokenizer, data, the scripts' own tests) are left
+  # to CI: on the device they would only spend its minutes. TESTS= (any list) runs them too.
+  cpu_only="flash_attention_emulated|wgmma|ncu_summary|flash_diagnose|tokenizer|data|hellaswag|hf|sample|bench_common"
+  gpu_files="tests/test_cuda.py $(ls tests/test_*.py | grep -v test_cuda.py | grep -Ev "/test_($cpu_only)\.py$")"
+  for f in ${TESTS:-$gpu_files}; do
     name=$(basename "$f" .py)
     if [ $((SECONDS - t0)) -gt ${TEST_BUDGET:-480} ]; then res[$name]="not run (time)"; continue; fi
     echo "== $f" >> "$out/pytest.log"
