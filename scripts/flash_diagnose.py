@@ -5,7 +5,8 @@ columns and heads are wrong, whether they are NaN, and a map of the first head.
 Why: the tests say that a kernel is wrong, not where; on a GPU lent for 30 minutes the next step after a failure is
 a fix, and "rows 64-127 wrong in every head" (the second warpgroup) or "every column wrong from 32 on" (a
 descriptor, a swizzle) says where to look. Each choice runs in its own process with a time limit, so a trap (the
-Hopper kernels' 60 s wait limit) or a hang ends that choice alone.
+Hopper kernels' 60 s wait limit) or a hang ends that choice alone; the Hopper choices, never run on a GPU yet, come
+last.
 
     python3 scripts/flash_diagnose.py                  # every choice (the Hopper ones where they run)
     python3 scripts/flash_diagnose.py --only "sm90"     # the choices whose label has this text
@@ -27,6 +28,12 @@ CHOICES = (
     + [(f"dkdv {k}", None, k, None) for k in ("16x64", "32x32", "sm90 128x64", "sm90 fused", "sm90 ws fused")]
     + [(f"dq {q}", None, None, q) for q in ("32x64", "32x32", "sm90 128x64")]
 )
+
+
+def ordered(choices):
+    """The labels in running order: the Hopper choices last, the warp-specialised ones after the rest (if they hang,
+    the caller's time limit cuts them, not the others); otherwise as listed."""
+    return [c[0] for c in sorted(choices, key=lambda c: ("sm90" in c[0]) + (" ws" in c[0]))]
 
 
 def ranges(idx):
@@ -137,7 +144,9 @@ def main(argv=None):
     p.add_argument("--only", default="", help="the choices whose label contains this text")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--timeout", type=int, default=90, help="seconds per choice (its own process)")
+    p.add_argument("--timeout", type=int, default=30,
+                   help="seconds per choice (its own process; a normal one takes under 10 on an H100, and a hung\n"
+                        "Hopper kernel traps only after 60)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one choice's label
     args = p.parse_args(argv)
     by_label = {c[0]: c for c in CHOICES}
@@ -151,7 +160,7 @@ def main(argv=None):
         print("OK" if ok else "WRONG")
         return 0
     results = []
-    for label, *_ in CHOICES:
+    for label in ordered(CHOICES):
         if args.only not in label:
             continue
         cmd = [sys.executable, __file__, "--one", label, "--device", args.device, "--seed", str(args.seed)]

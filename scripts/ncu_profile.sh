@@ -16,38 +16,49 @@ mkdir -p "$dir"
 # --clock-control none: the card's clocks as found (ncu would lock them to base for the run otherwise);
 # --profile-from-start off: only the calls ncu_targets.py brackets with cudaProfilerStart/Stop (not warm-ups).
 args=(--profile-from-start off --nvtx --clock-control none --import-source no -f)
-status=ok
-timeout 300 "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash \
+status=ok skip=
+timeout 240 "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash \
   > "$dir/flash.log" 2>&1 || status="FAIL flash (rc $?)"
+# The Hopper kernels in a report of their own (a trap or hang there cannot cost the one above), and not at all when
+# flash_diagnose, earlier in the same call, saw one of them crash or time out.
+if [ -f "$out/diagnose.log" ] && grep -Eq "^== .*sm90.*: (CRASHED|TIMEOUT)" "$out/diagnose.log"; then
+  status="$status; sm90 not profiled (diagnose: a crash or timeout)"
+  skip=sm90
+else
+  timeout 150 "$ncu" "${args[@]}" --set full -o "$dir/sm90" python3 scripts/ncu_targets.py sm90 \
+    > "$dir/sm90.log" 2>&1 || status="$status; FAIL sm90 (rc $?)"
+fi
 # The step's ~400 kernels with the GPT-2 model's gigabytes around them: kernel replay would save and restore that
 # memory for each kernel's every pass; application replay runs the whole program once per pass instead (the same
 # seed, the same kernels).
 timeout 200 "$ncu" "${args[@]}" --replay-mode application --section SpeedOfLight --section LaunchStats \
   --section Occupancy -o "$dir/step" python3 scripts/ncu_targets.py step > "$dir/step.log" 2>&1 ||
   status="$status; FAIL step (rc $?)"
-for r in flash step; do
+for r in flash sm90 step; do
   rep="$dir/$r.ncu-rep"
+  [ $r = "$skip" ] && continue
   [ -f "$rep" ] || { status="$status; no $r report"; continue; }
   "$ncu" -i "$rep" --page raw --csv --print-units base > "$dir/$r-raw.csv" 2>&1
   "$ncu" -i "$rep" --page raw --csv --print-units base --print-nvtx-rename kernel > "$dir/$r-labels.csv" 2>&1
   "$ncu" -i "$rep" --page details --csv --print-units base > "$dir/$r-details.csv" 2>&1
+  [ $r = step ] && continue
+  # Per SASS instruction (--print-source is newer than --page source: without it, the page's default view), and per
+  # .cu line (the build has -lineinfo; the sources are where the build left them, in this tree).
+  timeout 120 "$ncu" -i "$rep" --page source --csv --print-source sass > "$dir/$r-sass.csv" 2>&1 ||
+    timeout 120 "$ncu" -i "$rep" --page source --csv > "$dir/$r-sass.csv" 2>&1
+  timeout 120 "$ncu" -i "$rep" --page source --csv --print-source cuda > "$dir/$r-cuda.csv" 2>&1
 done
-if [ -f "$dir/flash.ncu-rep" ]; then
-  # (--print-source is newer than --page source: without it, the page's default view)
-  timeout 120 "$ncu" -i "$dir/flash.ncu-rep" --page source --csv --print-source sass > "$dir/flash-sass.csv" 2>&1 ||
-    timeout 120 "$ncu" -i "$dir/flash.ncu-rep" --page source --csv > "$dir/flash-sass.csv" 2>&1
-  # The same per .cu line (the build has -lineinfo; the sources are where the build left them, in this tree).
-  timeout 120 "$ncu" -i "$dir/flash.ncu-rep" --page source --csv --print-source cuda > "$dir/flash-cuda.csv" 2>&1
-fi
 {
-  python3 scripts/ncu_summary.py "$dir/flash-raw.csv" --labels "$dir/flash-labels.csv" --json "$dir/flash-summary.json"
-  echo
+  for r in flash sm90; do
+    [ -f "$dir/$r-raw.csv" ] || continue
+    python3 scripts/ncu_summary.py "$dir/$r-raw.csv" --labels "$dir/$r-labels.csv" --json "$dir/$r-summary.json"
+    echo
+  done
   python3 scripts/ncu_summary.py "$dir/step-raw.csv" --group --top 20 --json "$dir/step-summary.json"
 } > "$out/ncu.log" 2>&1
 rm -f "$dir"/*.ncu-rep
-# The SASS pages in an archive of their own: if they pass the device call's 16 MB a file, the rest still comes back.
-if [ -f "$dir/flash-sass.csv" ]; then
-  tar -czf "$out/ncu_sass.tgz" -C "$dir" flash-sass.csv flash-cuda.csv && rm "$dir"/flash-sass.csv "$dir"/flash-cuda.csv
-fi
+# The source pages in an archive of their own: if they pass the device call's 16 MB a file, the rest still comes
+# back.
+(cd "$dir" && ls -- *-sass.csv *-cuda.csv 2>/dev/null | xargs -r tar -czf ../ncu_sass.tgz --remove-files)
 tar -czf "$out/ncu.tgz" -C "$out" ncu && rm -rf "$dir"
 echo "$status"

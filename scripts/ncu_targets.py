@@ -1,6 +1,7 @@
 """What Nsight Compute (ncu) profiles in `scripts/gpu_check.sh ncu`: each flash attention kernel choice once at
-GPT-2 124M's attention shape (bf16, d 64, T 1024, causal, 12 heads), beside torch's cuDNN and flash SDPA backends
-("flash"), or one fastgpt bf16 training step of GPT-2 124M ("step").
+GPT-2 124M's attention shape (bf16, d 64, T 1024, causal, 12 heads): the mma.sync ones beside torch's cuDNN and flash
+SDPA backends ("flash"), or the Hopper ones ("sm90": never run on a GPU yet, so in a report of their own, which a
+trap or hang there cannot cost the others); or one fastgpt bf16 training step of GPT-2 124M ("step").
 
 Why: issue 10 asks for flash attention at Hopper speed and says "profile with ncu"; the benchmarks give each
 kernel's time, not why it takes it (tensor-pipe use, issue slots, stalls, bank conflicts, spills). The sessions that
@@ -13,21 +14,22 @@ warm-up calls and torch's own set-up kernels stay out of the report) and an NVTX
 A choice this GPU or build cannot run (the Hopper kernels elsewhere) is printed as skipped.
 
     ncu --profile-from-start off --nvtx --set full -o flash python3 scripts/ncu_targets.py flash
-    python3 scripts/ncu_targets.py --list        # the labels, no GPU needed
+    python3 scripts/ncu_targets.py sm90 --list   # the labels, no GPU needed
 """
 import argparse
 import sys
 
 # (label, tile choices, pass): each fastgpt kernel choice once. The deterministic backward's dq pass and dkdv pass
 # are separate kernels, so one row per dkdv option (dq at its default) and per dq option (dkdv at its default)
-# covers both; "sm90 fused"/"sm90 ws fused" make dq themselves. The Hopper kernels come last: they have never run
-# on a GPU, and a trap there would end the process before the others.
+# covers both; "sm90 fused"/"sm90 ws fused" make dq themselves.
 FLASH_TARGETS = (
     [("fwd " + f, {"fwd": f}, "fwd") for f in ("16x64", "32x64", "16x128")]
     + [("bwd atomic 16x64", {}, "bwd atomic")]
     + [(f"bwd det {k}/16x64", {"dkdv": k}, "bwd det") for k in ("16x64", "32x32")]
     + [(f"bwd det 16x64/{q}", {"dq": q}, "bwd det") for q in ("32x64", "32x32")]
-    + [("fwd " + f, {"fwd": f}, "fwd") for f in ("sm90 128x128", "sm90 192x128", "sm90 128x64", "sm90 ws 128x128",
+)
+SM90_TARGETS = (
+    [("fwd " + f, {"fwd": f}, "fwd") for f in ("sm90 128x128", "sm90 192x128", "sm90 128x64", "sm90 ws 128x128",
                                                   "sm90 ws 192x128")]
     + [("bwd det sm90 128x64/sm90 128x64", {"dkdv": "sm90 128x64", "dq": "sm90 128x64"}, "bwd det")]
     + [(f"bwd det {k}", {"dkdv": k}, "bwd det") for k in ("sm90 fused", "sm90 ws fused")]
@@ -38,9 +40,9 @@ TORCH_TARGETS = [(f"torch {b.lower()} {what}", b, what) for b in ("CUDNN_ATTENTI
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", nargs="?", choices=("flash", "step"), default="flash")
-    p.add_argument("--list", action="store_true", help="print the flash labels and exit (no GPU needed)")
-    p.add_argument("--B", type=int, default=None, help="batch (default: flash 16, step 8)")
+    p.add_argument("what", nargs="?", choices=("flash", "sm90", "step"), default="flash")
+    p.add_argument("--list", action="store_true", help="print the labels and exit (no GPU needed)")
+    p.add_argument("--B", type=int, default=None, help="batch (default: 16, step 8)")
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--d", type=int, default=64, help="flash: head dim")
@@ -50,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", help="cpu: the same calls without a GPU or profiler (a smoke test)")
     args = p.parse_args(argv)
     if args.B is None:
-        args.B = 16 if args.what == "flash" else 8
+        args.B = 8 if args.what == "step" else 16
     if min(args.B, args.T, args.n_head, args.d, args.n_layer, args.n_embd, args.vocab) < 1:
         p.error("sizes must be >= 1")
     if args.n_embd % args.n_head:
@@ -93,6 +95,7 @@ class Plain:
 
 
 def flash(args, torch, run):
+    """fastgpt's choices (FLASH_TARGETS, or SM90_TARGETS for "sm90"), then ("flash") torch's SDPA backends."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -104,7 +107,7 @@ def flash(args, torch, run):
                      for _ in range(4))
     first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
     try:
-        for label, tiles, what in FLASH_TARGETS:
+        for label, tiles, what in SM90_TARGETS if args.what == "sm90" else FLASH_TARGETS:
             try:
                 ops.flash_attention_tiles(**dict(first, **tiles))
             except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
@@ -118,6 +121,8 @@ def flash(args, torch, run):
                                                                 deterministic=what == "bwd det"))
     finally:
         ops.flash_attention_tiles(**first)
+    if args.what == "sm90":
+        return
     qt, kt, vt = (x.clone().requires_grad_(True) for x in (q, k, v))
     for label, backend, what in TORCH_TARGETS:
         with sdpa_kernel([getattr(SDPBackend, backend)]):
@@ -152,8 +157,9 @@ def step(args, torch, run):
 def main(argv=None):
     args = parse_args(argv)
     if args.list:
-        print("\n".join(label for label, _, _ in FLASH_TARGETS))
-        print("\n".join(label for label, _, _ in TORCH_TARGETS))
+        targets = {"flash": FLASH_TARGETS + TORCH_TARGETS, "sm90": SM90_TARGETS,
+                   "step": [("step fastgpt bf16", None, None)]}[args.what]
+        print("\n".join(label for label, _, _ in targets))
         return 0
     import torch
     if args.device == "cpu":
@@ -163,7 +169,7 @@ def main(argv=None):
         return 0
     else:
         run = Profiled(torch)
-    (flash if args.what == "flash" else step)(args, torch, run)
+    (step if args.what == "step" else flash)(args, torch, run)
     print(f"ncu_targets {args.what}: {len(run.labels)} labels, in order: {'; '.join(run.labels)}")
     return 0
 

@@ -14,6 +14,14 @@ diag = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(diag)
 
 
+def test_the_hopper_choices_run_last():
+    order = diag.ordered(diag.CHOICES)
+    assert sorted(order) == sorted(c[0] for c in diag.CHOICES)
+    kinds = [2 if " ws" in x else 1 if "sm90" in x else 0 for x in order]
+    assert kinds == sorted(kinds) and kinds[0] == 0 and kinds[-1] == 2
+    assert order[0] == "fwd 16x64"
+
+
 def test_ranges():
     assert diag.ranges([]) == ""
     assert diag.ranges([3]) == "3"

@@ -166,18 +166,24 @@ def test_targets_name_the_builds_tile_options():
     from fastgpt import ops
     options = ops.flash_attention_tile_options()
     seen = {k: set() for k in options}
-    for label, tiles, what in targets.FLASH_TARGETS:
+    for label, tiles, what in targets.FLASH_TARGETS + targets.SM90_TARGETS:
         assert what in ("fwd", "bwd det", "bwd atomic") and label.startswith(what)
         for k, name in tiles.items():
             assert name in options[k], (label, k, name)
             seen[k].add(name)
     for k in options:  # option 0 runs in the rows that leave it unset
         assert set(options[k][1:]) <= seen[k], (k, set(options[k][1:]) - seen[k])
-    labels = [label for label, _, _ in targets.FLASH_TARGETS + targets.TORCH_TARGETS]
+    labels = [label for label, _, _ in targets.FLASH_TARGETS + targets.TORCH_TARGETS + targets.SM90_TARGETS]
     assert len(set(labels)) == len(labels)
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "ncu_targets.py"), "--list"], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.split("\n")[:-1] == labels
+    assert all("sm90" in label for label, _, _ in targets.SM90_TARGETS)
+    assert not any("sm90" in label for label, _, _ in targets.FLASH_TARGETS)
+    listed = []
+    for what in ("flash", "sm90"):
+        out = subprocess.run([sys.executable, str(REPO / "scripts" / "ncu_targets.py"), what, "--list"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0
+        listed += out.stdout.split("\n")[:-1]
+    assert listed == labels
 
 
 def test_grouped_rows_sum_times_and_weight_percentages(tmp_path):
@@ -241,47 +247,65 @@ print("==PROF== fake\n" + buf.getvalue(), end="")
 '''
 
 
-def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
-    """scripts/ncu_profile.sh (gpu_check.sh ncu) with a stand-in ncu: the options each ncu call gets, the CSV it
-    imports, the tables it writes and the archive it leaves (no reports in it)."""
+def run_ncu_part(tmp_path, diagnose=None):
     fake = tmp_path / "ncu"
     fake.write_text(FAKE_NCU.replace("PYTHON", sys.executable))
     fake.chmod(0o755)
     out = tmp_path / "out"
+    out.mkdir()
+    if diagnose is not None:
+        (out / "diagnose.log").write_text(diagnose)
     log = tmp_path / "calls.jsonl"
     env = dict(os.environ, NCU=str(fake), FAKE_NCU_LOG=str(log))
     res = subprocess.run(["bash", str(REPO / "scripts" / "ncu_profile.sh"), str(out)], capture_output=True,
                          text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return out, res.stdout.strip(), [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
+    """scripts/ncu_profile.sh (gpu_check.sh ncu) with a stand-in ncu: the options each ncu call gets, the CSV it
+    imports, the tables it writes and the archives it leaves (no reports in them)."""
+    out, status, calls = run_ncu_part(tmp_path, "== fwd sm90 128x128: OK\n== dkdv sm90 fused: WRONG\n")
+    assert status == "ok"
     profiles = [c for c in calls if "-o" in c]
-    assert len(profiles) == 2
+    assert [c[-1] for c in profiles] == ["flash", "sm90", "step"]
     for c in profiles:
         for opt in (["--profile-from-start", "off"], ["--clock-control", "none"]):
             i = c.index(opt[0])
             assert c[i:i + 2] == opt
         assert "--nvtx" in c and c[-3:-1] == ["python3", "scripts/ncu_targets.py"]
-    assert "--set" in profiles[0] and profiles[0][-1] == "flash" and profiles[1][-1] == "step"
-    assert "--replay-mode" not in profiles[0] and profiles[1][profiles[1].index("--replay-mode") + 1] == "application"
+    assert all(c[c.index("--set") + 1] == "full" and "--replay-mode" not in c for c in profiles[:2])
+    assert profiles[2][profiles[2].index("--replay-mode") + 1] == "application" and "--set" not in profiles[2]
     imports = [c for c in calls if "-i" in c]
-    assert sum("--print-nvtx-rename" in c for c in imports) == 2 and len(imports) == 8  # 3 per report, SASS, .cu
+    # raw, labelled raw and details of each report; SASS and .cu source pages of the two flash ones
+    assert sum("--print-nvtx-rename" in c for c in imports) == 3 and len(imports) == 13
     text = (out / "ncu.log").read_text()
     assert "fwd 16x64" in text and "bwd det 16x64/16x64" in text and "dq_kernel<bf16,64>" in text
-    assert "2 kernels, 143.0 us in all" in text
-    assert sorted(p.name for p in out.iterdir()) == ["ncu.log", "ncu.tgz", "ncu_sass.tgz"]
+    assert text.count("2 kernels, 143.0 us in all") == 3
+    assert sorted(p.name for p in out.iterdir()) == ["diagnose.log", "ncu.log", "ncu.tgz", "ncu_sass.tgz"]
     with tarfile.open(out / "ncu.tgz") as t:
         names = set(t.getnames())
-    assert {"ncu/flash-raw.csv", "ncu/flash-labels.csv", "ncu/step-details.csv", "ncu/flash-summary.json"} <= names
-    assert not any(n.endswith(".ncu-rep") or "sass" in n for n in names)
+    assert {"ncu/flash-raw.csv", "ncu/flash-labels.csv", "ncu/sm90-raw.csv", "ncu/step-details.csv",
+            "ncu/flash-summary.json", "ncu/sm90-summary.json"} <= names
+    assert not any(n.endswith(".ncu-rep") or "sass" in n or "cuda" in n for n in names)
     with tarfile.open(out / "ncu_sass.tgz") as t:
-        assert t.getnames() == ["flash-sass.csv", "flash-cuda.csv"]
+        assert sorted(t.getnames()) == ["flash-cuda.csv", "flash-sass.csv", "sm90-cuda.csv", "sm90-sass.csv"]
         assert t.extractfile("flash-sass.csv").read().decode().startswith("source page of")
 
 
+def test_the_hopper_kernels_are_not_profiled_after_a_crash_in_diagnose(tmp_path):
+    """A Hopper choice that crashed or timed out in flash_diagnose (the same call, before) would hang or trap under
+    ncu too: its report is left out, and the status says so; the others are made as before."""
+    out, status, calls = run_ncu_part(tmp_path, "== fwd 16x64: OK\n== dkdv sm90 ws fused: TIMEOUT (30 s)\n")
+    assert [c[-1] for c in calls if "-o" in c] == ["flash", "step"]
+    assert status == "ok; sm90 not profiled (diagnose: a crash or timeout)"
+    assert (out / "ncu.log").read_text().count("2 kernels, 143.0 us in all") == 2
+
+
 def test_targets_run_on_the_cpu(capsys):
-    """ncu_targets.py's calls on the CPU (the same lambdas, no profiler): every fastgpt choice this machine can run
-    runs, in order, and one training step; the Hopper choices say why they are skipped."""
+    """ncu_targets.py's calls on the CPU (the same lambdas, no profiler): every mma.sync choice runs, in order, and
+    one training step; the Hopper choices say why they are skipped."""
     fastgpt = pytest.importorskip("fastgpt")
     torch = pytest.importorskip("torch")
     if not fastgpt._C.built_with_cuda:
@@ -292,9 +316,14 @@ def test_targets_run_on_the_cpu(capsys):
     skipped = [line[9:].split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("skipped: ")]
     fastgpt_labels = [label for label, _, _ in targets.FLASH_TARGETS]
     assert [x for x in run.labels if not x.startswith("torch")] == [x for x in fastgpt_labels if x not in skipped]
-    assert "fwd 16x64" in run.labels
-    if not fastgpt.cuda_available():
-        assert all("sm90" in x for x in skipped if not x.startswith("torch"))
+    assert "fwd 16x64" in run.labels and all(x.startswith("torch") for x in skipped)
+    if not fastgpt.cuda_available():  # the Hopper choices say why they cannot run here
+        run = targets.Plain()
+        targets.flash(targets.parse_args(["sm90", "--device", "cpu", "--B", "1", "--T", "80", "--n-head", "2"]),
+                      torch, run)
+        skipped = [line[9:].split(":")[0] for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("skipped: ")]
+        assert run.labels == [] and skipped == [label for label, _, _ in targets.SM90_TARGETS]
     run = targets.Plain()
     targets.step(targets.parse_args(["step", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2", "--n-embd",
                                      "32", "--n-layer", "2", "--vocab", "96"]), torch, run)
