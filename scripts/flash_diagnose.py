@@ -19,7 +19,9 @@ import sys
 
 import numpy as np
 
-TOL = 2e-2  # of the tensor's largest |reference|: a bf16 kernel's worst element sits near 1e-2 of it at these sizes
+# Of the tensor's largest |reference|: the flash algorithm's own bf16 roundings (scripts/flash_accuracy.py's float64
+# emulation, outputs rounded to bf16) reach 0.64% of it at these shapes (18 cases, 2026-11-24), a third of this.
+TOL = 2e-2
 
 # (label, fwd, dkdv, dq): a forward choice is checked on out and lse; a backward choice on the gradients it makes.
 CHOICES = (
