@@ -23,19 +23,19 @@ import numpy as np
 # emulation, outputs rounded to bf16) reach 0.64% of it at these shapes (18 cases, 2026-11-24), a third of this.
 TOL = 2e-2
 
-# (label, fwd, dkdv, dq): a forward choice is checked on out and lse; a backward choice on the gradients it makes.
-CHOICES = (
-    [(f"fwd {f}", f, None, None) for f in ("16x64", "32x64", "16x128", "sm90 128x128", "sm90 192x128", "sm90 128x64",
-                                           "sm90 ws 128x128", "sm90 ws 192x128")]
-    + [(f"dkdv {k}", None, k, None) for k in ("16x64", "32x32", "sm90 128x64", "sm90 fused", "sm90 ws fused")]
-    + [(f"dq {q}", None, None, q) for q in ("32x64", "32x32", "sm90 128x64")]
-)
+
+def choices(options):
+    """The kernel choices of ops.flash_attention_tile_options() (passed in: {"fwd": [names], "dkdv": ..., "dq": ...})
+    as (label, tiles): each fwd option, each dkdv option, each dq option but the first (it runs with every dkdv
+    choice), the others at option 0; in running order: the Hopper ("sm90") choices last, the warp-specialised ones
+    after them (if they hang, the caller's time limit cuts them, not the others). scripts/ncu_targets.py profiles
+    the same list."""
+    out = [(f"{key} {name}", {key: name}) for key in ("fwd", "dkdv", "dq") for name in options[key][key == "dq":]]
+    return sorted(out, key=lambda c: is_sm90(c[1]) + (" ws" in c[0]))
 
 
-def ordered(choices):
-    """The labels in running order: the Hopper choices last, the warp-specialised ones after the rest (if they hang,
-    the caller's time limit cuts them, not the others); otherwise as listed."""
-    return [c[0] for c in sorted(choices, key=lambda c: ("sm90" in c[0]) + (" ws" in c[0]))]
+def is_sm90(tiles):
+    return any(name.startswith("sm90") for name in tiles.values())
 
 
 def ranges(idx):
@@ -98,47 +98,39 @@ def reference(q, k, v, dout, causal):
     return [x.detach().cpu().numpy() for x in (out, lse, q.grad, k.grad, v.grad)]
 
 
-def check_choice(label, fwd, dkdv, dq, device, seed):
-    """One choice over its cases, the tiles put back after; -> (ok, lines). Raises ValueError if the choice cannot
-    run here."""
-    from fastgpt import ops
-    first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
-    before = ops.flash_attention_tiles(**{k: v or first[k] for k, v in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq))})
-    try:
-        return check_cases(label, fwd, dkdv, dq, device, seed, ops)
-    finally:
-        ops.flash_attention_tiles(**before)
-
-
-def check_cases(label, fwd, dkdv, dq, device, seed, ops):
+def check_choice(label, tiles, device, seed):
+    """One choice over its cases, the tiles put back after; -> (ok, lines). A forward choice is checked on out and
+    lse, a backward one on all three gradients (the other pass at its default is checked with it). Raises ValueError
+    if the choice cannot run here."""
     import torch
 
-    sm90 = any(x is not None and x.startswith("sm90") for x in (fwd, dkdv, dq))
-    cases = [(64, T, causal) for T in (64, 130, 256) for causal in (True, False)]
-    if sm90:
-        cases += [(128, 200, True), (128, 200, False)]
-    ok, lines = True, []
-    g = torch.Generator(device=device).manual_seed(seed)
-    for d, T, causal in cases:
-        B, H = 2, 3
-        q, k, v, dout = (torch.randn(B, H, T, d, device=device, generator=g).to(torch.bfloat16) for _ in range(4))
-        ref = reference(q, k, v, dout, causal)
-        out, lse = ops.flash_attention_forward(q, k, v, causal=causal)
-        got = [out, lse]
-        if fwd is None:
-            got += list(ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True))
-        names = ["out", "lse", "dq", "dk", "dv"]
-        # a backward choice: all three gradients (the other pass at its default is checked with it)
-        want = {"out", "lse"} if fwd else {"dq", "dk", "dv"}
-        for name, x, r in zip(names, got, ref):
-            if name not in want:
-                continue
-            good, text = diagnose(f"{label} d{d} T{T} {'causal' if causal else 'full'} {name}",
-                                  x.float().cpu().numpy() if hasattr(x, "cpu") else x, r)
-            ok &= good
-            if not good:
-                lines += text
-    return ok, lines
+    from fastgpt import ops
+    first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
+    before = ops.flash_attention_tiles(**dict(first, **tiles))
+    try:
+        cases = [(64, T, causal) for T in (64, 130, 256) for causal in (True, False)]
+        if is_sm90(tiles):
+            cases += [(128, 200, True), (128, 200, False)]
+        fwd = "fwd" in tiles
+        ok, lines = True, []
+        g = torch.Generator(device=device).manual_seed(seed)
+        for d, T, causal in cases:
+            B, H = 2, 3
+            q, k, v, dout = (torch.randn(B, H, T, d, device=device, generator=g).to(torch.bfloat16)
+                             for _ in range(4))
+            ref = dict(zip(("out", "lse", "dq", "dk", "dv"), reference(q, k, v, dout, causal)))
+            out, lse = ops.flash_attention_forward(q, k, v, causal=causal)
+            got = {"out": out, "lse": lse} if fwd else dict(zip(("dq", "dk", "dv"), ops.flash_attention_backward(
+                dout, q, k, v, out, lse, causal=causal, deterministic=True)))
+            for name, x in got.items():
+                good, text = diagnose(f"{label} d{d} T{T} {'causal' if causal else 'full'} {name}",
+                                      x.float().cpu().numpy() if hasattr(x, "cpu") else x, ref[name])
+                ok &= good
+                if not good:
+                    lines += text
+        return ok, lines
+    finally:
+        ops.flash_attention_tiles(**before)
 
 
 def main(argv=None):
@@ -151,10 +143,11 @@ def main(argv=None):
                         "Hopper kernel traps only after 60)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one choice's label
     args = p.parse_args(argv)
-    by_label = {c[0]: c for c in CHOICES}
+    from fastgpt import ops
+    listed = choices(ops.flash_attention_tile_options())
     if args.one:
         try:
-            ok, lines = check_choice(*by_label[args.one], args.device, args.seed)
+            ok, lines = check_choice(args.one, dict(listed)[args.one], args.device, args.seed)
         except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
             print(f"SKIPPED {e}")
             return 0
@@ -162,7 +155,7 @@ def main(argv=None):
         print("OK" if ok else "WRONG")
         return 0
     results = []
-    for label in ordered(CHOICES):
+    for label, _ in listed:
         if args.only not in label:
             continue
         cmd = [sys.executable, __file__, "--one", label, "--device", args.device, "--seed", str(args.seed)]

@@ -14,26 +14,26 @@ warm-up calls and torch's own set-up kernels stay out of the report) and an NVTX
 A choice this GPU or build cannot run (the Hopper kernels elsewhere) is printed as skipped.
 
     ncu --profile-from-start off --nvtx --set full -o flash python3 scripts/ncu_targets.py flash
-    python3 scripts/ncu_targets.py sm90 --list   # the labels, no GPU needed
+    python3 scripts/ncu_targets.py sm90 --list   # the labels (a build with CUDA; no GPU needed)
 """
 import argparse
+import pathlib
 import sys
 
-# (label, tile choices, pass): each fastgpt kernel choice once. The deterministic backward's dq pass and dkdv pass
-# are separate kernels, so one row per dkdv option (dq at its default) and per dq option (dkdv at its default)
-# covers both; "sm90 fused"/"sm90 ws fused" make dq themselves.
-FLASH_TARGETS = (
-    [("fwd " + f, {"fwd": f}, "fwd") for f in ("16x64", "32x64", "16x128")]
-    + [("bwd atomic 16x64", {}, "bwd atomic")]
-    + [(f"bwd det {k}/16x64", {"dkdv": k}, "bwd det") for k in ("16x64", "32x32")]
-    + [(f"bwd det 16x64/{q}", {"dq": q}, "bwd det") for q in ("32x64", "32x32")]
-)
-SM90_TARGETS = (
-    [("fwd " + f, {"fwd": f}, "fwd") for f in ("sm90 128x128", "sm90 192x128", "sm90 128x64", "sm90 ws 128x128",
-                                                  "sm90 ws 192x128")]
-    + [("bwd det sm90 128x64/sm90 128x64", {"dkdv": "sm90 128x64", "dq": "sm90 128x64"}, "bwd det")]
-    + [(f"bwd det {k}", {"dkdv": k}, "bwd det") for k in ("sm90 fused", "sm90 ws fused")]
-)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from flash_diagnose import choices, is_sm90  # noqa: E402  (the kernel choices, derived from the build's options)
+
+
+def fastgpt_targets(options, sm90):
+    """(label, tiles, pass) for each of flash_diagnose.choices(options), the Hopper ones (sm90) or the others: a
+    forward choice times the forward, a dkdv or dq choice the deterministic backward (its two passes are separate
+    kernels, so each is profiled with the other at its default; the fused dkdv options make dq themselves); the
+    others add the atomic backward at the default tiles."""
+    out = [(label, tiles, "fwd" if "fwd" in tiles else "bwd det") for label, tiles in choices(options)
+           if is_sm90(tiles) == sm90]
+    return out if sm90 else out + [("bwd atomic", {}, "bwd atomic")]
+
+
 TORCH_TARGETS = [(f"torch {b.lower()} {what}", b, what) for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION")
                  for what in ("fwd", "bwd")]
 
@@ -95,7 +95,8 @@ class Plain:
 
 
 def flash(args, torch, run):
-    """fastgpt's choices (FLASH_TARGETS, or SM90_TARGETS for "sm90"), then ("flash") torch's SDPA backends."""
+    """fastgpt's choices (the Hopper ones for "sm90", the others for "flash"), then ("flash") torch's SDPA
+    backends."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -107,7 +108,7 @@ def flash(args, torch, run):
                      for _ in range(4))
     first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
     try:
-        for label, tiles, what in SM90_TARGETS if args.what == "sm90" else FLASH_TARGETS:
+        for label, tiles, what in fastgpt_targets(ops.flash_attention_tile_options(), args.what == "sm90"):
             try:
                 ops.flash_attention_tiles(**dict(first, **tiles))
             except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
@@ -157,9 +158,12 @@ def step(args, torch, run):
 def main(argv=None):
     args = parse_args(argv)
     if args.list:
-        targets = {"flash": FLASH_TARGETS + TORCH_TARGETS, "sm90": SM90_TARGETS,
-                   "step": [("step fastgpt bf16", None, None)]}[args.what]
-        print("\n".join(label for label, _, _ in targets))
+        if args.what == "step":
+            print("step fastgpt bf16")
+            return 0
+        from fastgpt import ops
+        targets = fastgpt_targets(ops.flash_attention_tile_options(), args.what == "sm90")
+        print("\n".join(label for label, _, _ in targets + (TORCH_TARGETS if args.what == "flash" else [])))
         return 0
     import torch
     if args.device == "cpu":

@@ -14,12 +14,17 @@ diag = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(diag)
 
 
-def test_the_hopper_choices_run_last():
-    order = diag.ordered(diag.CHOICES)
-    assert sorted(order) == sorted(c[0] for c in diag.CHOICES)
-    kinds = [2 if " ws" in x else 1 if "sm90" in x else 0 for x in order]
-    assert kinds == sorted(kinds) and kinds[0] == 0 and kinds[-1] == 2
-    assert order[0] == "fwd 16x64"
+def test_choices_cover_every_option_hopper_last():
+    """choices() from an options table like the build's: every option once (dq's first runs with every dkdv
+    choice), each choice changing one kernel, the Hopper ones after the others, the warp-specialised last."""
+    options = {"fwd": ["16x64", "32x64", "sm90 128x128", "sm90 ws 128x128"], "dkdv": ["16x64", "sm90 ws fused",
+                                                                                      "sm90 fused"],
+               "dq": ["16x64", "32x64", "sm90 128x64"]}
+    got = diag.choices(options)
+    assert [label for label, _ in got] == ["fwd 16x64", "fwd 32x64", "dkdv 16x64", "dq 32x64", "fwd sm90 128x128",
+                                           "dkdv sm90 fused", "dq sm90 128x64", "fwd sm90 ws 128x128",
+                                           "dkdv sm90 ws fused"]
+    assert all(tiles == {label.split()[0]: label.split(" ", 1)[1]} for label, tiles in got)
 
 
 def test_ranges():
@@ -74,17 +79,6 @@ def test_lse_shaped_outputs():
     assert not any("columns off" in line for line in lines)
 
 
-def test_choices_are_the_builds_options():
-    fastgpt = pytest.importorskip("fastgpt")
-    if not fastgpt._C.built_with_cuda:
-        pytest.skip("fastgpt built without CUDA: no tile options")
-    from fastgpt import ops
-    options = ops.flash_attention_tile_options()
-    listed = {key: [c[col] for c in diag.CHOICES if c[col] is not None] for key, col in (("fwd", 1), ("dkdv", 2),
-                                                                                           ("dq", 3))}
-    # dq's option 0 runs with every dkdv choice (the backward choices leave the other pass at its default)
-    assert listed == {"fwd": options["fwd"], "dkdv": options["dkdv"], "dq": options["dq"][1:]}
-
 def test_a_choice_runs_in_its_own_process_on_the_cpu():
     """The CPU kernels are right: --only picks the choices and each runs in a child process; a Hopper choice says it
     cannot run here (ValueError, reported as skipped)."""
@@ -98,10 +92,10 @@ def test_a_choice_runs_in_its_own_process_on_the_cpu():
     assert r.stdout.strip().splitlines()[-1] == "flash_diagnose: dq 32x32 OK"
     from fastgpt import ops
     before = ops.flash_attention_tiles()
-    ok, lines = diag.check_choice(*next(c for c in diag.CHOICES if c[0] == "dkdv 32x32"), "cpu", 0)
+    ok, lines = diag.check_choice("dkdv 32x32", {"dkdv": "32x32"}, "cpu", 0)
     assert ok and lines == [] and ops.flash_attention_tiles() == before  # the tiles put back
     if fastgpt.cuda_available():
         return  # a GPU machine may run the Hopper choice
     with pytest.raises(ValueError, match="sm90"):
-        diag.check_choice(*next(c for c in diag.CHOICES if c[0] == "dq sm90 128x64"), "cpu", 0)
+        diag.check_choice("dq sm90 128x64", {"dq": "sm90 128x64"}, "cpu", 0)
     assert ops.flash_attention_tiles() == before

@@ -157,33 +157,26 @@ def test_an_empty_report_is_an_error(tmp_path):
     assert out.returncode == 1 and "no kernel rows" in out.stdout
 
 
-def test_targets_name_the_builds_tile_options():
-    """Every fastgpt choice ncu_targets.py profiles is an option of this build, and every option is profiled (a
-    renamed or new one shows here, not as a skipped row on the GPU)."""
+def test_targets_split_the_choices_into_two_reports():
+    """ncu_targets.py's two flash reports between them hold every choice of flash_diagnose.choices once, the Hopper
+    ones alone in "sm90", each timing the pass its choice changes, and --list prints them in running order."""
+    options = {"fwd": ["16x64", "sm90 ws 128x128"], "dkdv": ["16x64", "sm90 fused"], "dq": ["16x64", "32x64"]}
+    flash, sm90 = targets.fastgpt_targets(options, False), targets.fastgpt_targets(options, True)
+    assert flash == [("fwd 16x64", {"fwd": "16x64"}, "fwd"), ("dkdv 16x64", {"dkdv": "16x64"}, "bwd det"),
+                     ("dq 32x64", {"dq": "32x64"}, "bwd det"), ("bwd atomic", {}, "bwd atomic")]
+    assert sm90 == [("dkdv sm90 fused", {"dkdv": "sm90 fused"}, "bwd det"),
+                    ("fwd sm90 ws 128x128", {"fwd": "sm90 ws 128x128"}, "fwd")]
     fastgpt = pytest.importorskip("fastgpt")
     if not fastgpt._C.built_with_cuda:
         pytest.skip("fastgpt built without CUDA: no tile options")
     from fastgpt import ops
     options = ops.flash_attention_tile_options()
-    seen = {k: set() for k in options}
-    for label, tiles, what in targets.FLASH_TARGETS + targets.SM90_TARGETS:
-        assert what in ("fwd", "bwd det", "bwd atomic") and label.startswith(what)
-        for k, name in tiles.items():
-            assert name in options[k], (label, k, name)
-            seen[k].add(name)
-    for k in options:  # option 0 runs in the rows that leave it unset
-        assert set(options[k][1:]) <= seen[k], (k, set(options[k][1:]) - seen[k])
-    labels = [label for label, _, _ in targets.FLASH_TARGETS + targets.TORCH_TARGETS + targets.SM90_TARGETS]
-    assert len(set(labels)) == len(labels)
-    assert all("sm90" in label for label, _, _ in targets.SM90_TARGETS)
-    assert not any("sm90" in label for label, _, _ in targets.FLASH_TARGETS)
-    listed = []
+    want = {"flash": [label for label, _, _ in targets.fastgpt_targets(options, False) + targets.TORCH_TARGETS],
+            "sm90": [label for label, _, _ in targets.fastgpt_targets(options, True)]}
     for what in ("flash", "sm90"):
         out = subprocess.run([sys.executable, str(REPO / "scripts" / "ncu_targets.py"), what, "--list"],
                              capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0
-        listed += out.stdout.split("\n")[:-1]
-    assert listed == labels
+        assert out.returncode == 0 and out.stdout.split("\n")[:-1] == want[what]
 
 
 def test_grouped_rows_sum_times_and_weight_percentages(tmp_path):
@@ -314,8 +307,10 @@ def test_targets_run_on_the_cpu(capsys):
     targets.flash(targets.parse_args(["flash", "--device", "cpu", "--B", "1", "--T", "80", "--n-head", "2"]), torch,
                   run)
     skipped = [line[9:].split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("skipped: ")]
-    fastgpt_labels = [label for label, _, _ in targets.FLASH_TARGETS]
-    assert [x for x in run.labels if not x.startswith("torch")] == [x for x in fastgpt_labels if x not in skipped]
+    from fastgpt import ops
+    options = ops.flash_attention_tile_options()
+    assert [x for x in run.labels if not x.startswith("torch")] == [
+        label for label, _, _ in targets.fastgpt_targets(options, False)]
     assert "fwd 16x64" in run.labels and all(x.startswith("torch") for x in skipped)
     if not fastgpt.cuda_available():  # the Hopper choices say why they cannot run here
         run = targets.Plain()
@@ -323,7 +318,7 @@ def test_targets_run_on_the_cpu(capsys):
                       torch, run)
         skipped = [line[9:].split(":")[0] for line in capsys.readouterr().out.splitlines()
                    if line.startswith("skipped: ")]
-        assert run.labels == [] and skipped == [label for label, _, _ in targets.SM90_TARGETS]
+        assert run.labels == [] and skipped == [label for label, _, _ in targets.fastgpt_targets(options, True)]
     run = targets.Plain()
     targets.step(targets.parse_args(["step", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2", "--n-embd",
                                      "32", "--n-layer", "2", "--vocab", "96"]), torch, run)
