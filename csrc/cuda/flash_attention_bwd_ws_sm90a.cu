@@ -76,9 +76,11 @@ __device__ __forceinline__ void dq_coords(int q, int& row, int& col) {
 }
 
 // Warp 0 of warpgroup 0: K and V, then for each step Q, dO (one cp.async group with them) and lse, delta (ordinary
-// stores), a step's buffer refilled once its empty barrier says both consumers are done with it. A group is
-// published (its full barrier arrived at by all 32 lanes) once the next one is issued and it has landed and been
-// fenced for wgmma, so that one is always in flight behind the one being published.
+// stores), a step's buffer refilled once its empty barrier says both consumers are done with it. Each step is
+// published (its full barrier arrived at by all 32 lanes) as soon as it has landed and been fenced for wgmma; K and
+// V (their own barrier) once the first step is issued. Publishing a step only once the next one was issued made it
+// wait for the consumers to hand back the buffer before it, and for the next step's lse and delta loads: a bubble
+// before every step. Only the ring bounds how far ahead the loader runs, so one step in flight loses nothing.
 template <typename E, int D>
 __device__ __forceinline__ void loader(const Params& p, unsigned char* sm, Bars bars, int bh, int k0, int i_first,
                                        int n_q, int64_t in_off, int64_t out_off, int lane) {
@@ -89,27 +91,27 @@ __device__ __forceinline__ void loader(const Params& p, unsigned char* sm, Bars 
   sm90::load<E, KB, D, 32>(sm + L::kK, static_cast<const E*>(p.k) + in_off, p.is.st, k0, T, lane);
   sm90::load<E, KB, D, 32>(sm + L::kV, static_cast<const E*>(p.v) + in_off, p.is.st, k0, T, lane);
   cp_async_commit();
-  uint32_t last = bars.kv_full();
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kStages, use = u / kStages, q0 = i * BR;
     if (use > 0) wgmma::mbar_wait(bars.q_empty(s), (use - 1) & 1);
     sm90::load<E, BR, D, 32>(sm + L::kQ + s * L::kQBytes, Q, p.is.st, q0, T, lane);
     sm90::load<E, BR, D, 32>(sm + L::kdO + s * L::kQBytes, dO, p.os.st, q0, T, lane);
     cp_async_commit();
+    if (u == 0) {  // K and V have landed (the step's copies may not have): the consumers transpose K meanwhile
+      cp_async_wait<1>();
+      wgmma::fence_proxy_async();
+      wgmma::mbar_arrive(bars.kv_full());
+    }
     float* ld = reinterpret_cast<float*>(sm + L::kLd + s * L::kLdBytes);
     for (int r = lane; r < BR; r += 32) {  // as stage_lse_delta: zeros past T
       const int q = q0 + r;
       wgmma::st_shared_f32(ld + r, q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f);
       wgmma::st_shared_f32(ld + BR + r, q < T ? p.delta[(int64_t)bh * T + q] : 0.f);
     }
-    cp_async_wait<1>();
+    cp_async_wait<0>();
     wgmma::fence_proxy_async();
-    wgmma::mbar_arrive(last);
-    last = bars.q_full(s);
+    wgmma::mbar_arrive(bars.q_full(s));
   }
-  cp_async_wait<0>();
-  wgmma::fence_proxy_async();
-  wgmma::mbar_arrive(last);
 }
 
 // Warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn to the sums of

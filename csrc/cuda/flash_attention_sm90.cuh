@@ -150,8 +150,8 @@ template <int KB, int D, int NT>
 __device__ __forceinline__ void transpose(unsigned char* dst, const unsigned char* src, int tid) {
   for (int e = tid; e < KB / 2 * D; e += NT) {
     const int x = e % D, key = 2 * (e / D);
-    const uint32_t lo = *reinterpret_cast<const uint16_t*>(src + offset<KB>(key, x)),
-                   hi = *reinterpret_cast<const uint16_t*>(src + offset<KB>(key + 1, x));
+    const uint32_t lo = wgmma::ld_shared_u16(src + offset<KB>(key, x)),
+                   hi = wgmma::ld_shared_u16(src + offset<KB>(key + 1, x));
     wgmma::st_shared_b32(dst + offset<D>(x, key), lo | hi << 16);
   }
 }

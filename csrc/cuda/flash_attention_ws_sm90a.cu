@@ -1,12 +1,15 @@
 // Flash attention forward for Hopper, warp-specialised (sm_90a only): flash_attention_sm90a.cu's products and
 // online softmax, with the CTA split by role as FlashAttention-3 splits it.
-// - Warpgroup 0 only copies: Q, then K_j and V_j for every key block, with cp.async into a ring of kStages
-//   buffers per tile kind. It gives most of its registers back (setmaxnreg), so that the multiplying warpgroups get
-//   232 (two of them) or 160 (three) instead of the 168 or 128 an even split would leave them.
+// - Warpgroup 0 only copies, with cp.async into rings of kStages<D> buffers: its warps 0-1 Q and then K_j for every
+//   key block, its warps 2-3 V_j. Each half publishes a tile as soon as it has landed, so a tile's publication never
+//   waits for another tile's buffer to be handed back (one copier for both kinds published K_j only after it had
+//   issued V_j, i.e. after every consumer had finished with V_{j-2}, late in its step j-1: a bubble before every
+//   step). The warpgroup gives most of its registers back (setmaxnreg), so that the multiplying warpgroups get 232
+//   (two of them) or 160 (three) instead of the 168 or 128 an even split would leave them.
 // - Warpgroups 1..NC each own 64 query rows and only multiply and take the softmax. They never wait on each other
 //   or on the copier at a CTA-wide barrier (the other kernel's __syncthreads per key block): each buffer has a
-//   "full" mbarrier (the copier's 128 threads arrive once their copies have landed and been fenced for wgmma) and
-//   an "empty" one (every consumer warp arrives once its wgmma have read the buffer).
+//   "full" mbarrier (its copier half's 64 threads arrive once their copies have landed and been fenced for wgmma)
+//   and an "empty" one (every consumer warp arrives once its wgmma have read the buffer).
 // - The consumers take turns to issue their products (named barriers 1..NC, a ring): while one warpgroup's S and
 //   P V are on the tensor cores, the others run their softmax, so the tensor cores see one warpgroup's products
 //   after another's instead of all at once and then none (FlashAttention-3's "ping-pong" scheduling).
@@ -20,7 +23,11 @@ namespace fastgpt::cuda::flash {
 
 namespace {
 
-constexpr int kStages = 2;  // buffers per tile kind (K, V): the copier fills one while the consumers read the other
+// Buffers per tile kind (K, V): a copier half refills one while the consumers read the others. Three at head dim
+// 64, so that V_j, whose buffer is handed back only once every consumer's P_{j-3} V_{j-3} has retired, has a step
+// more to land before P_j V_j; two at 128 (three would leave no shared memory to spare).
+template <int D>
+constexpr int kStages = D == 64 ? 3 : 2;
 
 // The mbarriers after the tiles, as indices into them: Q's full, then per stage K full, K empty, V full, V empty.
 struct Bars {
@@ -31,11 +38,13 @@ struct Bars {
   __device__ uint32_t v_full(int s) const { return base + 8 * (3 + 4 * s); }
   __device__ uint32_t v_empty(int s) const { return base + 8 * (4 + 4 * s); }
 };
-constexpr int kBarBytes = 8 * (1 + 4 * kStages);
+template <int D>
+constexpr int kBarBytes = 8 * (1 + 4 * kStages<D>);
+constexpr int kCopyThreads = 64;  // per copier half: warps 0-1 (Q, K) and 2-3 (V)
 
 template <int D, int NC, int BC>
-constexpr int ws_smem_bytes() {
-  return sm90::tile_bytes<64 * NC + 2 * kStages * BC, D>() + kBarBytes + 1024;  // Q, the K and V rings, room to align
+constexpr int ws_smem_bytes() {  // Q, the K and V rings, the barriers, room to align
+  return sm90::tile_bytes<64 * NC + 2 * kStages<D> * BC, D>() + kBarBytes<D> + 1024;
 }
 
 // Registers per thread after setmaxnreg: the copier keeps few, the consumers share the rest of the 64K.
@@ -46,39 +55,35 @@ constexpr int kConsumerRegs = NC == 2 ? 232 : 160;
 static_assert(128 * kCopierRegs<2> + 256 * kConsumerRegs<2> <= 65536, "registers: two consumers");
 static_assert(128 * kCopierRegs<3> + 384 * kConsumerRegs<3> <= 65536, "registers: three consumers");
 
-// Warpgroup 0: the tiles in the order the consumers use them (Q, K_0, V_0, K_1, V_1, ...), each one cp.async group.
-// A tile's full barrier is arrived at once the next tile is issued and this one has landed (wait_group 1) and been
-// fenced for wgmma (fence.proxy.async, by the thread that copied: the consumers' wgmma read through the async
-// proxy), so one tile is always in flight behind the one being published.
-template <typename E, int D, int NC, int BC>
-__device__ __forceinline__ void copier(const Params& p, const E* Q, const E* K, const E* V, unsigned char* sQ,
-                                       unsigned char* sK, unsigned char* sV, Bars bars, int q0, int nblocks,
-                                       int tid) {
-  constexpr int BR = 64 * NC, kKVBytes = sm90::tile_bytes<BC, D>();
-  const int T = p.T;
-  sm90::load<E, BR, D, 128>(sQ, Q, p.is.st, q0, T, tid);
-  cp_async_commit();
-  uint32_t last = bars.q_full();  // the barrier of the tile issued last, not yet published
-  auto publish_and = [&](uint32_t next) {
-    cp_async_wait<1>();
-    wgmma::fence_proxy_async();
-    wgmma::mbar_arrive(last);
-    last = next;
-  };
-  for (int j = 0; j < nblocks; j++) {
-    const int s = j % kStages, use = j / kStages;
-    if (use > 0) wgmma::mbar_wait(bars.k_empty(s), (use - 1) & 1);  // every consumer has read K_{j - kStages}
-    sm90::load<E, BC, D, 128>(sK + s * kKVBytes, K, p.is.st, j * BC, T, tid);
+// One copier half (t: its thread 0-63): tiles of `rows` rows, one per key block j, into the ring at `ring`; tile j
+// waits for its buffer's empty barrier (every consumer is done with tile j - S) and is published on its full
+// barrier once it has landed (wait_group 0) and been fenced for wgmma (fence.proxy.async, by the threads that
+// copied: the consumers' wgmma read through the async proxy). The K half first copies Q, issued before K_0 and
+// published once it has landed (wait_group 1: K_0 still in flight). Only the ring bounds how far ahead a half runs:
+// tile j can be issued only once tile j - S is handed back, so one tile in flight per half loses nothing.
+template <typename E, int D, int S, int BC, int BR, bool kWithQ>
+__device__ __forceinline__ void copy_ring(const Params& p, const E* src, const E* Q, unsigned char* ring,
+                                          unsigned char* sQ, uint32_t full0, uint32_t empty0, uint32_t q_full,
+                                          int q0, int nblocks, int t) {
+  constexpr int kTileBytes = sm90::tile_bytes<BC, D>();
+  if constexpr (kWithQ) {
+    sm90::load<E, BR, D, kCopyThreads>(sQ, Q, p.is.st, q0, p.T, t);
     cp_async_commit();
-    publish_and(bars.k_full(s));
-    if (use > 0) wgmma::mbar_wait(bars.v_empty(s), (use - 1) & 1);
-    sm90::load<E, BC, D, 128>(sV + s * kKVBytes, V, p.is.st, j * BC, T, tid);
-    cp_async_commit();
-    publish_and(bars.v_full(s));
   }
-  cp_async_wait<0>();
-  wgmma::fence_proxy_async();
-  wgmma::mbar_arrive(last);
+  for (int j = 0; j < nblocks; j++) {
+    const int s = j % S, use = j / S;
+    if (use > 0) wgmma::mbar_wait(empty0 + 32 * s, (use - 1) & 1);
+    sm90::load<E, BC, D, kCopyThreads>(ring + s * kTileBytes, src, p.is.st, j * BC, p.T, t);
+    cp_async_commit();
+    if (kWithQ && j == 0) {
+      cp_async_wait<1>();
+      wgmma::fence_proxy_async();
+      wgmma::mbar_arrive(q_full);
+    }
+    cp_async_wait<0>();
+    wgmma::fence_proxy_async();
+    wgmma::mbar_arrive(full0 + 32 * s);
+  }
 }
 
 template <typename E, int D, int NC, int BC>
@@ -86,9 +91,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
   constexpr int BR = 64 * NC, kQBytes = sm90::tile_bytes<BR, D>(), kKVBytes = sm90::tile_bytes<BC, D>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* sQ = sm90::aligned(smem_raw);     // (BR, D) swizzled (flash_attention_sm90.cuh)
-  unsigned char* sK = sQ + kQBytes;                // kStages x (BC, D)
-  unsigned char* sV = sK + kStages * kKVBytes;     // kStages x (BC, D)
-  const Bars bars{wgmma::shared_addr(sV + kStages * kKVBytes)};
+  constexpr int S = kStages<D>;
+  unsigned char* sK = sQ + kQBytes;                // S x (BC, D)
+  unsigned char* sV = sK + S * kKVBytes;           // S x (BC, D)
+  const Bars bars{wgmma::shared_addr(sV + S * kKVBytes)};
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int qblock = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
@@ -98,10 +104,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
   const int nblocks = (kv_end + BC - 1) / BC;
 
   if (tid == 0) {
-    wgmma::mbar_init(bars.q_full(), 128);
-    for (int s = 0; s < kStages; s++) {
-      wgmma::mbar_init(bars.k_full(s), 128);  // the copier's threads
-      wgmma::mbar_init(bars.v_full(s), 128);
+    wgmma::mbar_init(bars.q_full(), kCopyThreads);
+    for (int s = 0; s < S; s++) {
+      wgmma::mbar_init(bars.k_full(s), kCopyThreads);  // a copier half's threads
+      wgmma::mbar_init(bars.v_full(s), kCopyThreads);
       wgmma::mbar_init(bars.k_empty(s), 4 * NC);  // one arrival per consumer warp
       wgmma::mbar_init(bars.v_empty(s), 4 * NC);
     }
@@ -110,8 +116,13 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
 
   if (wg == 0) {
     wgmma::regs_dec<kCopierRegs<NC>>();
-    copier<E, D, NC, BC>(p, static_cast<const E*>(p.q) + in_off, static_cast<const E*>(p.k) + in_off,
-                         static_cast<const E*>(p.v) + in_off, sQ, sK, sV, bars, q0, nblocks, tid);
+    const E* Q = static_cast<const E*>(p.q) + in_off;
+    if (tid < kCopyThreads)
+      copy_ring<E, D, S, BC, BR, true>(p, static_cast<const E*>(p.k) + in_off, Q, sK, sQ, bars.k_full(0),
+                                       bars.k_empty(0), bars.q_full(), q0, nblocks, tid);
+    else
+      copy_ring<E, D, S, BC, BR, false>(p, static_cast<const E*>(p.v) + in_off, Q, sV, sQ, bars.v_full(0),
+                                        bars.v_empty(0), bars.q_full(), q0, nblocks, tid - kCopyThreads);
     return;
   }
   wgmma::regs_inc<kConsumerRegs<NC>>();
@@ -135,11 +146,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
   // Step j issues S_j (j < nvis) and P_{j-1} V_{j-1} (1 <= j <= nvis) in this warpgroup's turn, then hands the turn
   // on. Every warpgroup takes nblocks + 1 turns whatever its nvis, so the ring stays in step; the last consumer's
   // last hand-on is left out, so that every named barrier ends with no arrival pending. Both tiles are waited for
-  // before the turn: a wait (a loop) between the two products makes ptxas serialise every wgmma (C7520), and V_{j-1}
-  // is published before K_j anyway (the copier's order).
+  // before the turn: a wait (a loop) between the two products makes ptxas serialise every wgmma (C7520), and the
+  // turn issues both anyway.
   for (int j = 0; j <= nblocks; j++) {
-    const int sk = j % kStages, sv = (j + kStages - 1) % kStages;  // K_j's and V_{j-1}'s buffers
-    const uint32_t pk = (j / kStages) & 1, pv = ((j - 1) / kStages) & 1;
+    const int sk = j % S, sv = (j + S - 1) % S;  // K_j's and V_{j-1}'s buffers
+    const uint32_t pk = (j / S) & 1, pv = ((j - 1) / S) & 1;
     const bool hand_on = !(ci == NC - 1 && j == nblocks);
     if (j < nblocks) wgmma::mbar_wait(bars.k_full(sk), pk);
     if (j > 0) wgmma::mbar_wait(bars.v_full(sv), pv);

@@ -604,7 +604,13 @@ inline void mbar_arrive(uint32_t off) {
 }
 // try_wait.parity: until the phase of that parity has completed. A thread waits for the current phase, or for the
 // one before if it has already completed (then at once): a phase two back would wait for the next one, as on the GPU.
+// A thread with cp.async copies not yet waited for may not wait on an mbarrier: those copies can be published only
+// after this wait, i.e. after the consumers' progress that the barrier stands for, so a copier that does this
+// couples each tile's publication to the hand-back of another buffer (legal, but a bubble in every step: the
+// warp-specialised kernels' copiers publish every tile before they wait again).
 inline void mbar_wait(uint32_t off, uint32_t parity) {
+  if (!tl_groups.empty() || !tl_cur.empty())
+    die("mbarrier wait with cp.async copies in flight: their publication would wait for this barrier");
   std::unique_lock<std::mutex> lock(tl_block->sync_mu);
   Phases& m = mbar_at(off);
   const unsigned at = (m.phase & 1) == (parity & 1) ? m.phase : m.phase - 1;

@@ -23,6 +23,9 @@ struct Mma {
 };
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { emu::st_shared_b32(p, v); }
 __device__ __forceinline__ float ld_shared_f32(const float* p) { return emu::ld_shared(p, "a load"); }
+__device__ __forceinline__ uint16_t ld_shared_u16(const void* p) {
+  return emu::ld_shared(static_cast<const uint16_t*>(p), "a load");
+}
 __device__ __forceinline__ void st_shared_f32(float* p, float v) { emu::st_shared(p, v, "a store"); }
 __device__ __forceinline__ float4 ld_shared_v4(const float4* p) { return emu::ld_shared(p, "a load"); }
 __device__ __forceinline__ void st_shared_v4(float4* p, float4 v) { emu::st_shared(p, v, "a store"); }
