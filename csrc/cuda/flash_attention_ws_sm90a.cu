@@ -30,13 +30,17 @@ template <int D>
 constexpr int kStages = D == 64 ? 3 : 2;
 
 // The mbarriers after the tiles, as indices into them: Q's full, then per stage K full, K empty, V full, V empty.
+// full / empty take the tile kind (kK or kV), for the copier halves.
+constexpr int kK = 0, kV = 1;
 struct Bars {
   uint32_t base;
   __device__ uint32_t q_full() const { return base; }
-  __device__ uint32_t k_full(int s) const { return base + 8 * (1 + 4 * s); }
-  __device__ uint32_t k_empty(int s) const { return base + 8 * (2 + 4 * s); }
-  __device__ uint32_t v_full(int s) const { return base + 8 * (3 + 4 * s); }
-  __device__ uint32_t v_empty(int s) const { return base + 8 * (4 + 4 * s); }
+  __device__ uint32_t full(int kind, int s) const { return base + 8 * (1 + 2 * kind + 4 * s); }
+  __device__ uint32_t empty(int kind, int s) const { return base + 8 * (2 + 2 * kind + 4 * s); }
+  __device__ uint32_t k_full(int s) const { return full(kK, s); }
+  __device__ uint32_t k_empty(int s) const { return empty(kK, s); }
+  __device__ uint32_t v_full(int s) const { return full(kV, s); }
+  __device__ uint32_t v_empty(int s) const { return empty(kV, s); }
 };
 template <int D>
 constexpr int kBarBytes = 8 * (1 + 4 * kStages<D>);
@@ -55,34 +59,34 @@ constexpr int kConsumerRegs = NC == 2 ? 232 : 160;
 static_assert(128 * kCopierRegs<2> + 256 * kConsumerRegs<2> <= 65536, "registers: two consumers");
 static_assert(128 * kCopierRegs<3> + 384 * kConsumerRegs<3> <= 65536, "registers: three consumers");
 
-// One copier half (t: its thread 0-63): tiles of `rows` rows, one per key block j, into the ring at `ring`; tile j
-// waits for its buffer's empty barrier (every consumer is done with tile j - S) and is published on its full
-// barrier once it has landed (wait_group 0) and been fenced for wgmma (fence.proxy.async, by the threads that
-// copied: the consumers' wgmma read through the async proxy). The K half first copies Q, issued before K_0 and
-// published once it has landed (wait_group 1: K_0 still in flight). Only the ring bounds how far ahead a half runs:
-// tile j can be issued only once tile j - S is handed back, so one tile in flight per half loses nothing.
-template <typename E, int D, int S, int BC, int BR, bool kWithQ>
+// One copier half (t: its thread 0-63) of tile kind KIND (K or V): tile j, key block j, into buffer j % S of the
+// ring at `ring`; it waits for its buffer's empty barrier (every consumer is done with tile j - S) and is published
+// on its full barrier once it has landed (wait_group 0) and been fenced for wgmma (fence.proxy.async, by the
+// threads that copied: the consumers' wgmma read through the async proxy). The K half first copies Q, issued before
+// K_0 and published once it has landed (wait_group 1: K_0 still in flight). Only the ring bounds how far ahead a
+// half runs: tile j can be issued only once tile j - S is handed back, so one tile in flight per half loses nothing.
+template <typename E, int D, int S, int BC, int BR, int KIND>
 __device__ __forceinline__ void copy_ring(const Params& p, const E* src, const E* Q, unsigned char* ring,
-                                          unsigned char* sQ, uint32_t full0, uint32_t empty0, uint32_t q_full,
-                                          int q0, int nblocks, int t) {
+                                          unsigned char* sQ, Bars bars, int q0, int nblocks, int t) {
   constexpr int kTileBytes = sm90::tile_bytes<BC, D>();
+  constexpr bool kWithQ = KIND == kK;
   if constexpr (kWithQ) {
     sm90::load<E, BR, D, kCopyThreads>(sQ, Q, p.is.st, q0, p.T, t);
     cp_async_commit();
   }
   for (int j = 0; j < nblocks; j++) {
     const int s = j % S, use = j / S;
-    if (use > 0) wgmma::mbar_wait(empty0 + 32 * s, (use - 1) & 1);
+    if (use > 0) wgmma::mbar_wait(bars.empty(KIND, s), (use - 1) & 1);
     sm90::load<E, BC, D, kCopyThreads>(ring + s * kTileBytes, src, p.is.st, j * BC, p.T, t);
     cp_async_commit();
     if (kWithQ && j == 0) {
       cp_async_wait<1>();
       wgmma::fence_proxy_async();
-      wgmma::mbar_arrive(q_full);
+      wgmma::mbar_arrive(bars.q_full());
     }
     cp_async_wait<0>();
     wgmma::fence_proxy_async();
-    wgmma::mbar_arrive(full0 + 32 * s);
+    wgmma::mbar_arrive(bars.full(KIND, s));
   }
 }
 
@@ -118,11 +122,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
     wgmma::regs_dec<kCopierRegs<NC>>();
     const E* Q = static_cast<const E*>(p.q) + in_off;
     if (tid < kCopyThreads)
-      copy_ring<E, D, S, BC, BR, true>(p, static_cast<const E*>(p.k) + in_off, Q, sK, sQ, bars.k_full(0),
-                                       bars.k_empty(0), bars.q_full(), q0, nblocks, tid);
+      copy_ring<E, D, S, BC, BR, kK>(p, static_cast<const E*>(p.k) + in_off, Q, sK, sQ, bars, q0, nblocks, tid);
     else
-      copy_ring<E, D, S, BC, BR, false>(p, static_cast<const E*>(p.v) + in_off, Q, sV, sQ, bars.v_full(0),
-                                        bars.v_empty(0), bars.q_full(), q0, nblocks, tid - kCopyThreads);
+      copy_ring<E, D, S, BC, BR, kV>(p, static_cast<const E*>(p.v) + in_off, Q, sV, sQ, bars, q0, nblocks,
+                                     tid - kCopyThreads);
     return;
   }
   wgmma::regs_inc<kConsumerRegs<NC>>();
