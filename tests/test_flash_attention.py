@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fastgpt
 from fastgpt import _C, ops
 from devices import host, needs_cuda, sm90_device
 from ptx import compile_ptx, entries
@@ -553,6 +554,31 @@ def test_cuda_sm90_fused_backward_is_the_two_passes_dk_dv_and_repeats(rng, defau
     sl = [x[:1, :, :2] for x in (q, k, v, dout)]
     ref, pt = reference(*sl, causal, "bthd"), torch_sdpa(*sl, causal, "bthd")
     check_rule("dq", fused[0][:1, :, :2], pt[1], ref[2])
+
+
+@pytest.mark.skipif(not sm90_device(), reason="the sm90 kernels need a GPU of compute capability 9.0")
+def test_cuda_sm90_ws_kernels_in_the_model_are_the_sm90_bits(rng, default_tiles):
+    """The engine hands attention views into its (B, T, 3C) qkv and qkv-gradient buffers (T's stride 3C, H's 64),
+    whose TMA maps (the warp-specialised kernels' copies, csrc/cuda/tma.cuh) order H before T. A bf16 GPT's loss and
+    every gradient with the ws kernels ("sm90 ws 128x128" forward, "sm90 ws fused" backward) must be the bits of the
+    same model with "sm90 128x128" and "sm90 fused", whose bits those kernels give; two steps alike."""
+    cfg = fastgpt.GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256)  # head dim 64
+    seed = int(rng.integers(1 << 31))
+    batches = [(rng.integers(0, 512, (4, 256)), rng.integers(0, 512, (4, 256))) for _ in range(2)]
+
+    def run(fwd, dkdv):
+        ops.flash_attention_tiles(fwd=fwd, dkdv=dkdv, dq="16x64")
+        model = fastgpt.GPT(cfg, device="cuda", precision="bf16", seed=seed)
+        out = []
+        for x, y in batches:
+            out.append(model.forward_backward(x, y))
+            out.extend(model.grads().values())
+        return out
+
+    want, got = run(SM90_FWD[0], SM90_FUSED), run(SM90_FWD[3], SM90_WS_FUSED)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b), "the ws kernels in the model: not the sm90 bits"
 
 
 @pytest.mark.skipif(not sm90_device(), reason="the sm90 kernels need a GPU of compute capability 9.0")

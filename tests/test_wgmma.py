@@ -11,7 +11,9 @@ place of that reading (CUTLASS's headers come with the `nvidia-cutlass` test dep
   operation (m64n64k16 and m64n128k16, bf16 and f16, both operands from shared memory or A from registers with an
   MN-major B; and the fused backward's m64n32k16 with an MN-major A and a K-major B), compiled by nvcc for sm_90a;
   and the warp-specialised forward's mbarrier, named-barrier and setmaxnreg instructions against barrier.h's and
-  reg_reconfig.h's.
+  reg_reconfig.h's, its TMA instructions (tma.cuh) against copy_sm90_tma.hpp's; and in cute_check.cpp, the TMA
+  loader's placement of every element (the emulator's copies) against the same CuTe layouts, whose TMA swizzle mode
+  CuTe takes to be the 128-byte one tma.cu encodes.
 They say nothing of speed, and nothing of what the emulator cannot model; a GPU run is still the verification."""
 import importlib.util
 import os
@@ -91,21 +93,30 @@ def test_wgmma_instructions_are_cutlass_instructions(cute_ptx):
 
 def _sync_instructions(ptx):
     """The synchronisation instructions (opcode and qualifiers; setmaxnreg with its count) of each sync_ kernel."""
-    pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg)\.[\w.:]+)(\s+\d+)?")
+    pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg|cp|prefetch)\.[\w.:]+)(\s+\d+)?")
     return {name: {m.group(1) + (m.group(2) or "") for m in map(pattern.match, lines) if m}
-            for name, lines in entries(ptx, r"(\w+?_sync_\w+?)[A-Z]?[ijv]*\(").items()}
+            for name, lines in entries(ptx, r"(\w+?_sync_(?:mbar|named|regs|tma))").items()}
 
 
 def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
-    """mbar_init / mbar_arrive / mbar_wait, bar_sync / bar_arrive and regs_dec / regs_inc (wgmma.cuh, for
-    flash_attention_ws_sm90a.cu) emit the instructions CUTLASS's ClusterBarrier, NamedBarrier and
-    warpgroup_reg_(de)alloc emit, with the same qualifiers (state space, scope, parity, register counts)."""
+    """mbar_init / mbar_arrive / mbar_wait, bar_sync / bar_arrive and regs_dec / regs_inc (wgmma.cuh), and prefetch
+    / expect / arrive_expect / load (tma.cuh), for the warp-specialised kernels, emit the instructions CUTLASS's
+    ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc, ClusterTransactionBarrier (expect_transaction,
+    arrive_and_expect_tx), prefetch_tma_descriptor and SM90_TMA_LOAD_4D emit, with the same qualifiers (state space,
+    scope, parity, register counts, the copy's completion on the mbarrier's transaction bytes and its L2 hint, whose
+    value both load from the same constant)."""
     found = _sync_instructions(cute_ptx)
     assert sorted(n for n in found if n.startswith("ours_")) == ["ours_sync_mbar", "ours_sync_named",
-                                                                 "ours_sync_regs"], found
+                                                                 "ours_sync_regs", "ours_sync_tma"], found
     want = {"mbar": {"mbarrier.init.shared::cta.b64", "mbarrier.arrive.shared::cta.b64",
                      "mbarrier.try_wait.parity.shared::cta.b64"},
             "named": {"bar.sync", "bar.arrive"},
-            "regs": {"setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232"}}
+            "regs": {"setmaxnreg.dec.sync.aligned.u32 24", "setmaxnreg.inc.sync.aligned.u32 240"},
+            "tma": {"prefetch.tensormap", "mbarrier.expect_tx.shared::cta.b64",
+                    "mbarrier.arrive.expect_tx.shared::cta.b64",
+                    "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"}}
     for what, instructions in want.items():
         assert found["ours_sync_" + what] == found["cute_sync_" + what] == instructions, (what, found)
+    hint = str(0x1000000000000000)  # CacheHintSm90::EVICT_NORMAL
+    tma = entries(cute_ptx, r"(\w+?_sync_tma)")
+    assert all(any(hint in line for line in tma[k]) for k in ("ours_sync_tma", "cute_sync_tma")), tma

@@ -57,10 +57,12 @@ void backward_tc(const Params& p, bool deterministic, Stream stream);
 // The Hopper kernels (flash_attention_sm90a.cu, flash_attention_ws_sm90a.cu, flash_attention_bwd_sm90a.cu;
 // compiled for sm_90a only, where FASTGPT_SM90A is defined): the tile options from kFirstSm90 on (per kernel), on a
 // device of compute capability 9.0; fwd options from kFirstWsSm90 on are the warp-specialised forward's
-// (forward_ws_sm90, its `option` counted from there; forward_sm90 sends them on); dkdv_sm90 and dq_sm90 are the
+// (forward_ws_sm90, its `option` counted from there; forward_sm90 sends them on, and runs its own 128-row kernel, the
+// same bits, where forward_ws_sm90 returns false: strides no TMA map can describe); dkdv_sm90 and dq_sm90 are the
 // deterministic backward's two passes, backward_fused_sm90 (the dkdv option kFusedSm90) both in one, deterministic
 // too; it needs dq_accum and dq_turn, as does backward_ws_sm90 (the dkdv option kWsFusedSm90, its warp-specialised
-// form, flash_attention_bwd_ws_sm90a.cu; head dim 64 only).
+// form, flash_attention_bwd_ws_sm90a.cu; head dim 64 only; false, nothing launched, where its TMA maps cannot be
+// made: the caller then runs backward_fused_sm90).
 constexpr Tiles kFirstSm90{3, 2, 3};
 constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4;
 // Whether a dkdv option makes dq itself (either fused kernel): it needs dq_accum and dq_turn, and no dq pass.
@@ -69,7 +71,7 @@ constexpr int kFirstWsSm90 = 6;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
 template <typename E>
-void forward_ws_sm90(const Params& p, Stream stream, int option);
+bool forward_ws_sm90(const Params& p, Stream stream, int option);
 template <typename E>
 void dkdv_sm90(const Params& p, Stream stream);
 template <typename E>
@@ -77,7 +79,7 @@ void dq_sm90(const Params& p, Stream stream);
 template <typename E>
 void backward_fused_sm90(const Params& p, Stream stream);
 template <typename E>
-void backward_ws_sm90(const Params& p, Stream stream);
+bool backward_ws_sm90(const Params& p, Stream stream);
 // Both fused kernels' launch prologue: checks that their grid (B * H * ceil(T / 128) CTAs, one row) fits and zeroes
 // the turn counters on `stream`; -> the number of CTAs. `option` names the choice in the error.
 int start_fused_sm90(const Params& p, Stream stream, const char* option);

@@ -334,7 +334,8 @@ template <typename E, int D>
 void launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
 #ifdef FASTGPT_SM90A
-  if (D == 64 && p.tiles.dkdv == kWsFusedSm90) return backward_ws_sm90<E>(p, stream);  // deterministic either way
+  // (deterministic either way; the warp-specialised kernel declines views it can make no TMA map of)
+  if (D == 64 && p.tiles.dkdv == kWsFusedSm90 && backward_ws_sm90<E>(p, stream)) return;
   if (fused_sm90(p.tiles.dkdv)) return backward_fused_sm90<E>(p, stream);
 #endif
   if (deterministic) {

@@ -3,11 +3,13 @@
 // with the CTA split by role, as FlashAttention-3's backward splits it. That kernel stops both warpgroups three
 // times per query step at __syncthreads, and the dQ sums across CTAs (wait for the turn, read the sum so far from
 // L2, add, write back) sit between one step's products and the next. Here:
-// - Warpgroup 0 does not multiply. Its warp 0 copies K and V once, then each step's Q, dO (cp.async) and lse,
-//   delta into a ring of kStages buffers, each published on a "full" mbarrier once landed and fenced for wgmma, and
-//   refilled after its "empty" one. Its warps 1-3 (the writer) add each step's dQ part to the CTA's turn in the
-//   ordered sums, from a ring of kDqStages fp32 parts in shared memory. The warpgroup gives registers back
-//   (setmaxnreg), so the other two get 208 (they use 181; the writer's batched loads use 74).
+// - Warpgroup 0 does not multiply. Its warp 0 has the copy engine (TMA, tma.cuh) bring K and V once, then each
+//   step's Q and dO, and stages each step's lse and delta itself, into a ring of kStages buffers, each published on
+//   a "full" mbarrier (the warp's 32 arrivals and the copies' bytes) and refilled after its "empty" one. Views whose
+//   strides a tensor map cannot describe run the "sm90 fused" kernel (the same bits). Its warps 1-3 (the writer)
+//   add each step's dQ part to the CTA's turn in the ordered sums, from a ring of kDqStages fp32 parts in shared
+//   memory. The warpgroup gives registers back (setmaxnreg), so the other two get 208 (they use 183; the writer's
+//   batched loads use 74).
 // - Warpgroups 1 and 2 own 64 keys each and only multiply: a step waits for its buffer, makes dV, dK and dS^T, hands
 //   the buffer back, meets the other warpgroup at one named barrier (dS^T of all 128 keys is in shared memory; two
 //   dS^T tiles alternate, so one barrier per step is enough), multiplies its half of the step's dQ part and leaves
@@ -19,6 +21,7 @@
 
 #include "cuda/check.h"
 #include "cuda/flash_attention_sm90.cuh"
+#include "cuda/tma.cuh"
 
 namespace fastgpt::cuda::flash {
 
@@ -75,32 +78,37 @@ __device__ __forceinline__ void dq_coords(int q, int& row, int& col) {
   col = ci * (D / 2) + cb * 32 + 8 * t + 2 * (lane % 4);
 }
 
-// Warp 0 of warpgroup 0: K and V, then for each step Q, dO (one cp.async group with them) and lse, delta (ordinary
-// stores), a step's buffer refilled once its empty barrier says both consumers are done with it. Each step is
-// published (its full barrier arrived at by all 32 lanes) as soon as it has landed and been fenced for wgmma; K and
-// V (their own barrier) once the first step is issued. Publishing a step only once the next one was issued made it
-// wait for the consumers to hand back the buffer before it, and for the next step's lse and delta loads: a bubble
-// before every step. Only the ring bounds how far ahead the loader runs, so one step in flight loses nothing.
-template <typename E, int D>
-__device__ __forceinline__ void loader(const Params& p, unsigned char* sm, Bars bars, int bh, int k0, int i_first,
-                                       int n_q, int64_t in_off, int64_t out_off, int lane) {
+// The TMA maps of Q and dO (boxes of a step's BR queries) and K and V (the CTA's KB keys): kernel parameters
+// (__grid_constant__), as the copy instruction wants a map in parameter, constant or global memory.
+struct Maps {
+  tma::HeadsMap q, k, v, dout;
+};
+
+// Warp 0 of warpgroup 0: K and V, then for each step Q and dO (copies that lane 0 asks the copy engine for) and lse,
+// delta (each lane's ordinary loads and stores), a step's buffer refilled once its empty barrier says both
+// consumers are done with it. K and V are published by their bytes (their barrier's one arrival is lane 0's, with
+// the count); a step by the 32 lanes' arrivals once their lse and delta are stored, and the copies' bytes. So no
+// step's publication waits for another step's, nor for the consumers (a loader that published a step only once the
+// next was issued waited for the hand-back of the buffer before it: a bubble before every step). Only the ring
+// bounds how far ahead the loader runs.
+template <int D>
+__device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsigned char* sm, Bars bars, int bh, int b,
+                                       int h, int k0, int i_first, int n_q, int lane) {
   using L = Layout<D>;
   const int T = p.T;
-  const E* Q = static_cast<const E*>(p.q) + in_off;
-  const E* dO = static_cast<const E*>(p.dout) + out_off;
-  sm90::load<E, KB, D, 32>(sm + L::kK, static_cast<const E*>(p.k) + in_off, p.is.st, k0, T, lane);
-  sm90::load<E, KB, D, 32>(sm + L::kV, static_cast<const E*>(p.v) + in_off, p.is.st, k0, T, lane);
-  cp_async_commit();
+  if (lane == 0) {
+    for (const tma::HeadsMap* m : {&maps.k, &maps.v, &maps.q, &maps.dout}) tma::prefetch(&m->map);
+    tma::arrive_expect(bars.kv_full(), 2 * L::kKBytes);
+    tma::load_tile<KB, D>(wgmma::shared_addr(sm + L::kK), maps.k, bars.kv_full(), k0, h, b);
+    tma::load_tile<KB, D>(wgmma::shared_addr(sm + L::kV), maps.v, bars.kv_full(), k0, h, b);
+  }
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kStages, use = u / kStages, q0 = i * BR;
     if (use > 0) wgmma::mbar_wait(bars.q_empty(s), (use - 1) & 1);
-    sm90::load<E, BR, D, 32>(sm + L::kQ + s * L::kQBytes, Q, p.is.st, q0, T, lane);
-    sm90::load<E, BR, D, 32>(sm + L::kdO + s * L::kQBytes, dO, p.os.st, q0, T, lane);
-    cp_async_commit();
-    if (u == 0) {  // K and V have landed (the step's copies may not have): the consumers transpose K meanwhile
-      cp_async_wait<1>();
-      wgmma::fence_proxy_async();
-      wgmma::mbar_arrive(bars.kv_full());
+    if (lane == 0) {  // the bytes first, so that the phase cannot complete on the lanes' arrivals alone
+      tma::expect(bars.q_full(s), 2 * L::kQBytes);
+      tma::load_tile<BR, D>(wgmma::shared_addr(sm + L::kQ + s * L::kQBytes), maps.q, bars.q_full(s), q0, h, b);
+      tma::load_tile<BR, D>(wgmma::shared_addr(sm + L::kdO + s * L::kQBytes), maps.dout, bars.q_full(s), q0, h, b);
     }
     float* ld = reinterpret_cast<float*>(sm + L::kLd + s * L::kLdBytes);
     for (int r = lane; r < BR; r += 32) {  // as stage_lse_delta: zeros past T
@@ -108,8 +116,6 @@ __device__ __forceinline__ void loader(const Params& p, unsigned char* sm, Bars 
       wgmma::st_shared_f32(ld + r, q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f);
       wgmma::st_shared_f32(ld + BR + r, q < T ? p.delta[(int64_t)bh * T + q] : 0.f);
     }
-    cp_async_wait<0>();
-    wgmma::fence_proxy_async();
     wgmma::mbar_arrive(bars.q_full(s));
   }
 }
@@ -174,7 +180,7 @@ __device__ __forceinline__ void writer(const Params& p, unsigned char* sm, Bars 
 }
 
 template <typename E, int D>
-__global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
+__global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __grid_constant__ Maps maps) {
   using L = Layout<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* sm = sm90::aligned(smem_raw);
@@ -185,13 +191,13 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
   const int n_kb = (p.T + KB - 1) / KB;
   const int bh = blockIdx.x / n_kb, j = n_kb - 1 - blockIdx.x % n_kb;
   const int b = bh / p.H, h = bh % p.H, T = p.T, k0 = j * KB;
-  const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
+  const int64_t in_off = b * p.is.sb + h * p.is.sh;
   const int i_first = p.causal ? k0 / BR : 0, n_q = (T + BR - 1) / BR;
 
   if (tid == 0) {
-    wgmma::mbar_init(bars.kv_full(), 32);  // the loader's lanes
+    wgmma::mbar_init(bars.kv_full(), 1);  // the loader's lane 0 (and the copies' bytes)
     for (int s = 0; s < kStages; s++) {
-      wgmma::mbar_init(bars.q_full(s), 32);
+      wgmma::mbar_init(bars.q_full(s), 32);  // the loader's lanes (and the copies' bytes)
       wgmma::mbar_init(bars.q_empty(s), 256);  // every consumer thread (each read lse and delta itself)
     }
     for (int s = 0; s < kDqStages; s++) {
@@ -204,7 +210,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
   if (wg == 0) {
     wgmma::regs_dec<kCopierRegs>();
     if (tid < 32)
-      loader<E, D>(p, sm, bars, bh, k0, i_first, n_q, in_off, out_off, tid);
+      loader<D>(p, maps, sm, bars, bh, b, h, k0, i_first, n_q, tid);
     else
       writer<E, D>(p, sm, bars, bh, j, n_kb, i_first, n_q, in_off, tid - 32);
     return;
@@ -256,19 +262,27 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p) {
 
 // The dkdv option "sm90 ws fused" at head dim 64 (flash_attention_bwd.cu sends head dim 128 to backward_fused_sm90).
 // The turn counters, dq_accum and the grid are the "sm90 fused" kernel's (start_fused_sm90 checks the grid and
-// zeroes the counters; flash_attention.cu allocates both buffers).
+// zeroes the counters; flash_attention.cu allocates both buffers). false where the inputs' strides give no TMA map
+// (nothing launched: the caller runs "sm90 fused").
 template <typename E>
-void backward_ws_sm90(const Params& p, Stream stream) {
+bool backward_ws_sm90(const Params& p, Stream stream) {
   if (p.d != 64) throw std::logic_error("backward_ws_sm90: head dim 64 only");
+  Maps maps;
+  if (!tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, 64, p.is, BR) ||
+      !tma::make_heads_map(maps.k, p.k, p.B, p.H, p.T, 64, p.is, KB) ||
+      !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, 64, p.is, KB) ||
+      !tma::make_heads_map(maps.dout, p.dout, p.B, p.H, p.T, 64, p.os, BR))
+    return false;
   const int blocks = start_fused_sm90(p, stream, "sm90 ws fused");
   constexpr int bytes = Layout<64>::kBytes;
   FASTGPT_CUDA_CHECK(
       cudaFuncSetAttribute(backward_ws_kernel<E, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  backward_ws_kernel<E, 64><<<blocks, kNT, bytes, stream>>>(p);
+  backward_ws_kernel<E, 64><<<blocks, kNT, bytes, stream>>>(p, maps);
   FASTGPT_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
-template void backward_ws_sm90<__nv_bfloat16>(const Params&, Stream);
-template void backward_ws_sm90<__half>(const Params&, Stream);
+template bool backward_ws_sm90<__nv_bfloat16>(const Params&, Stream);
+template bool backward_ws_sm90<__half>(const Params&, Stream);
 
 }  // namespace fastgpt::cuda::flash

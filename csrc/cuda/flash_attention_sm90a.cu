@@ -105,10 +105,11 @@ void launch_sm90(const Params& p, Stream stream) {
 
 // The "sm90" fwd options of kTileOptions, in order (CTA rows x keys per block): 128x128, 192x128, 128x64. Head dim
 // 128 has no 192x128 (three warpgroups' registers would spill): it runs 128x128 for that option. The "sm90 ws"
-// options after them go to the warp-specialised kernel (flash_attention_ws_sm90a.cu).
+// options after them go to the warp-specialised kernel (flash_attention_ws_sm90a.cu), or, where it can make no TMA
+// map of the inputs, to 128x128 here (its bits).
 template <typename E>
 void forward_sm90(const Params& p, Stream stream) {
-  if (p.tiles.fwd >= kFirstWsSm90) return forward_ws_sm90<E>(p, stream, p.tiles.fwd - kFirstWsSm90);
+  if (p.tiles.fwd >= kFirstWsSm90 && forward_ws_sm90<E>(p, stream, p.tiles.fwd - kFirstWsSm90)) return;
   const int option = p.tiles.fwd - kFirstSm90.fwd;
   if (p.d == 64) {
     if (option == 1) return launch_sm90<E, 64, 3, 128>(p, stream);

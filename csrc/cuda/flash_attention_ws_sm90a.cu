@@ -1,15 +1,18 @@
 // Flash attention forward for Hopper, warp-specialised (sm_90a only): flash_attention_sm90a.cu's products and
 // online softmax, with the CTA split by role as FlashAttention-3 splits it.
-// - Warpgroup 0 only copies, with cp.async into rings of kStages<D> buffers: its warps 0-1 Q and then K_j for every
-//   key block, its warps 2-3 V_j. Each half publishes a tile as soon as it has landed, so a tile's publication never
-//   waits for another tile's buffer to be handed back (one copier for both kinds published K_j only after it had
-//   issued V_j, i.e. after every consumer had finished with V_{j-2}, late in its step j-1: a bubble before every
-//   step). The warpgroup gives most of its registers back (setmaxnreg), so that the multiplying warpgroups get 232
-//   (two of them) or 160 (three) instead of the 168 or 128 an even split would leave them.
+// - Warpgroup 0 only copies, by TMA (tma.cuh) into rings of kStages<D> buffers: one thread of its warp 0 asks for Q
+//   and then K_j for every key block, one thread of its warp 1 for V_j. The copy engine moves each tile and
+//   publishes it itself (its bytes complete the tile's "full" mbarrier), so a tile lands and is published however
+//   far the issuing thread has gone on: a K tile's publication never waits for a V buffer to be handed back, nor
+//   for an issuing thread to be scheduled (cp.async copiers had to wait for their copies, fence them for wgmma and
+//   arrive, 64 threads per tile). The warpgroup gives most of its registers back (setmaxnreg), so that the
+//   multiplying warpgroups get 240 (two of them) or 160 (three) instead of the 168 or 128 an even split leaves.
+//   Views whose strides a tensor map cannot describe (forward_ws_sm90 says so) run flash_attention_sm90a.cu's
+//   kernel, whose bits these are.
 // - Warpgroups 1..NC each own 64 query rows and only multiply and take the softmax. They never wait on each other
 //   or on the copier at a CTA-wide barrier (the other kernel's __syncthreads per key block): each buffer has a
-//   "full" mbarrier (its copier half's 64 threads arrive once their copies have landed and been fenced for wgmma)
-//   and an "empty" one (every consumer warp arrives once its wgmma have read the buffer).
+//   "full" mbarrier (the issuing thread's arrival and the tile's bytes) and an "empty" one (every consumer warp
+//   arrives once its wgmma have read the buffer).
 // - The consumers take turns to issue their products (named barriers 1..NC, a ring): while one warpgroup's S and
 //   P V are on the tensor cores, the others run their softmax, so the tensor cores see one warpgroup's products
 //   after another's instead of all at once and then none (FlashAttention-3's "ping-pong" scheduling).
@@ -18,19 +21,20 @@
 // (flash_attention.cu's kTileOptions). Written and run only in the warp emulator (tests/warp_emu) so far.
 #include "cuda/check.h"
 #include "cuda/flash_attention_sm90.cuh"
+#include "cuda/tma.cuh"
 
 namespace fastgpt::cuda::flash {
 
 namespace {
 
-// Buffers per tile kind (K, V): a copier half refills one while the consumers read the others. Three at head dim
+// Buffers per tile kind (K, V): the copy engine refills one while the consumers read the others. Three at head dim
 // 64, so that V_j, whose buffer is handed back only once every consumer's P_{j-3} V_{j-3} has retired, has a step
 // more to land before P_j V_j; two at 128 (three would leave no shared memory to spare).
 template <int D>
 constexpr int kStages = D == 64 ? 3 : 2;
 
 // The mbarriers after the tiles, as indices into them: Q's full, then per stage K full, K empty, V full, V empty.
-// full / empty take the tile kind (kK or kV), for the copier halves.
+// full / empty take the tile kind (kK or kV), for the two issuing threads.
 constexpr int kK = 0, kV = 1;
 struct Bars {
   uint32_t base;
@@ -44,54 +48,52 @@ struct Bars {
 };
 template <int D>
 constexpr int kBarBytes = 8 * (1 + 4 * kStages<D>);
-constexpr int kCopyThreads = 64;  // per copier half: warps 0-1 (Q, K) and 2-3 (V)
 
 template <int D, int NC, int BC>
 constexpr int ws_smem_bytes() {  // Q, the K and V rings, the barriers, room to align
   return sm90::tile_bytes<64 * NC + 2 * kStages<D> * BC, D>() + kBarBytes<D> + 1024;
 }
 
-// Registers per thread after setmaxnreg: the copier keeps few, the consumers share the rest of the 64K.
+// Registers per thread after setmaxnreg: the copier keeps few (24 is setmaxnreg's least), the consumers share the
+// rest of the 64K.
 template <int NC>
-constexpr int kCopierRegs = NC == 2 ? 40 : 32;
+constexpr int kCopierRegs = NC == 2 ? 24 : 32;
 template <int NC>
-constexpr int kConsumerRegs = NC == 2 ? 232 : 160;
+constexpr int kConsumerRegs = NC == 2 ? 240 : 160;
 static_assert(128 * kCopierRegs<2> + 256 * kConsumerRegs<2> <= 65536, "registers: two consumers");
 static_assert(128 * kCopierRegs<3> + 384 * kConsumerRegs<3> <= 65536, "registers: three consumers");
 
-// One copier half (t: its thread 0-63) of tile kind KIND (K or V): tile j, key block j, into buffer j % S of the
-// ring at `ring`; it waits for its buffer's empty barrier (every consumer is done with tile j - S) and is published
-// on its full barrier once it has landed (wait_group 0) and been fenced for wgmma (fence.proxy.async, by the
-// threads that copied: the consumers' wgmma read through the async proxy). The K half first copies Q, issued before
-// K_0 and published once it has landed (wait_group 1: K_0 still in flight). Only the ring bounds how far ahead a
-// half runs: tile j can be issued only once tile j - S is handed back, so one tile in flight per half loses nothing.
-template <typename E, int D, int S, int BC, int BR, int KIND>
-__device__ __forceinline__ void copy_ring(const Params& p, const E* src, const E* Q, unsigned char* ring,
-                                          unsigned char* sQ, Bars bars, int q0, int nblocks, int t) {
-  constexpr int kTileBytes = sm90::tile_bytes<BC, D>();
-  constexpr bool kWithQ = KIND == kK;
-  if constexpr (kWithQ) {
-    sm90::load<E, BR, D, kCopyThreads>(sQ, Q, p.is.st, q0, p.T, t);
-    cp_async_commit();
+// The TMA maps of Q (boxes of the CTA's BR rows), K and V (BC rows): kernel parameters (__grid_constant__), as
+// the copy instruction wants a map in parameter, constant or global memory.
+struct Maps {
+  tma::HeadsMap q, k, v;
+};
+
+// One issuing thread's ring of tile kind KIND (K or V): tile j, key block j, into buffer j % S of the ring at
+// shared address `ring`, once the buffer's empty barrier says every consumer is done with tile j - S; the tile is
+// published on its full barrier by this thread's arrival (with the tile's byte count) and the copy's bytes. The K
+// thread first asks for Q (BR rows from q0). Only the ring bounds how far ahead a thread runs.
+template <int D, int S, int BC, int BR, int KIND>
+__device__ __forceinline__ void copy_ring(const Maps& maps, uint32_t ring, uint32_t sQ, Bars bars, int q0,
+                                          int nblocks, int h, int b) {
+  constexpr uint32_t kTileBytes = sm90::tile_bytes<BC, D>();
+  const tma::HeadsMap& src = KIND == kK ? maps.k : maps.v;
+  tma::prefetch(&src.map);
+  if constexpr (KIND == kK) {
+    tma::prefetch(&maps.q.map);
+    tma::arrive_expect(bars.q_full(), sm90::tile_bytes<BR, D>());
+    tma::load_tile<BR, D>(sQ, maps.q, bars.q_full(), q0, h, b);
   }
   for (int j = 0; j < nblocks; j++) {
     const int s = j % S, use = j / S;
     if (use > 0) wgmma::mbar_wait(bars.empty(KIND, s), (use - 1) & 1);
-    sm90::load<E, BC, D, kCopyThreads>(ring + s * kTileBytes, src, p.is.st, j * BC, p.T, t);
-    cp_async_commit();
-    if (kWithQ && j == 0) {
-      cp_async_wait<1>();
-      wgmma::fence_proxy_async();
-      wgmma::mbar_arrive(bars.q_full());
-    }
-    cp_async_wait<0>();
-    wgmma::fence_proxy_async();
-    wgmma::mbar_arrive(bars.full(KIND, s));
+    tma::arrive_expect(bars.full(KIND, s), kTileBytes);
+    tma::load_tile<BC, D>(ring + s * kTileBytes, src, bars.full(KIND, s), j * BC, h, b);
   }
 }
 
 template <typename E, int D, int NC, int BC>
-__global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p) {
+__global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p, const __grid_constant__ Maps maps) {
   constexpr int BR = 64 * NC, kQBytes = sm90::tile_bytes<BR, D>(), kKVBytes = sm90::tile_bytes<BC, D>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* sQ = sm90::aligned(smem_raw);     // (BR, D) swizzled (flash_attention_sm90.cuh)
@@ -103,15 +105,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int qblock = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int q0 = qblock * BR, T = p.T;
-  const int64_t in_off = b * p.is.sb + h * p.is.sh;
   const int kv_end = p.causal ? min(T, q0 + BR) : T;
   const int nblocks = (kv_end + BC - 1) / BC;
 
   if (tid == 0) {
-    wgmma::mbar_init(bars.q_full(), kCopyThreads);
+    wgmma::mbar_init(bars.q_full(), 1);
     for (int s = 0; s < S; s++) {
-      wgmma::mbar_init(bars.k_full(s), kCopyThreads);  // a copier half's threads
-      wgmma::mbar_init(bars.v_full(s), kCopyThreads);
+      wgmma::mbar_init(bars.k_full(s), 1);  // the issuing thread (and the tile's bytes)
+      wgmma::mbar_init(bars.v_full(s), 1);
       wgmma::mbar_init(bars.k_empty(s), 4 * NC);  // one arrival per consumer warp
       wgmma::mbar_init(bars.v_empty(s), 4 * NC);
     }
@@ -120,12 +121,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
 
   if (wg == 0) {
     wgmma::regs_dec<kCopierRegs<NC>>();
-    const E* Q = static_cast<const E*>(p.q) + in_off;
-    if (tid < kCopyThreads)
-      copy_ring<E, D, S, BC, BR, kK>(p, static_cast<const E*>(p.k) + in_off, Q, sK, sQ, bars, q0, nblocks, tid);
-    else
-      copy_ring<E, D, S, BC, BR, kV>(p, static_cast<const E*>(p.v) + in_off, Q, sV, sQ, bars, q0, nblocks,
-                                     tid - kCopyThreads);
+    const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV), aQ = wgmma::shared_addr(sQ);
+    if (tid == 0) copy_ring<D, S, BC, BR, kK>(maps, aK, aQ, bars, q0, nblocks, h, b);
+    if (tid == 32) copy_ring<D, S, BC, BR, kV>(maps, aV, aQ, bars, q0, nblocks, h, b);
     return;
   }
   wgmma::regs_inc<kConsumerRegs<NC>>();
@@ -191,28 +189,36 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p)
              p.lse + (int64_t)bh * T);
 }
 
+// false: a tensor's strides give no TMA map, and nothing was launched.
 template <typename E, int D, int NC, int BC>
-void launch_ws(const Params& p, Stream stream) {
+bool launch_ws(const Params& p, Stream stream) {
   constexpr int bytes = ws_smem_bytes<D, NC, BC>(), rows = 64 * NC;
+  Maps maps;
+  if (!tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, D, p.is, rows) ||
+      !tma::make_heads_map(maps.k, p.k, p.B, p.H, p.T, D, p.is, BC) ||
+      !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, D, p.is, BC))
+    return false;
   FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(forward_ws_kernel<E, D, NC, BC>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   dim3 grid(p.B * p.H, (p.T + rows - 1) / rows);  // B * H on x: y and z stop at 65535
-  forward_ws_kernel<E, D, NC, BC><<<grid, 128 * (NC + 1), bytes, stream>>>(p);
+  forward_ws_kernel<E, D, NC, BC><<<grid, 128 * (NC + 1), bytes, stream>>>(p, maps);
   FASTGPT_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 }  // namespace
 
 // The "sm90 ws" fwd options (flash_attention_sm90a.cu's forward_sm90 sends them here), CTA query rows x keys per
 // block: 0 "128x128" (two consumers), 1 "192x128" (three; head dim 128 runs 128x128: 160 registers would spill).
+// false where the inputs' strides give no TMA map (nothing launched: the caller runs its own kernel).
 template <typename E>
-void forward_ws_sm90(const Params& p, Stream stream, int option) {
+bool forward_ws_sm90(const Params& p, Stream stream, int option) {
   if (p.d == 64 && option == 1) return launch_ws<E, 64, 3, 128>(p, stream);
   if (p.d == 64) return launch_ws<E, 64, 2, 128>(p, stream);
-  launch_ws<E, 128, 2, 128>(p, stream);
+  return launch_ws<E, 128, 2, 128>(p, stream);
 }
 
-template void forward_ws_sm90<__nv_bfloat16>(const Params&, Stream, int);
-template void forward_ws_sm90<__half>(const Params&, Stream, int);
+template bool forward_ws_sm90<__nv_bfloat16>(const Params&, Stream, int);
+template bool forward_ws_sm90<__half>(const Params&, Stream, int);
 
 }  // namespace fastgpt::cuda::flash

@@ -7,7 +7,9 @@
 // - the descriptors the kernels pass: those CuTe's make_gmma_desc and a TiledMMA partition make for each
 //   warpgroup's 64 x 16 (A) or N x 16 (B) slice of those tiles, for every tile size and head dim the kernels use;
 // - the element the emulator reads through such a descriptor: CuTe's address of that element of the slice;
-// - the emulator's accumulator and register-A maps: CuTe's CLayout_64xN and ALayout_64x16.
+// - the emulator's accumulator and register-A maps: CuTe's CLayout_64xN and ALayout_64x16;
+// - the TMA loader (tma.cuh, the emulator's copies): the same placement, and the swizzle mode tma.cu encodes
+//   (CU_TENSOR_MAP_SWIZZLE_128B) is the one CuTe's TMA takes for that shared-memory layout.
 // Built by run.sh's "cute" mode against CUTLASS's headers (CUTLASS_INCLUDE); the kernels' helpers are compiled from
 // their own sources with the emulator's asm swapped in, as in every other mode.
 #include <cstddef>
@@ -20,10 +22,12 @@ alignas(1024) static unsigned char g_smem[2 * 192 * 128 * 2 + 4096];
 namespace cute {
 inline size_t __cvta_generic_to_shared(const void* p) { return (size_t)((const unsigned char*)p - g_smem); }
 }  // namespace cute
+#include <cute/atom/copy_traits_sm90_tma_swizzle.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 
 #include "cuda/flash_attention_sm90.cuh"
+#include "cuda/tma.cuh"
 
 using namespace cute;
 namespace sm90 = fastgpt::cuda::flash::sm90;
@@ -46,6 +50,23 @@ void load_kernel(const uint16_t* src, int T, uint16_t* out) {
   flash::cp_async_commit();
   flash::cp_async_wait<0>();
   __syncthreads();
+  for (int i = threadIdx.x; i < ROWS * D; i += 128) memcpy(&out[i], tile + 2 * i, 2);
+}
+
+// The TMA loader in the emulator: the tile of rows [0, ROWS) of head (b, h) of a tensor map (rows at or past T
+// zero), one thread asking, everyone waiting on the mbarrier, then back out byte for byte.
+template <int ROWS, int D>
+void tma_kernel(const fastgpt::cuda::tma::HeadsMap* m, int b, int h, uint16_t* out) {
+  namespace wgmma = fastgpt::cuda::wgmma;
+  unsigned char* tile = sm90::aligned(emu::smem());
+  const uint32_t bar = wgmma::shared_addr(tile + sm90::tile_bytes<ROWS, D>());
+  if (threadIdx.x == 0) wgmma::mbar_init(bar, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fastgpt::cuda::tma::arrive_expect(bar, sm90::tile_bytes<ROWS, D>());
+    fastgpt::cuda::tma::load_tile<ROWS, D>(wgmma::shared_addr(tile), *m, bar, 0, h, b);
+  }
+  wgmma::mbar_wait(bar, 0);
   for (int i = threadIdx.x; i < ROWS * D; i += 128) memcpy(&out[i], tile + 2 * i, 2);
 }
 
@@ -76,6 +97,30 @@ void check_tile() {
             c);
       check(offset_of(mnmaj, c, r) == at, "MN-major view vs K-major", ROWS, D, r, c);
     }
+  // The TMA loader against the same layout: head (1, 2) of a (B 2, T, H 3, D) tensor in the bthd layout (the map
+  // orders H before T by stride), and CuTe's TMA would encode this layout with the 128-byte swizzle tma.cu asks for.
+  const int B = 2, H = 3;
+  std::vector<uint16_t> heads((size_t)B * T * H * D);
+  for (size_t i = 0; i < heads.size(); i++) heads[i] = (uint16_t)(i * 7 + 1);
+  fastgpt::cuda::tma::HeadsMap m;
+  const bool made = fastgpt::cuda::tma::make_heads_map(m, heads.data(), B, H, T, D, {(int64_t)T * H * D, D, H * D},
+                                                       ROWS);
+  check(made && m.slot_h == 1 && m.slot_t == 2 && m.slot_b == 3, "TMA map: the dims by stride", ROWS, D);
+  std::fill(out.begin(), out.end(), 0xffff);
+  emu::FuncSetAttribute(tma_kernel<ROWS, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes + 1024 + 8);
+  emu::launch(tma_kernel<ROWS, D>, dim3(1), dim3(128), bytes + 1024 + 8, nullptr, &m, 1, 2, out.data());
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < D; c++) {
+      const int at = offset_of(kmaj, r, c);
+      check(out[at / 2] == (r < T ? heads[((size_t)(T + r) * H + 2) * D + c] : 0), "TMA loader vs K-major", ROWS, D,
+            r, c);
+    }
+  // (CuTe's to_CUtensorMapSwizzle, compiled for nvcc only, turns the pair (B128, 16-byte base) into
+  // CU_TENSOR_MAP_SWIZZLE_128B.)
+  const auto atom = GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>{};
+  check(detail::get_tma_swizzle_bits(atom) == TMA::SmemSwizzleBits::B128 &&
+            detail::get_tma_swizzle_base(atom) == TMA::SmemSwizzleBase::SWIZZLE_BASE_16B,
+        "CuTe's TMA swizzle mode for the tiles' layout", ROWS, D);
 }
 
 // Every descriptor of a warpgroup's slices in one TiledMMA pass: A (K-major) slices of an (M, D) tile, B slices of

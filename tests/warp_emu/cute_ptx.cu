@@ -1,16 +1,20 @@
-// The wgmma instructions csrc/cuda/wgmma.cuh emits, beside CUTLASS's for the same operation: each pair of kernels
-// below compiles (nvcc -ptx, sm_90a) to a PTX wgmma line that must be the same once register names are dropped
-// (run.sh's "cute" mode compares them). That holds the immediates CUTLASS passes (scale-a, scale-b, transposes: a
-// K-major A and B from shared memory, A from registers with an MN-major B, or an MN-major A and a K-major B) and
-// the operand order to ours. The warp-specialised forward's synchronisation (mbarrier init / arrive / parity wait,
-// named barriers, setmaxnreg) is paired with CUTLASS's barrier.h and reg_reconfig.h the same way: sync_<what> kernels,
-// compared by their instructions (opcode and qualifiers).
+// The wgmma instructions csrc/cuda/wgmma.cuh emits, beside CUTLASS's for the same operation: each pair of kernels below
+// compiles (nvcc -ptx, sm_90a) to a PTX wgmma line that must be the same once register names are dropped (run.sh's
+// "cute" mode compares them). That holds the immediates CUTLASS passes (scale-a, scale-b, transposes: a K-major A and B
+// from shared memory, A from registers with an MN-major B, or an MN-major A and a K-major B) and the operand order to
+// ours. The warp-specialised forward's synchronisation (mbarrier init / arrive / parity wait, named barriers,
+// setmaxnreg) and the TMA copies of both warp-specialised kernels (tma.cuh: map prefetch, expected bytes with and
+// without an arrival, the 4-d tile copy) are paired with CUTLASS's barrier.h, reg_reconfig.h and copy_sm90_tma.hpp the
+// same way: sync_<what> kernels, compared by their instructions (opcode and qualifiers).
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include <utility>
 
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace wg = fastgpt::cuda::wgmma;
@@ -98,10 +102,30 @@ __global__ void cute_sync_named(int id, int count) {
   cutlass::arch::NamedBarrier::arrive(count, id);
 }
 __global__ void ours_sync_regs() {
-  wg::regs_dec<40>();
-  wg::regs_inc<232>();
+  wg::regs_dec<24>();
+  wg::regs_inc<240>();
 }
 __global__ void cute_sync_regs() {
-  cutlass::arch::warpgroup_reg_dealloc<40>();
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_dealloc<24>();
+  cutlass::arch::warpgroup_reg_alloc<240>();
+}
+// Expected bytes (alone, then with an arrival) and one 4-d tile copy through a map in kernel parameters, counted on
+// a shared mbarrier; CUTLASS's with its default L2 hint (evict normal), which tma::load passes.
+__global__ void ours_sync_tma(const __grid_constant__ CUtensorMap map, uint32_t bytes, int c0, int c1, int c2, int c3) {
+  __shared__ alignas(1024) unsigned char tile[16384];
+  __shared__ uint64_t bar;
+  namespace tma = fastgpt::cuda::tma;
+  tma::prefetch(&map);
+  tma::expect(wg::shared_addr(&bar), bytes);
+  tma::arrive_expect(wg::shared_addr(&bar), bytes);
+  tma::load(wg::shared_addr(tile), &map, wg::shared_addr(&bar), c0, c1, c2, c3);
+}
+__global__ void cute_sync_tma(const __grid_constant__ CUtensorMap map, uint32_t bytes, int c0, int c1, int c2, int c3) {
+  __shared__ alignas(1024) unsigned char tile[16384];
+  __shared__ uint64_t bar;
+  cute::prefetch_tma_descriptor(&map);
+  cutlass::arch::ClusterTransactionBarrier::expect_transaction(&bar, bytes);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&bar, bytes);
+  cute::SM90_TMA_LOAD_4D::copy(&map, &bar, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL), tile, c0, c1,
+                               c2, c3);
 }

@@ -1,14 +1,16 @@
 // Host emulation of the CUDA features the flash kernels use: one OS thread per CUDA thread, barriers for
 // __syncthreads and for warp collectives (ldmatrix, mma, shfl), cp.async eager or lazy; for Hopper, wgmma, mbarriers
-// and named barriers. Shared memory that wgmma reads, and the ordinary loads and stores made through wgmma.cuh's
-// ld_shared_*/st_shared_*, are checked for races by vector clocks: every barrier (CTA-wide, named, mbarrier) carries
-// what its arrivals had seen to those who wait on it, and a read or write of a 16-byte chunk that no chain of
-// barriers orders after the last conflicting access (the chunk's last write; every load of it since) is an error,
-// whichever order the OS threads happened to run in.
+// (with TMA's transaction bytes), TMA tile copies and named barriers. Shared memory that wgmma reads, and the
+// ordinary loads and stores made through wgmma.cuh's ld_shared_*/st_shared_*, are checked for races by vector
+// clocks: every barrier (CTA-wide, named, mbarrier) carries what its arrivals had seen to those who wait on it, and
+// a read or write of a 16-byte chunk that no chain of barriers orders after the last conflicting access (the
+// chunk's last write; every load of it since) is an error, whichever order the OS threads happened to run in.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <barrier>
 #include <chrono>
@@ -33,6 +35,8 @@ using std::min;
 #define __global__
 #undef __launch_bounds__
 #define __launch_bounds__(...)
+#undef __grid_constant__
+#define __grid_constant__
 
 namespace emu {
 inline int g_lazy_cp = 0;  // 0: cp.async copies at issue, 1: at wait_group (latest legal moment)
@@ -64,29 +68,44 @@ inline void join(Clock& into, const Clock& from) {
   for (size_t i = 0; i < into.size(); i++) into[i] = std::max(into[i], from[i]);
 }
 constexpr uint32_t kPending = 0xffffffffu;  // an access issued, not yet complete
+[[noreturn]] inline void die(const char* m) { fprintf(stderr, "EMU FATAL: %s\n", m); fflush(stderr); abort(); }
 // An mbarrier, or a named barrier (bar.sync / bar.arrive): `count` arrivals complete a phase, and what they had
 // seen goes to those who wait for it (done[phase % 4]: a waiter reads its phase's before the fourth one after it).
+// An mbarrier's phase also waits for its transaction bytes: those an arrival declares (expect_tx) less those copies
+// have landed (complete_tx), which may come first (the count then goes below zero for a while).
 struct Phases {
   int count = 0, arrived = 0;
+  int64_t tx = 0;
   unsigned phase = 0;
   Clock seen, done[4];
   void clear(int threads) {  // a fresh barrier: phase 0 pending, the ones "before" it complete and carrying nothing
-    arrived = 0, phase = 0;
+    arrived = 0, phase = 0, tx = 0;
     seen.assign(threads, 0);
     for (Clock& d : done) d.assign(threads, 0);
   }
-  // Under the block's sync_mu: counts one arrival with clock c; -> the phase it arrived in.
-  unsigned arrive(const Clock& c, std::condition_variable& cv) {
+  void complete_if_done(std::condition_variable& cv) {
+    if (arrived != count || tx != 0) return;
+    done[phase % 4] = seen;
+    std::fill(seen.begin(), seen.end(), 0);
+    arrived = 0;
+    phase++;
+    cv.notify_all();
+  }
+  // Under the block's sync_mu: counts one arrival with clock c, declaring `expect` transaction bytes; -> the phase
+  // it arrived in.
+  unsigned arrive(const Clock& c, std::condition_variable& cv, int64_t expect = 0) {
     const unsigned at = phase;
     join(seen, c);
-    if (++arrived == count) {
-      done[at % 4] = seen;
-      std::fill(seen.begin(), seen.end(), 0);
-      arrived = 0;
-      phase++;
-      cv.notify_all();
-    }
+    tx += expect;
+    if (++arrived > count) die("mbarrier: an arrival past its count (its phase still waits for transaction bytes)");
+    complete_if_done(cv);
     return at;
+  }
+  // `bytes` of a copy landed (complete_tx), its writes as of clock c.
+  void complete_tx(const Clock& c, int64_t bytes, std::condition_variable& cv) {
+    join(seen, c);
+    tx -= bytes;
+    complete_if_done(cv);
   }
 };
 struct Block {
@@ -129,7 +148,6 @@ T* static_smem(int line, size_t n) {
 }
 inline Warp& warp() { return tl_block->warps[tl_tid.x / 32]; }
 inline int lane() { return tl_tid.x % 32; }
-[[noreturn]] inline void die(const char* m) { fprintf(stderr, "EMU FATAL: %s\n", m); fflush(stderr); abort(); }
 // collective: deposit, barrier, check same op, return; caller reads slots then calls done()
 inline void deposit(int op) {
   Warp& w = warp();
@@ -597,10 +615,18 @@ inline void mbar_init(uint32_t off, int count) {
   m.clear((int)tl_clock.size());
   m.count = count;
 }
-inline void mbar_arrive(uint32_t off) {
+// mbarrier.arrive, or with expect > 0 mbarrier.arrive.expect_tx (tma.cuh's arrive_expect).
+inline void mbar_arrive(uint32_t off, uint32_t expect = 0) {
   const Clock c = release();
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  mbar_at(off).arrive(c, tl_block->sync_cv);
+  mbar_at(off).arrive(c, tl_block->sync_cv, expect);
+}
+// mbarrier.expect_tx (tma.cuh's expect): more transaction bytes for the current phase, no arrival.
+inline void mbar_expect(uint32_t off, uint32_t bytes) {
+  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
+  Phases& m = mbar_at(off);
+  m.tx += bytes;
+  m.complete_if_done(tl_block->sync_cv);
 }
 // try_wait.parity: until the phase of that parity has completed. A thread waits for the current phase, or for the
 // one before if it has already completed (then at once): a phase two back would wait for the next one, as on the GPU.
@@ -615,6 +641,71 @@ inline void mbar_wait(uint32_t off, uint32_t parity) {
   Phases& m = mbar_at(off);
   const unsigned at = (m.phase & 1) == (parity & 1) ? m.phase : m.phase - 1;
   wait_phase(lock, m, at, "the mbarrier at shared byte", (int)off);
+}
+// ---- TMA (csrc/cuda/tma.cuh), from the PTX ISA (cp.async.bulk.tensor) and cuda.h's cuTensorMapEncodeTiled. A map
+// keeps the tensor's base, dims, strides and box in the opaque CUtensorMap (this emulator's own encoding); encoding
+// checks the requirements cuda.h documents for what tma.cuh asks (rank 4, 2-byte elements, the 128-byte swizzle, no
+// interleave). A copy is made at issue by the issuing thread: every element of the box, zeros outside the tensor,
+// into shared memory in the box's row-major order with the 128-byte swizzle (wgmma's: address bits 4-6 ^= 7-9),
+// written through the async proxy (no fence.proxy.async before wgmma), then its bytes complete on the mbarrier with
+// the issuing thread's clock, so the race check sees the writes ordered before whoever waits for that phase.
+constexpr uint64_t kTmaMagic = 0x414d54554d45ull;
+inline std::atomic<long> g_tma_copies{0};  // every TMA copy so far (the tests ask whether a kernel took TMA)
+inline void tma_encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
+                       const uint32_t (&box)[4]) {
+  if ((uintptr_t)map % 64) die("TMA map: not 64-byte aligned");
+  if ((uintptr_t)base % 16) die("TMA map: the global address must be 16-byte aligned");
+  for (int i = 0; i < 4; i++)
+    if (dims[i] == 0 || dims[i] > (1ull << 32)) die("TMA map: each dim must be in [1, 2^32]");
+  uint64_t extent = dims[0] * 2;
+  for (int i = 0; i < 3; i++) {
+    if (strides[i] % 16 || strides[i] >= (1ull << 40)) die("TMA map: strides must be multiples of 16 below 2^40");
+    if (strides[i] < extent) die("TMA map: strides that do not nest (each at least the dimensions' extent before it)");
+    extent = strides[i] * dims[i + 1];
+  }
+  for (int i = 0; i < 4; i++)
+    if (box[i] == 0 || box[i] > 256) die("TMA map: each box dim must be in [1, 256]");
+  if (box[0] * 2 % 16) die("TMA map: the box's inner dimension must be a multiple of 16 bytes");
+  if (box[0] * 2 > 128) die("TMA map: the 128-byte swizzle takes boxes at most 128 bytes wide");
+  uint64_t* o = reinterpret_cast<uint64_t*>(map);
+  memset(o, 0, sizeof(CUtensorMap));
+  o[0] = kTmaMagic, o[1] = (uint64_t)(uintptr_t)base;
+  for (int i = 0; i < 4; i++) o[2 + i] = dims[i], o[9 + i] = box[i];
+  for (int i = 0; i < 3; i++) o[6 + i] = strides[i];
+}
+inline const uint64_t* tma_map(const CUtensorMap* map) {
+  const uint64_t* o = reinterpret_cast<const uint64_t*>(map);
+  if (o[0] != kTmaMagic) die("TMA: a map the encoder did not make");
+  return o;
+}
+inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, std::array<int, 4> c) {
+  const uint64_t *o = tma_map(map), *dims = o + 2, *strides = o + 6, *box = o + 9;
+  Block& b = *tl_block;
+  const size_t bytes = box[0] * box[1] * box[2] * box[3] * 2;
+  if (dst % 1024) die("TMA copy: a box in the 128-byte swizzle must land 1024-byte aligned");
+  if (dst + bytes > b.smem_bytes) die("TMA copy: the box runs past shared memory");
+  const unsigned char* base = reinterpret_cast<const unsigned char*>((uintptr_t)o[1]);
+  uint32_t at = dst;
+  for (uint64_t i3 = 0; i3 < box[3]; i3++)
+    for (uint64_t i2 = 0; i2 < box[2]; i2++)
+      for (uint64_t i1 = 0; i1 < box[1]; i1++)
+        for (uint64_t i0 = 0; i0 < box[0]; i0++, at += 2) {
+          const uint32_t to = wg_swizzle(at);
+          if (at % 16 == 0) {  // a new 16-byte chunk
+            note_write(to, "a TMA copy", false);
+            memset(&b.dirty[to], 0, 16);
+          }
+          const int64_t g[4] = {c[0] + (int64_t)i0, c[1] + (int64_t)i1, c[2] + (int64_t)i2, c[3] + (int64_t)i3};
+          bool inside = true;
+          for (int i = 0; i < 4; i++) inside = inside && g[i] >= 0 && g[i] < (int64_t)dims[i];
+          uint16_t v = 0;
+          if (inside) memcpy(&v, base + g[0] * 2 + g[1] * strides[0] + g[2] * strides[1] + g[3] * strides[2], 2);
+          memcpy(b.smem + to, &v, 2);
+        }
+  g_tma_copies++;
+  const Clock clk = release();
+  std::lock_guard<std::mutex> lock(b.sync_mu);
+  mbar_at(bar).complete_tx(clk, (int64_t)bytes, b.sync_cv);
 }
 inline Phases& named_at(int id, int count) {
   if (id < 1 || id > 15) die("named barrier: id must be 1-15 (0 is __syncthreads)");
@@ -801,6 +892,12 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
         for (auto& gq : tl_groups) if (!gq.empty()) die("cp.async group never waited at exit");
         tl_groups.clear();
       });
+      for (auto& [off, m] : blk.mbars)
+        if (m.tx != 0) {
+          fprintf(stderr, "EMU FATAL: the mbarrier at shared byte %u ends the block with %lld transaction bytes %s\n",
+                  off, (long long)std::abs(m.tx), m.tx > 0 ? "declared and never copied" : "copied and never declared");
+          abort();
+        }
       for (int id = 1; id < 16; id++)
         if (blk.named[id].arrived) {
           fprintf(stderr, "EMU FATAL: named barrier %d ends the block with %d of %d arrivals pending\n", id,

@@ -206,6 +206,90 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
   fflush(stdout);
 }
 
+// The warp-specialised kernels on views the binding never makes but the engine and other callers may. "qkv": q, k,
+// v in one (B, T, 3, H, d) buffer and dq, dk, dv in another (the engine's: T's stride 3Hd, H's d, so the TMA maps
+// take H before T). "broadcast": one head serves all H, with H's stride 0 (strides that do not nest, which a TMA map
+// cannot describe): for q, k, v in the forward, for out and dout in the backward (whose q, k, v and gradients are
+// then plain copies, so every head's out is the broadcast one). The ws kernels decline those and the plain ones run.
+// Forward: fwd 6 and 7 must give fwd 3's out and lse; backward: dkdv 4 ("sm90 ws fused") dkdv 3's dq, dk, dv; all
+// near the float64 reference. The emulator's count of TMA copies says which path ran.
+template <typename E>
+void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, double tol, unsigned seed) {
+  const int d = 64, rows = broadcast ? 1 : 3 * H;  // heads stored per (b, t) row of the buffer
+  const size_t n = (size_t)B * H * T * d, nb = (size_t)B * T * d;
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> U(-1.f, 1.f);
+  std::vector<E> buf((size_t)B * T * rows * d * (broadcast ? 3 : 1)), dout(broadcast ? nb : n);
+  for (E& x : buf) x = E(g_amp * U(rng));
+  for (E& x : dout) x = E(U(rng));
+  const size_t part = broadcast ? nb : (size_t)H * d;  // q -> k -> v
+  const cpu::HeadStrides contiguous{(int64_t)H * T * d, (int64_t)T * d, d}, one_head{(int64_t)T * d, 0, d};
+  const cpu::HeadStrides is = broadcast ? one_head : cpu::HeadStrides{(int64_t)T * rows * d, d, (int64_t)rows * d};
+  const cpu::HeadStrides& os_bwd = broadcast ? one_head : contiguous;
+  const auto logical = [&](const E* a, const cpu::HeadStrides& st) {
+    std::vector<double> o(n);
+    for (int b = 0; b < B; b++) for (int h = 0; h < H; h++) for (int t = 0; t < T; t++) for (int x = 0; x < d; x++)
+      o[(((size_t)b * H + h) * T + t) * d + x] = float(a[b * st.sb + h * st.sh + t * st.st + x]);
+    return o;
+  };
+  const Ref r = reference(logical(buf.data(), is), logical(buf.data() + part, is), logical(buf.data() + 2 * part, is),
+                          logical(dout.data(), os_bwd), B, H, T, d, causal);
+  const cpu::AttentionShape sh{B, H, T, d, causal};
+  const char* what = broadcast ? "one head broadcast (H stride 0)" : "a qkv buffer";
+  std::vector<E> out0;
+  std::vector<float> lse0;
+  for (int fwd : {3, 6, 7}) {
+    std::vector<E> out(n, E(NAN));
+    std::vector<float> lse((size_t)B * H * T, NAN);
+    cuda::set_flash_tiles({fwd, 0, 0});
+    const long copies = emu::g_tma_copies;
+    cuda::flash_attention_forward(out.data(), contiguous, lse.data(), buf.data(), buf.data() + part,
+                                  buf.data() + 2 * part, is, sh, dt, nullptr);
+    const bool tma = emu::g_tma_copies > copies;
+    if (fwd == 3) out0 = out, lse0 = lse;
+    const bool same = memcmp(out.data(), out0.data(), n * sizeof(E)) == 0 && lse == lse0;
+    const double eo = relerr(logical(out.data(), contiguous), r.out),
+                 el = relerr(std::vector<double>(lse.begin(), lse.end()), r.lse);
+    const bool ok = eo < tol && el < tol && same && tma == (fwd != 3 && !broadcast);
+    if (!ok) failures++;
+    printf("%s sm90 fwd %d on %s B=%d H=%d T=%d causal=%d: out %.2e lse %.2e, fwd 3's bits %d, TMA %d\n",
+           ok ? "ok  " : "FAIL", fwd, what, B, H, T, causal, eo, el, same, tma);
+  }
+  // The backward's inputs: the qkv buffer as it is; or, broadcast, q, k, v copied out per head and out kept for one.
+  std::vector<E> q = buf, out = out0;
+  size_t qpart = part;
+  cpu::HeadStrides is_bwd = is;
+  if (broadcast) {
+    q.resize(3 * n), qpart = n, is_bwd = contiguous;
+    for (int w = 0; w < 3; w++)
+      for (int b = 0; b < B; b++) for (int h = 0; h < H; h++) for (size_t i = 0; i < (size_t)T * d; i++)
+        q[w * n + ((size_t)b * H + h) * T * d + i] = buf[w * part + b * T * d + i];
+    out.resize(nb);
+    for (int b = 0; b < B; b++) std::copy_n(&out0[(size_t)b * H * T * d], (size_t)T * d, &out[(size_t)b * T * d]);
+  }
+  std::vector<E> grads0;
+  for (int dkdv : {3, 4}) {
+    std::vector<E> grads(q.size(), E(NAN));
+    cuda::set_flash_tiles({3, dkdv, 0});
+    const long copies = emu::g_tma_copies;
+    cuda::flash_attention_backward(grads.data(), grads.data() + qpart, grads.data() + 2 * qpart, is_bwd, dout.data(),
+                                   out.data(), os_bwd, q.data(), q.data() + qpart, q.data() + 2 * qpart, lse0.data(),
+                                   sh, dt, true, nullptr);
+    const bool tma = emu::g_tma_copies > copies;
+    if (dkdv == 3) grads0 = grads;
+    const bool same = memcmp(grads.data(), grads0.data(), grads.size() * sizeof(E)) == 0;
+    const double eq = relerr(logical(grads.data(), is_bwd), r.dq),
+                 ek = relerr(logical(grads.data() + qpart, is_bwd), r.dk),
+                 ev = relerr(logical(grads.data() + 2 * qpart, is_bwd), r.dv);
+    const bool ok = eq < tol && ek < tol && ev < tol && same && tma == (dkdv == 4 && !broadcast);
+    if (!ok) failures++;
+    printf("%s sm90 dkdv %d on %s B=%d H=%d T=%d causal=%d: dq %.2e dk %.2e dv %.2e, dkdv 3's bits %d, TMA %d\n",
+           ok ? "ok  " : "FAIL", dkdv, what, B, H, T, causal, eq, ek, ev, same, tma);
+  }
+  cuda::set_flash_tiles({0, 0, 0});
+  fflush(stdout);
+}
+
 // The warp-specialised form (dkdv option 4, "sm90 ws fused", flash_attention_bwd_ws_sm90a.cu; head dim 64, where
 // 128 runs option 3) must give option 3's bits (`fused`, a run of the same case) in dq, dk and dv: the same
 // products, sums and order.
@@ -751,6 +835,7 @@ int main(int argc, char** argv) {
       run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {{3, 2, 3}});
       run_fused_sm90<__nv_bfloat16>(1, 1, 260, 64, true, true, DType::bf16, 3e-2, seed++, 5);
       run_ws<__nv_bfloat16>(1, 1, 260, 64, true, false, DType::bf16, 3e-2, seed++, 0, 0);
+      run_ws_views<__half>(1, 2, 70, false, true, DType::f16, 5e-3, seed++);
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
       run_layernorm_cases(seed);
@@ -822,6 +907,8 @@ int main(int argc, char** argv) {
             run_ws<__nv_bfloat16>(1, 2, T, d, causal, (T + causal) % 2, DType::bf16, 3e-2, seed++, T % 2 ? 2 : 0,
                                   T % 2 ? 0 : 3);
       run_ws<__half>(2, 1, 150, 64, true, true, DType::f16, 5e-3, seed++, 2, 3);
+      run_ws_views<__nv_bfloat16>(2, 3, 200, true, false, DType::bf16, 3e-2, seed++);
+      run_ws_views<__half>(1, 2, 130, false, true, DType::f16, 5e-3, seed++);
     } else if (mode == "fused") {  // the fused sm90 backward: both head dims, T below, at and past its tiles
       for (int d : {64, 128})
         for (int T : {1, 30, 64, 65, 128, 129, 200, 300, 520})
@@ -837,6 +924,8 @@ int main(int argc, char** argv) {
           run_ws_bwd<__nv_bfloat16>(T < 200 ? 2 : 1, 2, T, causal, (T + causal) % 2, DType::bf16, 3e-2, seed++,
                                     T % 3 ? 3 : 6);
       run_ws_bwd<__half>(2, 1, 190, true, false, DType::f16, 5e-3, seed++, 0);
+      run_ws_views<__nv_bfloat16>(2, 3, 200, true, false, DType::bf16, 3e-2, seed++);
+      run_ws_views<__half>(1, 2, 130, false, true, DType::f16, 5e-3, seed++);
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
     } else if (mode == "decode") {

@@ -5,9 +5,9 @@
 # beside their CPU references; and the scratch workspace) on the CPU, in a host emulation of the few CUDA features
 # they use (emu.h: one OS thread per CUDA thread, ldmatrix / mma.sync / shuffles / ballots as warp collectives
 # written from the PTX ISA's fragment tables, cp.async copied at issue or as late as wait_group allows; Hopper's
-# wgmma, mbarriers and named barriers, with a vector-clock race check of the shared memory wgmma reads), and
-# compares their outputs with a float64 reference or the CPU's bits (emu_test.cpp). It checks the kernels' index,
-# fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real compiler's code. The
+# wgmma, mbarriers, TMA copies and named barriers, with a vector-clock race check of the shared memory wgmma reads),
+# and compares their outputs with a float64 reference or the CPU's bits (emu_test.cpp). It checks the kernels'
+# index, fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real compiler's code. The
 # kernel sources are used as they are: only the asm helpers, the shared-memory declarations and the <<<>>> launches
 # are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
@@ -20,14 +20,17 @@ src=$(cd "$here/../../csrc" && pwd)
 out=$1 mode=${2:-quick} lazy=${3:-1}
 cuda_inc=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}/include
 mkdir -p "$out/cuda"
-cp "$here/emu.h" "$here/emu_ops.h" "$here/emu_wgmma.h" "$out/"
+cp "$here/emu.h" "$here/emu_ops.h" "$here/emu_wgmma.h" "$here/emu_tma.h" "$out/"
 # The header up to the asm helpers, then the emulated ones, then the rest (the tile loader).
 { echo '#include "../emu.h"'
   awk '/^\/\/ c \(16 x 8, fp32\) \+= a/{skip=1} /^\/\/ Rows \[row0/{if(skip){print "#include \"../emu_ops.h\""}; skip=0} !skip{print}' \
     "$src/cuda/flash_attention.cuh"; } > "$out/cuda/flash_attention.cuh"
-# wgmma.cuh: its PTX part (between the "// ---- PTX" and "// ---- end of PTX" lines) becomes emu_wgmma.h.
-awk '/^\/\/ ---- PTX/{skip=1; print "#include \"../emu_wgmma.h\""} /^\/\/ ---- end of PTX/{skip=0} !skip{print}' \
-  "$src/cuda/wgmma.cuh" > "$out/cuda/wgmma.cuh"
+# wgmma.cuh and tma.cuh: the PTX part (between the "// ---- PTX" and "// ---- end of PTX" lines) becomes
+# emu_wgmma.h, emu_tma.h.
+for h in wgmma tma; do
+  awk -v h=$h '/^\/\/ ---- PTX/{skip=1; print "#include \"../emu_" h ".h\""} /^\/\/ ---- end of PTX/{skip=0}
+               !skip{print}' "$src/cuda/$h.cuh" > "$out/cuda/$h.cuh"
+done
 units=(flash_attention_fwd flash_attention_bwd flash_attention flash_attention_sm90a flash_attention_ws_sm90a
        flash_attention_bwd_sm90a flash_attention_bwd_ws_sm90a flash_attention_tf32 attention cast attention_decode
        cross_entropy layernorm
@@ -45,14 +48,15 @@ for f in "${units[@]}"; do
       -e 's/([A-Za-z_0-9:]+(<[^<>]*>)?)<<<(.*)>>>\((.*)\);/emu::launch(\1, \3, \4);/' "$src/cuda/$f.cu"; } \
     > "$out/$f.cpp"
 done
-if grep -q "<<<\|__shared__\|asm volatile" "$out"/*.cpp "$out/cuda/flash_attention.cuh" "$out/cuda/wgmma.cuh"; then
+if grep -q "<<<\|__shared__\|asm volatile" "$out"/*.cpp "$out/cuda/flash_attention.cuh" "$out/cuda/wgmma.cuh" \
+  "$out/cuda/tma.cuh"; then
   echo "warp_emu: a launch, shared declaration or asm block was not translated (see run.sh's patterns)" >&2
   exit 2
 fi
 cp "$here/emu_test.cpp" "$out/test.cpp"
 cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU references the adamw and encoder kernels are compared with
 cp "$src/cpu/encoder.cpp" "$out/cpu_encoder.cpp"
-flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes -DFASTGPT_SM90A=1)
+flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes -Wno-psabi -DFASTGPT_SM90A=1)
 if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wgmma against CuTe (cute_check.cpp)
   : "${CUTLASS_INCLUDE:?the cute mode needs CUTLASS_INCLUDE, the CUTLASS include directory}"
   cccl=()

@@ -1,0 +1,48 @@
+// The host half of tma.cuh: tensor maps encoded by the driver's cuTensorMapEncodeTiled. The function is taken
+// through the runtime's driver entry point (cudaGetDriverEntryPointByVersion), so the extension does not link
+// libcuda itself (the toolkit's stub would otherwise be baked in); it is looked up once per process.
+#include <mutex>
+#include <string>
+
+#include <cudaTypedefs.h>
+
+#include "cuda/check.h"
+#include "cuda/tma.cuh"
+
+namespace fastgpt::cuda::tma {
+
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    FASTGPT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                                        &found));
+    if (found != cudaDriverEntryPointSuccess || p == nullptr)
+      fail("cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)",
+           "the driver has no tensor-map encoder (query result " + std::to_string((int)found) + ")", __FILE__,
+           __LINE__);
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  return fn;
+}
+
+}  // namespace
+
+void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
+            const uint32_t (&box)[4]) {
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encoder()(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), dims, strides, box,
+                               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    fail("cuTensorMapEncodeTiled", "CUresult " + std::to_string((int)r) + " (dims " + std::to_string(dims[0]) + "," +
+                                       std::to_string(dims[1]) + "," + std::to_string(dims[2]) + "," +
+                                       std::to_string(dims[3]) + ")",
+         __FILE__, __LINE__);
+}
+
+}  // namespace fastgpt::cuda::tma

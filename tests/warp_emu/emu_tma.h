@@ -1,0 +1,13 @@
+// replaces the PTX part of tma.cuh (inside namespace fastgpt::cuda::tma) with emu.h's TMA: maps encoded here, with
+// the encoder's documented requirements checked, and copies made at issue by emu::tma_load
+inline void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
+                   const uint32_t (&box)[4]) {
+  emu::tma_encode(map, base, dims, strides, box);
+}
+__device__ __forceinline__ void prefetch(const CUtensorMap* map) { emu::tma_map(map); }
+__device__ __forceinline__ void arrive_expect(uint32_t bar, uint32_t bytes) { emu::mbar_arrive(bar, bytes); }
+__device__ __forceinline__ void expect(uint32_t bar, uint32_t bytes) { emu::mbar_expect(bar, bytes); }
+__device__ __forceinline__ void load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
+                                     int c3) {
+  emu::tma_load(dst, map, bar, {c0, c1, c2, c3});
+}
