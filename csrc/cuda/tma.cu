@@ -1,7 +1,6 @@
 // The host half of tma.cuh: tensor maps encoded by the driver's cuTensorMapEncodeTiled. The function is taken
 // through the runtime's driver entry point (cudaGetDriverEntryPointByVersion), so the extension does not link
 // libcuda itself (the toolkit's stub would otherwise be baked in); it is looked up once per process.
-#include <mutex>
 #include <string>
 
 #include <cudaTypedefs.h>
@@ -14,9 +13,8 @@ namespace fastgpt::cuda::tma {
 namespace {
 
 PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
+  // (A function-local static: initialised once, thread-safely; a lookup that throws is tried again next time.)
+  static const auto fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found{};
     FASTGPT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
@@ -25,8 +23,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
       fail("cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)",
            "the driver has no tensor-map encoder (query result " + std::to_string((int)found) + ")", __FILE__,
            __LINE__);
-    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  });
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
   return fn;
 }
 
