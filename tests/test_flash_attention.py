@@ -531,9 +531,10 @@ def test_cuda_sm90_fused_backward_is_the_two_passes_dk_dv_and_repeats(rng, defau
     """The fused Hopper backward (dkdv "sm90 fused": dq made in the dkdv kernel, the CTAs of a (b, h) adding their
     parts of dq in a fixed order, taking turns on counters): dk and dv are the two-pass Hopper dkdv's bits (the same
     products in the same order), dq meets the rule, and five calls give the same bits, deterministic or not. Its
-    warp-specialised form ("sm90 ws fused": a loader warp, a writer of the dq sums, mbarrier rings) gives its bits
-    in dq, dk and dv, five calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768 CTAs, many at once on the GPU, where
-    the emulator runs them one by one) is where the turn-taking or the barrier protocol could race or hang."""
+    warp-specialised form ("sm90 ws fused": a loader warp, mbarrier rings, the dq sums added in L2 by the copy
+    engine's bulk copies) gives its bits in dq, dk and dv, five calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768
+    CTAs, many at once on the GPU, where the emulator runs them one by one) is where the turn-taking or the barrier
+    protocol could race or hang."""
     q, k, v, dout = cuda_inputs(8, 12, 1024, d, "bthd", torch.bfloat16, rng)
     out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout="bthd")
 

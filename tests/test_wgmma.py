@@ -11,9 +11,9 @@ place of that reading (CUTLASS's headers come with the `nvidia-cutlass` test dep
   operation (m64n64k16 and m64n128k16, bf16 and f16, both operands from shared memory or A from registers with an
   MN-major B; and the fused backward's m64n32k16 with an MN-major A and a K-major B), compiled by nvcc for sm_90a;
   and the warp-specialised forward's mbarrier, named-barrier and setmaxnreg instructions against barrier.h's and
-  reg_reconfig.h's, its TMA instructions (tma.cuh) against copy_sm90_tma.hpp's; and in cute_check.cpp, the TMA
-  loader's placement of every element (the emulator's copies) against the same CuTe layouts, whose TMA swizzle mode
-  CuTe takes to be the 128-byte one tma.cu encodes.
+  reg_reconfig.h's, its TMA instructions and the backward's bulk copies (tma.cuh) against copy_sm90_tma.hpp's; and in
+  cute_check.cpp, the TMA loader's placement of every element (the emulator's copies) against the same CuTe layouts,
+  whose TMA swizzle mode CuTe takes to be the 128-byte one tma.cu encodes.
 They say nothing of speed, and nothing of what the emulator cannot model; a GPU run is still the verification."""
 import importlib.util
 import os
@@ -68,7 +68,7 @@ def _wgmma_lines(ptx):
     """The PTX wgmma instruction (and its scale-d predicate) of each kernel, register numbers and spacing dropped."""
     return {name: [" ".join(re.sub(r"%(f|rd|r|p)\d+", r"%\1", line).replace(",", " , ").split()) for line in lines
                    if re.match(r"\s*(wgmma\.|setp\.ne\.b32 p,)", line)]
-            for name, lines in entries(ptx, r"(\w+?)P").items()}
+            for name, lines in entries(ptx, r"((?:ours|cute)_(?:ss|rs|amn)_\w+?)P").items()}
 
 
 @pytest.fixture(scope="module")
@@ -93,30 +93,41 @@ def test_wgmma_instructions_are_cutlass_instructions(cute_ptx):
 
 def _sync_instructions(ptx):
     """The synchronisation instructions (opcode and qualifiers; setmaxnreg with its count) of each sync_ kernel."""
-    pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg|cp|prefetch)\.[\w.:]+)(\s+\d+)?")
+    pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg|cp|prefetch|fence)\.[\w.:]+)"
+                         r"(\s+\d+)?")
     return {name: {m.group(1) + (m.group(2) or "") for m in map(pattern.match, lines) if m}
-            for name, lines in entries(ptx, r"(\w+?_sync_(?:mbar|named|regs|tma))").items()}
+            for name, lines in entries(ptx, r"(\w+?_(?:sync_(?:mbar|named|regs|tma|bulk)|bulk_add))").items()}
 
 
 def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
     """mbar_init / mbar_arrive / mbar_wait, bar_sync / bar_arrive and regs_dec / regs_inc (wgmma.cuh), and prefetch
-    / expect / arrive_expect / load (tma.cuh), for the warp-specialised kernels, emit the instructions CUTLASS's
-    ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc, ClusterTransactionBarrier (expect_transaction,
-    arrive_and_expect_tx), prefetch_tma_descriptor and SM90_TMA_LOAD_4D emit, with the same qualifiers (state space,
-    scope, parity, register counts, the copy's completion on the mbarrier's transaction bytes and its L2 hint, whose
-    value both load from the same constant)."""
+    / expect / arrive_expect / load and store / commit / wait_read (tma.cuh), for the warp-specialised kernels, emit
+    the instructions CUTLASS's ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc, ClusterTransactionBarrier
+    (expect_transaction, arrive_and_expect_tx), prefetch_tma_descriptor, SM90_TMA_LOAD_4D, SM90_BULK_COPY_S2G,
+    tma_store_arrive and tma_store_wait emit, with the same qualifiers (state space, scope, parity, register counts,
+    the copy's completion on the mbarrier's transaction bytes and its L2 hint, whose value both load from the same
+    constant; the bulk copy's completion by bulk group)."""
     found = _sync_instructions(cute_ptx)
-    assert sorted(n for n in found if n.startswith("ours_")) == ["ours_sync_mbar", "ours_sync_named",
-                                                                 "ours_sync_regs", "ours_sync_tma"], found
+    assert sorted(n for n in found if n.startswith("ours_")) == ["ours_bulk_add", "ours_sync_bulk", "ours_sync_mbar",
+                                                                 "ours_sync_named", "ours_sync_regs",
+                                                                 "ours_sync_tma"], found
     want = {"mbar": {"mbarrier.init.shared::cta.b64", "mbarrier.arrive.shared::cta.b64",
                      "mbarrier.try_wait.parity.shared::cta.b64"},
             "named": {"bar.sync", "bar.arrive"},
             "regs": {"setmaxnreg.dec.sync.aligned.u32 24", "setmaxnreg.inc.sync.aligned.u32 240"},
             "tma": {"prefetch.tensormap", "mbarrier.expect_tx.shared::cta.b64",
                     "mbarrier.arrive.expect_tx.shared::cta.b64",
-                    "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"}}
+                    "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"},
+            "bulk": {"cp.async.bulk.global.shared::cta.bulk_group", "cp.async.bulk.commit_group",
+                     "cp.async.bulk.wait_group.read 0"}}
     for what, instructions in want.items():
         assert found["ours_sync_" + what] == found["cute_sync_" + what] == instructions, (what, found)
+    # No CUTLASS counterpart (its bulk reduce takes a tensor map): the PTX ISA's spelling of the f32 bulk add to
+    # global memory from shared, completed by bulk group, the full wait (writes done, not only the source read) and
+    # the proxy fence between an acquire of global memory and the copy engine's access.
+    assert found["ours_bulk_add"] == {"fence.proxy.async.global",
+                                      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+                                      "cp.async.bulk.commit_group", "cp.async.bulk.wait_group 0"}, found
     hint = str(0x1000000000000000)  # CacheHintSm90::EVICT_NORMAL
     tma = entries(cute_ptx, r"(\w+?_sync_tma)")
     assert all(any(hint in line for line in tma[k]) for k in ("ours_sync_tma", "cute_sync_tma")), tma

@@ -6,10 +6,11 @@
 // - Warpgroup 0 does not multiply. Its warp 0 has the copy engine (TMA, tma.cuh) bring K and V once, then each
 //   step's Q and dO, and stages each step's lse and delta itself, into a ring of kStages buffers, each published on
 //   a "full" mbarrier (the warp's 32 arrivals and the copies' bytes) and refilled after its "empty" one. Views whose
-//   strides a tensor map cannot describe run the "sm90 fused" kernel (the same bits). Its warps 1-3 (the writer)
-//   add each step's dQ part to the CTA's turn in the ordered sums, from a ring of kDqStages fp32 parts in shared
-//   memory. The warpgroup gives registers back (setmaxnreg), so the other two get 208 (they use 183; the writer's
-//   batched loads use 74).
+//   strides a tensor map cannot describe run the "sm90 fused" kernel (the same bits). The dQ parts come from a
+//   ring of kDqStages fp32 parts in shared memory, each added in the CTA's turn to the ordered sums: in key blocks
+//   j > 0 by one thread that has the copy engine add the whole part in L2 (cp.reduce.async.bulk: dq_adder), in key
+//   block 0, the last turn, by warps 1-3, which read the sums and write dq (dq_writer). The warpgroup gives
+//   registers back (setmaxnreg), so the other two get 208 (they use 183; dq_writer's batched loads use 74).
 // - Warpgroups 1 and 2 own 64 keys each and only multiply: a step waits for its buffer, makes dV, dK and dS^T, hands
 //   the buffer back, meets the other warpgroup at one named barrier (dS^T of all 128 keys is in shared memory; two
 //   dS^T tiles alternate, so one barrier per step is enough), multiplies its half of the step's dQ part and leaves
@@ -120,51 +121,40 @@ __device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsign
   }
 }
 
-// Warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn to the sums of
-// query step i (as dq_part in flash_attention_bwd_sm90a.cu: the same additions in the same order), key block 0
-// writing dq (times the scale, rounded once) instead. The part's buffer is handed back as soon as it is read; the
-// turn is passed on (a barrier of the 96, then one thread's release add) once every sum is out.
+// Key block 0's warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn (the
+// last) to the sums of query step i and written to dq (times the scale, rounded once), as dq_part in
+// flash_attention_bwd_sm90a.cu: the same additions in the same order. The part's buffer is handed back as soon as
+// it is read.
 template <typename E, int D>
-__device__ __forceinline__ void writer(const Params& p, unsigned char* sm, Bars bars, int bh, int j, int n_kb,
-                                       int i_first, int n_q, int64_t in_off, int wt) {
+__device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Bars bars, int bh, int n_kb, int i_first,
+                                          int n_q, int64_t in_off, int wt) {
   using L = Layout<D>;
   constexpr int kChunks = BR * D / 4, kBatch = 4;  // 4: no spills at 80 registers (5: 28 bytes)
   E* dq = static_cast<E*>(p.dq) + in_off;
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kDqStages, q0 = i * BR;
-    const int jmax = p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1, turn = jmax - j;
-    float4* acc = reinterpret_cast<float4*>(p.dq_accum + ((int64_t)bh * n_q + i) * BR * D);
-    int* counter = p.dq_turn + (int64_t)bh * n_q + i;
+    const int turn = p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1;  // every other key block's part comes first
+    const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + ((int64_t)bh * n_q + i) * BR * D);
     const float4* part = reinterpret_cast<const float4*>(sm + L::kDq + s * L::kDqBytes);
     wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
-    if (wt == 0) wgmma::wait_count(counter, turn);
+    if (wt == 0) wgmma::wait_count(p.dq_turn + (int64_t)bh * n_q + i, turn);
     wgmma::bar_sync(kWriterBar, kWriters);  // the turn is this CTA's: the sums before it are visible
     // kBatch chunks per thread at a time, all their loads issued before the first add: three round trips to L2
     // per step (d 64), not one per chunk.
     for (int qb = wt; qb < kChunks; qb += kBatch * kWriters) {
-      const float4* pb = part + qb;
-      float4* ab = acc + qb;
       float4 v[kBatch], o[kBatch];
 #pragma unroll
       for (int k = 0; k < kBatch; k++)
         if (qb + k * kWriters < kChunks) {
-          v[k] = wgmma::ld_shared_v4(pb + k * kWriters);
-          if (turn > 0) o[k] = __ldcg(ab + k * kWriters);  // the sum so far, from L2 (another SM wrote it)
+          v[k] = wgmma::ld_shared_v4(part + qb + k * kWriters);
+          if (turn > 0) o[k] = __ldcg(acc + qb + k * kWriters);  // the sum so far, from L2 (other SMs made it)
         }
 #pragma unroll
-      for (int k = 0; k < kBatch; k++)
-        if (turn > 0) v[k].x += o[k].x, v[k].y += o[k].y, v[k].z += o[k].z, v[k].w += o[k].w;
-      if (j > 0) {
-#pragma unroll
-        for (int k = 0; k < kBatch; k++)
-          if (qb + k * kWriters < kChunks) __stcg(ab + k * kWriters, v[k]);
-        continue;
-      }
-#pragma unroll
       for (int k = 0; k < kBatch; k++) {
+        if (qb + k * kWriters >= kChunks) continue;
+        if (turn > 0) v[k].x += o[k].x, v[k].y += o[k].y, v[k].z += o[k].z, v[k].w += o[k].w;
         int row, col;
         dq_coords<D>(qb + k * kWriters, row, col);
-        if (qb + k * kWriters >= kChunks) continue;
         if (q0 + row < p.T)
           store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v[k].x * p.scale, v[k].y * p.scale);
         if (q0 + row + 8 < p.T)
@@ -172,10 +162,38 @@ __device__ __forceinline__ void writer(const Params& p, unsigned char* sm, Bars 
       }
     }
     wgmma::mbar_arrive(bars.dq_empty(s));
-    if (j > 0) {
-      wgmma::bar_sync(kWriterBar, kWriters);
-      if (wt == 0) wgmma::add_count(counter);
-    }
+  }
+}
+
+// Key blocks j > 0, one thread (wg 0's thread 32): each step's dQ part goes to the query step's fp32 sums by the copy
+// engine, in this CTA's turn: the first turn stores it, each later one adds it to the sum in L2
+// (cp.reduce.async.bulk), so the sums are the same adds in the same order as dq_part's (an add's operands commute).
+// The part is 16 KB at d 64, contiguous in the ring and in the sums (both in fragment order): one copy. Its buffer
+// goes back to the consumers once the copy has read it; the turn passes on once the sum is written. Before, three
+// warps moved each part through their registers: three round trips to L2 per step, each sum read into the SM and
+// written back, the turn held meanwhile.
+template <int D>
+__device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bars bars, int bh, int j, int n_kb,
+                                         int i_first, int n_q) {
+  using L = Layout<D>;
+  for (int i = i_first; i < n_q; i++) {
+    const int u = i - i_first, s = u % kDqStages;
+    const int turn = (p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1) - j;
+    float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;
+    int* counter = p.dq_turn + (int64_t)bh * n_q + i;
+    const uint32_t part = wgmma::shared_addr(sm + L::kDq + s * L::kDqBytes);
+    wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);  // the consumers' stores are behind their proxy fence
+    wgmma::wait_count(counter, turn);
+    tma::fence_global();  // the sum the turn's acquire made visible, before the copy engine adds to it
+    if (turn == 0)
+      tma::store(acc, part, L::kDqBytes);
+    else
+      tma::reduce_add(acc, part, L::kDqBytes);
+    tma::commit();
+    tma::wait_read<0>();
+    wgmma::mbar_arrive(bars.dq_empty(s));
+    tma::wait<0>();
+    wgmma::add_count(counter);  // a release: the sum is written
   }
 }
 
@@ -202,7 +220,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     }
     for (int s = 0; s < kDqStages; s++) {
       wgmma::mbar_init(bars.dq_full(s), 256);  // every consumer thread (each stored its part)
-      wgmma::mbar_init(bars.dq_empty(s), kWriters);
+      wgmma::mbar_init(bars.dq_empty(s), j == 0 ? kWriters : 1);  // dq_writer's threads, or dq_adder's one
     }
   }
   __syncthreads();  // the barriers are initialised before anyone uses them; the only CTA-wide barrier
@@ -211,8 +229,10 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     wgmma::regs_dec<kCopierRegs>();
     if (tid < 32)
       loader<D>(p, maps, sm, bars, bh, b, h, k0, i_first, n_q, tid);
-    else
-      writer<E, D>(p, sm, bars, bh, j, n_kb, i_first, n_q, in_off, tid - 32);
+    else if (j == 0)
+      dq_writer<E, D>(p, sm, bars, bh, n_kb, i_first, n_q, in_off, tid - 32);
+    else if (tid == 32)
+      dq_adder<D>(p, sm, bars, bh, j, n_kb, i_first, n_q);
     return;
   }
   wgmma::regs_inc<kConsumerRegs>();
@@ -250,6 +270,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
         wgmma::st_shared_v4(ring + dq_chunk<D>(ci, cb, warp, t, lane),
                             make_float4(part[t][0], part[t][1], part[t][2], part[t][3]));
     }
+    if (j > 0) wgmma::fence_proxy_async();  // dq_adder's copy reads the part through the async proxy
     wgmma::mbar_arrive(bars.dq_full(sd));
   }
 

@@ -6,9 +6,11 @@
 // issue slots in the copier (one instruction per box instead of 8 per thread per tile), its registers free for the
 // consumers (setmaxnreg), and the data written by the async proxy that wgmma reads through (no fence.proxy.async).
 // A map (a 128-byte CUtensorMap, encoded on the host by the driver's cuTensorMapEncodeTiled: tma.cu) describes a
-// whole (B, H, T, d) tensor; the kernel names a box by its coordinates. Written from the PTX ISA
-// (cp.async.bulk.tensor, mbarrier.expect_tx) and cuda.h's documentation of the encoder; the instructions are held
-// to CUTLASS's (tests/warp_emu/cute_ptx.cu), and tests/warp_emu swaps the PTX part (and the encoder) for its own.
+// whole (B, H, T, d) tensor; the kernel names a box by its coordinates. The other way, the fused backward has the
+// copy engine store or add its dQ parts to global memory (bulk copies, not tensor ones: the parts are contiguous).
+// Written from the PTX ISA (cp.async.bulk[.tensor], cp.reduce.async.bulk, mbarrier.expect_tx) and cuda.h's
+// documentation of the encoder; the instructions are held to CUTLASS's where it has them (tests/warp_emu/cute_ptx.cu),
+// and tests/warp_emu swaps the PTX part (and the encoder) for its own.
 #pragma once
 #include <cuda.h>
 
@@ -60,6 +62,36 @@ __device__ __forceinline__ void load(uint32_t dst, const CUtensorMap* map, uint3
       "l"(0x1000000000000000ull)
       : "memory");
 }
+
+// Bulk copies from shared to global memory (the fused backward's dQ sums, one per query step): `bytes` (a multiple of
+// 16) at shared address `src` stored at `dst`, or added to the fp32 values there (the adds made in L2, each rounded to
+// nearest even; the PTX ISA has this f32 add keep subnormals). The source must be behind its writers'
+// fence.proxy.async (the copy engine reads it through the async proxy). No L2 hint: a sum is read by the next turn
+// and then dead, and the sums of a whole backward (50 MB for GPT-2 at B 16) would crowd an "evict last" L2. Completion
+// is by bulk group: commit() closes one, wait_read<N>() returns once all but the newest N groups have read their
+// source (it may be overwritten), wait<N>() once they have also written (visible to this thread: the completion
+// implies a proxy fence).
+__device__ __forceinline__ void store(void* dst, uint32_t src, uint32_t bytes) {
+  FASTGPT_SM90A_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                    : "memory");
+}
+__device__ __forceinline__ void reduce_add(float* dst, uint32_t src, uint32_t bytes) {
+  FASTGPT_SM90A_ASM("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                    "r"(bytes)
+                    : "memory");
+}
+__device__ __forceinline__ void commit() { FASTGPT_SM90A_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait_read() {
+  FASTGPT_SM90A_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void wait() {
+  FASTGPT_SM90A_ASM("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's generic-proxy view of global memory (what an acquire just made visible: another CTA's sums)
+// before its later async-proxy accesses (a bulk add to those sums), as the PTX memory model asks across proxies.
+__device__ __forceinline__ void fence_global() { FASTGPT_SM90A_ASM("fence.proxy.async.global;\n" ::: "memory"); }
 
 // ---- end of PTX
 

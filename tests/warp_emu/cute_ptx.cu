@@ -3,9 +3,10 @@
 // "cute" mode compares them). That holds the immediates CUTLASS passes (scale-a, scale-b, transposes: a K-major A and B
 // from shared memory, A from registers with an MN-major B, or an MN-major A and a K-major B) and the operand order to
 // ours. The warp-specialised forward's synchronisation (mbarrier init / arrive / parity wait, named barriers,
-// setmaxnreg) and the TMA copies of both warp-specialised kernels (tma.cuh: map prefetch, expected bytes with and
-// without an arrival, the 4-d tile copy) are paired with CUTLASS's barrier.h, reg_reconfig.h and copy_sm90_tma.hpp the
-// same way: sync_<what> kernels, compared by their instructions (opcode and qualifiers).
+// setmaxnreg), the TMA copies of both warp-specialised kernels (tma.cuh: map prefetch, expected bytes with and
+// without an arrival, the 4-d tile copy) and the backward's bulk copies to global memory are paired with CUTLASS's
+// barrier.h, reg_reconfig.h and copy_sm90_tma.hpp the same way: sync_<what> kernels, compared by their instructions
+// (opcode and qualifiers).
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -128,4 +129,29 @@ __global__ void cute_sync_tma(const __grid_constant__ CUtensorMap map, uint32_t 
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&bar, bytes);
   cute::SM90_TMA_LOAD_4D::copy(&map, &bar, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL), tile, c0, c1,
                                c2, c3);
+}
+// The fused backward's bulk copy of a dQ part to global memory and its bulk-group completion (tma.cuh's store,
+// commit, wait_read), beside CUTLASS's SM90_BULK_COPY_S2G, tma_store_arrive and tma_store_wait. The bulk add, the
+// full wait and the global proxy fence have no CUTLASS counterpart (ours_bulk_add: tests/test_wgmma.py holds them to
+// the PTX ISA's spelling).
+__global__ void ours_sync_bulk(float* g, uint32_t bytes) {
+  __shared__ alignas(128) float part[1024];
+  namespace tma = fastgpt::cuda::tma;
+  tma::store(g, wg::shared_addr(part), bytes);
+  tma::commit();
+  tma::wait_read<0>();
+}
+__global__ void cute_sync_bulk(float* g, uint32_t bytes) {
+  __shared__ alignas(128) float part[1024];
+  cute::SM90_BULK_COPY_S2G::copy(part, g, bytes);
+  cute::tma_store_arrive();
+  cute::tma_store_wait<0>();
+}
+__global__ void ours_bulk_add(float* g, uint32_t bytes) {
+  __shared__ alignas(128) float part[1024];
+  namespace tma = fastgpt::cuda::tma;
+  tma::fence_global();
+  tma::reduce_add(g, wg::shared_addr(part), bytes);
+  tma::commit();
+  tma::wait<0>();
 }

@@ -369,8 +369,9 @@ inline void note_write(size_t off, const char* what, bool pending) {
   b.wclk[chunk] = pending ? kPending : tl_clock[tl_tid.x];
 }
 // An ordinary load of a 16-byte chunk: the last write to it must be complete and seen through barriers; the load
-// is recorded for note_write's check of the next write.
-inline void note_read(size_t off, const char* what) {
+// is recorded for note_write's check of the next write (pending: a bulk copy's read, which any write is a race with
+// until the issuing thread's wait_group.read refreshes it).
+inline void note_read(size_t off, const char* what, bool pending = false) {
   Block& b = *tl_block;
   const size_t chunk = off / 16;
   const int wt = b.wtid[chunk];
@@ -378,13 +379,14 @@ inline void note_read(size_t off, const char* what) {
     race(what, "reads shared memory whose cp.async has not been waited for", chunk, wt);
   if (wt >= 0 && wt != (int)tl_tid.x && tl_clock[wt] < b.wclk[chunk])
     race(what, "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
+  const uint32_t now = pending ? kPending : tl_clock[tl_tid.x];
   std::lock_guard<std::mutex> lock(b.reads_mu);
   for (auto& [t, clk] : b.reads[chunk])
     if (t == (int)tl_tid.x) {
-      clk = tl_clock[tl_tid.x];
+      clk = now;
       return;
     }
-  b.reads[chunk].push_back({(int)tl_tid.x, tl_clock[tl_tid.x]});
+  b.reads[chunk].push_back({(int)tl_tid.x, now});
 }
 inline void do_copy(Copy& c) {
   if (c.valid)
@@ -732,14 +734,97 @@ inline void bar_arrive(int id, int count) {
 // The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
 // the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
 // (or never comes), which on a GPU could hang; here it is an error at once.
+inline thread_local bool tl_acquired = false;  // a wait_count's acquire not yet behind fence.proxy.async.global
 inline void wait_count(const int* counter, int want) {
   const int v = std::atomic_ref<int>(*const_cast<int*>(counter)).load();
   if (v != want) {
     fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", tl_bid.x, want, v);
     abort();
   }
+  tl_acquired = true;
 }
-inline void add_count(int* counter) { std::atomic_ref<int>(*counter).fetch_add(1); }
+inline bool bulk_in_flight();
+inline void add_count(int* counter) {
+  if (bulk_in_flight()) die("a turn passed on (release) with bulk copies to global memory not yet waited for");
+  std::atomic_ref<int>(*counter).fetch_add(1);
+}
+
+// ---- Bulk copies from shared to global memory (tma.cuh's store, reduce_add, commit, wait_read, wait,
+// fence_global), from the PTX ISA (cp.async.bulk / cp.reduce.async.bulk .bulk_group). The copy engine reads the
+// source through the async proxy: bytes a store wrote without a fence.proxy.async after it are an error, and its read
+// counts, for the race check, as pending from issue until the issuing thread's wait_group.read (any write to the
+// source before then is a race). Eager mode copies at issue; lazy mode reads the source at the wait_group.read and
+// writes global memory at the wait_group (the latest legal moments), so a buffer reused or a sum read early shows in
+// the results too. A turn passed on (add_count) with copies in flight, a copy issued after a wait_count's acquire
+// without fence.proxy.async.global, and copies never waited for at exit are errors.
+struct Bulk {
+  unsigned char* dst = nullptr;  // global
+  uint32_t src = 0, bytes = 0;   // shared
+  bool add = false;              // fp32 adds (reduce_add), else a copy (store)
+  bool read = false, written = false;
+  bool read_waited = false;  // a wait_group(.read) has covered it: its read is complete, for the race check
+  std::vector<unsigned char> data;  // the source as read
+};
+inline thread_local std::vector<Bulk> tl_bulk_cur;
+inline thread_local std::vector<std::vector<Bulk>> tl_bulk_groups;
+inline bool bulk_in_flight() { return !tl_bulk_cur.empty() || !tl_bulk_groups.empty(); }
+inline void bulk_read(Bulk& op) {
+  if (!op.read) op.data.assign(tl_block->smem + op.src, tl_block->smem + op.src + op.bytes);
+  op.read = true;
+}
+inline void bulk_write(Bulk& op) {
+  bulk_read(op);
+  if (op.written) return;
+  op.written = true;
+  if (!op.add) {
+    memcpy(op.dst, op.data.data(), op.bytes);
+    return;
+  }
+  for (uint32_t i = 0; i < op.bytes; i += 4) {  // each add rounded to nearest even, as the GPU's (no fast-math here)
+    float a, v;
+    memcpy(&a, op.dst + i, 4);
+    memcpy(&v, op.data.data() + i, 4);
+    a += v;
+    memcpy(op.dst + i, &a, 4);
+  }
+}
+inline std::atomic<long> g_bulk_copies{0};  // every bulk copy so far (the tests ask whether a kernel took them)
+inline void bulk_issue(void* dst, uint32_t src, uint32_t bytes, bool add) {
+  Block& b = *tl_block;
+  if ((uintptr_t)dst % 16 || src % 16) die("bulk copy: both addresses must be 16-byte aligned");
+  if (bytes == 0 || bytes % 16) die("bulk copy: the size must be a positive multiple of 16");
+  if (src + bytes > b.smem_bytes) die("bulk copy: the source runs past shared memory");
+  if (tl_acquired)
+    die("bulk copy to global memory after an acquire (wait_count) with no fence.proxy.async.global between");
+  for (uint32_t off = src; off < src + bytes; off++)
+    if (b.dirty[off]) die("bulk copy reads shared memory written by a store without a fence.proxy.async after it");
+  for (uint32_t off = src; off < src + bytes; off += 16) note_read(off, "a bulk copy", true);
+  Bulk op;
+  op.dst = static_cast<unsigned char*>(dst), op.src = src, op.bytes = bytes, op.add = add;
+  if (!g_lazy_cp) bulk_write(op);
+  tl_bulk_cur.push_back(std::move(op));
+  g_bulk_copies++;
+}
+inline void bulk_commit() {
+  tl_bulk_groups.push_back(std::move(tl_bulk_cur));
+  tl_bulk_cur.clear();
+}
+// wait_group(.read) n: all but the newest n groups have read their source (and, unless read_only, written).
+inline void bulk_wait(int n, bool read_only) {
+  for (size_t g = 0; g + n < tl_bulk_groups.size(); g++)
+    for (Bulk& op : tl_bulk_groups[g])
+      if (!op.read_waited) {
+        bulk_read(op);
+        op.read_waited = true;
+        for (uint32_t off = op.src; off < op.src + op.bytes; off += 16) note_read(off, "a bulk copy");
+      }
+  if (read_only) return;
+  while ((int)tl_bulk_groups.size() > n) {
+    for (Bulk& op : tl_bulk_groups.front()) bulk_write(op);
+    tl_bulk_groups.erase(tl_bulk_groups.begin());
+  }
+}
+inline void bulk_fence_global() { tl_acquired = false; }
 
 // host side
 inline std::map<const void*, int> g_attr;
@@ -886,7 +971,11 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
         tl_wg_fenced = false;
         tl_wg_cur.clear();
         tl_wg_groups.clear();
+        tl_bulk_cur.clear();
+        tl_bulk_groups.clear();
+        tl_acquired = false;
         k(args...);
+        if (bulk_in_flight()) die("bulk copy never committed or never waited for at exit");
         if (!tl_wg_cur.empty() || !tl_wg_groups.empty()) die("wgmma not committed or never waited at exit");
         if (!tl_cur.empty()) die("uncommitted cp.async at exit");
         for (auto& gq : tl_groups) if (!gq.empty()) die("cp.async group never waited at exit");

@@ -1,5 +1,6 @@
 // replaces the PTX part of tma.cuh (inside namespace fastgpt::cuda::tma) with emu.h's TMA: maps encoded here, with
-// the encoder's documented requirements checked, and copies made at issue by emu::tma_load
+// the encoder's documented requirements checked, and copies made at issue by emu::tma_load; the bulk copies to global
+// memory by emu::bulk_issue and its waits
 inline void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
                    const uint32_t (&box)[4]) {
   emu::tma_encode(map, base, dims, strides, box);
@@ -11,3 +12,19 @@ __device__ __forceinline__ void load(uint32_t dst, const CUtensorMap* map, uint3
                                      int c3) {
   emu::tma_load(dst, map, bar, {c0, c1, c2, c3});
 }
+__device__ __forceinline__ void store(void* dst, uint32_t src, uint32_t bytes) {
+  emu::bulk_issue(dst, src, bytes, false);
+}
+__device__ __forceinline__ void reduce_add(float* dst, uint32_t src, uint32_t bytes) {
+  emu::bulk_issue(dst, src, bytes, true);
+}
+__device__ __forceinline__ void commit() { emu::bulk_commit(); }
+template <int N>
+__device__ __forceinline__ void wait_read() {
+  emu::bulk_wait(N, true);
+}
+template <int N>
+__device__ __forceinline__ void wait() {
+  emu::bulk_wait(N, false);
+}
+__device__ __forceinline__ void fence_global() { emu::bulk_fence_global(); }
