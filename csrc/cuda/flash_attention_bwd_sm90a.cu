@@ -51,14 +51,13 @@ constexpr int dq_sm90_smem() {  // Q and dO, K and V twice each, alignment
 }
 
 // The fused backward's dQ for query step i (rows q0 ..): this CTA's part dS_i K_j (dS^T of its KB keys in the tile at
-// aS, K^T (D, KB) at aKt), warpgroup wg's D / 2 columns 32 at a time, added in turn into the fp32 buffer (key block
-// jmax first, 0 last, which writes dq instead).
+// aS, K^T (D, KB) at aKt), warpgroup wg's D / 2 columns 32 at a time, added in turn (sm90::turn_of) into the fp32
+// buffer (key block 0 last, which writes dq instead).
 template <typename E, int D, int KB, int BR>
 __device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t aKt, int bh, int j, int n_kb, int i,
                                         int n_q, int q0, int64_t in_off, int tid) {
   const int wg = tid / 128, warp = tid / 32 % 4, g = tid % 32 / 4, c = tid % 4;
-  const int jmax = p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1;  // causal: key block j first meets q0 = j KB
-  const int turn = jmax - j;                                             // parts added before this one
+  const int turn = sm90::turn_of<KB, BR>(p.causal, i, j, n_kb);  // parts added before this one
   float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;           // (BR, D): the step's rows, past T too
   int* counter = p.dq_turn + (int64_t)bh * n_q + i;
   E* dq = static_cast<E*>(p.dq) + in_off;

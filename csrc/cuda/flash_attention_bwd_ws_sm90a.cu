@@ -133,7 +133,7 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
   E* dq = static_cast<E*>(p.dq) + in_off;
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kDqStages, q0 = i * BR;
-    const int turn = p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1;  // every other key block's part comes first
+    const int turn = sm90::turn_of<KB, BR>(p.causal, i, 0, n_kb);  // every other key block's part comes first
     const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + ((int64_t)bh * n_q + i) * BR * D);
     const float4* part = reinterpret_cast<const float4*>(sm + L::kDq + s * L::kDqBytes);
     wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
@@ -178,7 +178,7 @@ __device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bar
   using L = Layout<D>;
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kDqStages;
-    const int turn = (p.causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1) - j;
+    const int turn = sm90::turn_of<KB, BR>(p.causal, i, j, n_kb);
     float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;
     int* counter = p.dq_turn + (int64_t)bh * n_q + i;
     const uint32_t part = wgmma::shared_addr(sm + L::kDq + s * L::kDqBytes);

@@ -249,6 +249,14 @@ __device__ __forceinline__ void dq_product(float (&part)[4][4], uint32_t aS, uin
   wgmma::keep(part);
 }
 
+// The fused backwards' order of dQ's sums for query step i (BR queries from i BR): the highest key block (of KB keys)
+// that meets the step adds first, key block 0 last. -> how many parts come before key block j's. Causal: key block j
+// first meets the queries at row j KB.
+template <int KB, int BR>
+__device__ __forceinline__ int turn_of(bool causal, int i, int j, int n_kb) {
+  return (causal ? min(i * BR / KB, n_kb - 1) : n_kb - 1) - j;
+}
+
 // The first 1024-byte aligned address in dynamic shared memory (the launch asks for 1024 bytes more).
 __device__ __forceinline__ unsigned char* aligned(unsigned char* smem) {
   return smem + (1024 - wgmma::shared_addr(smem) % 1024) % 1024;

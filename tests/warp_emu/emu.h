@@ -731,24 +731,6 @@ inline void bar_arrive(int id, int count) {
   named_at(id, count).arrive(c, tl_block->sync_cv);
 }
 
-// The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
-// the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
-// (or never comes), which on a GPU could hang; here it is an error at once.
-inline thread_local bool tl_acquired = false;  // a wait_count's acquire not yet behind fence.proxy.async.global
-inline void wait_count(const int* counter, int want) {
-  const int v = std::atomic_ref<int>(*const_cast<int*>(counter)).load();
-  if (v != want) {
-    fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", tl_bid.x, want, v);
-    abort();
-  }
-  tl_acquired = true;
-}
-inline bool bulk_in_flight();
-inline void add_count(int* counter) {
-  if (bulk_in_flight()) die("a turn passed on (release) with bulk copies to global memory not yet waited for");
-  std::atomic_ref<int>(*counter).fetch_add(1);
-}
-
 // ---- Bulk copies from shared to global memory (tma.cuh's store, reduce_add, commit, wait_read, wait,
 // fence_global), from the PTX ISA (cp.async.bulk / cp.reduce.async.bulk .bulk_group). The copy engine reads the
 // source through the async proxy: bytes a store wrote without a fence.proxy.async after it are an error, and its read
@@ -765,6 +747,7 @@ struct Bulk {
   bool read_waited = false;  // a wait_group(.read) has covered it: its read is complete, for the race check
   std::vector<unsigned char> data;  // the source as read
 };
+inline thread_local bool tl_acquired = false;  // a wait_count's acquire not yet behind fence.proxy.async.global
 inline thread_local std::vector<Bulk> tl_bulk_cur;
 inline thread_local std::vector<std::vector<Bulk>> tl_bulk_groups;
 inline bool bulk_in_flight() { return !tl_bulk_cur.empty() || !tl_bulk_groups.empty(); }
@@ -825,6 +808,22 @@ inline void bulk_wait(int n, bool read_only) {
   }
 }
 inline void bulk_fence_global() { tl_acquired = false; }
+
+// The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
+// the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
+// (or never comes), which on a GPU could hang; here it is an error at once.
+inline void wait_count(const int* counter, int want) {
+  const int v = std::atomic_ref<int>(*const_cast<int*>(counter)).load();
+  if (v != want) {
+    fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", tl_bid.x, want, v);
+    abort();
+  }
+  tl_acquired = true;
+}
+inline void add_count(int* counter) {
+  if (bulk_in_flight()) die("a turn passed on (release) with bulk copies to global memory not yet waited for");
+  std::atomic_ref<int>(*counter).fetch_add(1);
+}
 
 // host side
 inline std::map<const void*, int> g_attr;

@@ -301,12 +301,12 @@ void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double to
   const long bulk0 = emu::g_bulk_copies;
   const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
   // Key blocks past the first hand their dQ parts to the copy engine (one bulk copy per step), key block 0 none.
-  const bool bulk = (emu::g_bulk_copies > bulk0) == (T > 128);
+  const bool bulk_ok = (emu::g_bulk_copies > bulk0) == (T > 128);
   const bool same = o.out == fused.out && o.lse == fused.lse && o.dq == fused.dq && o.dk == fused.dk &&
                     o.dv == fused.dv;
-  if (!same || !bulk) failures++;
+  if (!same || !bulk_ok) failures++;
   printf("%s sm90 ws fused: dq, dk, dv are sm90 fused's bits %d, bulk dQ copies where T > 128 %d\n",
-         same && bulk ? "ok  " : "FAIL", same, bulk);
+         same && bulk_ok ? "ok  " : "FAIL", same, bulk_ok);
   cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);
 }
