@@ -368,14 +368,16 @@ def test_cuda_deterministic_backward_repeats_bitwise(rng, d):
 
 # The tile options of the tensor-core kernels (ops.flash_attention_tiles): every one against the first.
 SM90_FWD = ["sm90 128x128", "sm90 192x128", "sm90 128x64",  # the Hopper forwards (flash_attention_sm90a.cu)
-            "sm90 ws 128x128", "sm90 ws 192x128"]  # and the warp-specialised ones (flash_attention_ws_sm90a.cu)
+            "sm90 ws 128x128", "sm90 ws 192x128",  # and the warp-specialised ones (flash_attention_ws_sm90a.cu),
+            "sm90 ws 128x128 persistent", "sm90 ws 192x128 persistent"]  # one CTA per tile or per SM
 SM90_BWD = "sm90 128x64"  # the deterministic backward's Hopper dkdv and dq passes (flash_attention_bwd_sm90a.cu)
 SM90_FUSED = "sm90 fused"  # the Hopper backward in one kernel: dq made beside dk, dv (flash_attention_bwd_sm90a.cu)
 SM90_WS_FUSED = "sm90 ws fused"  # and warp-specialised (flash_attention_bwd_ws_sm90a.cu; d 128 runs "sm90 fused")
 SM90_CHOICES = [dict(fwd=SM90_FWD[0], dkdv=SM90_BWD, dq=SM90_BWD), dict(fwd=SM90_FWD[1], dkdv=SM90_BWD, dq="16x64"),
                 dict(fwd=SM90_FWD[2], dkdv="16x64", dq=SM90_BWD), dict(fwd=SM90_FWD[2], dkdv=SM90_FUSED, dq="16x64"),
                 dict(fwd=SM90_FWD[3], dkdv=SM90_FUSED, dq="16x64"), dict(fwd=SM90_FWD[4], dkdv=SM90_BWD, dq=SM90_BWD),
-                dict(fwd=SM90_FWD[3], dkdv=SM90_WS_FUSED, dq="16x64")]
+                dict(fwd=SM90_FWD[3], dkdv=SM90_WS_FUSED, dq="16x64"),
+                dict(fwd=SM90_FWD[6], dkdv=SM90_WS_FUSED, dq="16x64")]
 TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") for k in ("16x64", "32x32")
                 for q in ("16x64", "32x64", "32x32")]
 
@@ -588,8 +590,9 @@ def test_cuda_sm90_ws_kernels_in_the_model_are_the_sm90_bits(rng, default_tiles)
 def test_cuda_sm90_ws_forward_is_the_sm90_bits(rng, default_tiles, d, causal):
     """The warp-specialised Hopper forwards ("sm90 ws ...": a copying warpgroup, mbarriers per buffer, the consumers
     taking turns on named barriers) give the bits of "sm90 128x128" (the same key blocks, products and softmax per
-    row), five calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768 CTAs and more, many at once) is where a broken
-    barrier protocol would race or hang (a wait past 60 s traps: a launch error, not a hang)."""
+    row), five calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768 CTAs and more, many at once; the persistent ones
+    one CTA per SM, each taking four to six tiles in turn) is where a broken barrier protocol would race or hang (a
+    wait past 60 s traps: a launch error, not a hang)."""
     q, k, v, _ = cuda_inputs(8, 12, 1024, d, "bthd", torch.bfloat16, rng)
 
     def forward(fwd):

@@ -8,8 +8,8 @@ m16n8k16, tf32 m16n8k8, whose operands must be rounded to TF32), cvt.rna.tf32, s
 memory and cp.async emulated from the PTX ISA's definitions; also Hopper's wgmma for the sm90 forward, with its
 descriptors, 128-byte swizzle, fences and a vector-clock race check against cp.async and stores, the fused Hopper
 backward with its turn-taking between CTAs, and the warp-specialised forward's and backward's mbarriers, named
-barriers and setmaxnreg, and the forward's TMA copies and their mbarrier transaction bytes, giving the other sm90
-kernels' bits) and must match a float64 reference. This
+barriers and setmaxnreg, and the forward's TMA copies and their mbarrier transaction bytes, one CTA taking several
+tiles in turn in the persistent forward, giving the other sm90 kernels' bits) and must match a float64 reference. This
 checks their indexing, fragment layouts, masking and barriers where no GPU is lent; it is not a GPU run (see
 BENCHMARKS.md for what only a GPU can verify).
 Needs g++ with C++20 and the CUDA headers (cuda_bf16.h); skipped without them."""

@@ -321,7 +321,8 @@ namespace {
 // The tile choice (set_flash_tiles): read by every call, set by benchmarks between calls.
 std::atomic<int> g_fwd_tiles{0}, g_dkdv_tiles{0}, g_dq_tiles{0};
 const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128", "sm90 128x128", "sm90 192x128", "sm90 128x64",
-                                     "sm90 ws 128x128", "sm90 ws 192x128"},
+                                     "sm90 ws 128x128", "sm90 ws 192x128", "sm90 ws 128x128 persistent",
+                                     "sm90 ws 192x128 persistent"},
                                     {"16x64", "32x32", "sm90 128x64", "sm90 fused", "sm90 ws fused"},
                                     {"16x64", "32x64", "32x32", "sm90 128x64"}};
 static_assert(flash::kFirstSm90.fwd == 3 && flash::kFirstSm90.dkdv == 2 && flash::kFirstSm90.dq == 3,

@@ -16,9 +16,18 @@
 // - The consumers take turns to issue their products (named barriers 1..NC, a ring): while one warpgroup's S and
 //   P V are on the tensor cores, the others run their softmax, so the tensor cores see one warpgroup's products
 //   after another's instead of all at once and then none (FlashAttention-3's "ping-pong" scheduling).
+// - A CTA works through a list of tiles (query blocks of a (b, h)): blockIdx.x, then every gridDim.x-th, heaviest
+//   first (causal: the last query blocks see the most keys). One tile per CTA is the plain launch; the "persistent"
+//   options launch one CTA per SM, whose copier fetches the next tile's Q (two buffers) and key blocks (the rings
+//   run on across tiles) while the consumers finish the tile before and write its O: a tile's start (the first
+//   copies' latency, the barriers' set-up, a CTA's launch) and end overlap another's work instead of leaving the
+//   SM idle, as FlashAttention-3's persistent scheduler does. At GPT-2's T 1024, causal, a tile is 1-8 key blocks.
 // Inside a consumer the order is the other kernel's: S_j is issued before P_{j-1} V_{j-1}, and block j's softmax
 // runs while that product is still on the tensor cores. Chosen with the fwd tile options "sm90 ws ..."
 // (flash_attention.cu's kTileOptions). Written and run only in the warp emulator (tests/warp_emu) so far.
+#include <algorithm>
+#include <cstdint>
+
 #include "cuda/check.h"
 #include "cuda/flash_attention_sm90.cuh"
 #include "cuda/tma.cuh"
@@ -33,25 +42,49 @@ namespace {
 template <int D>
 constexpr int kStages = D == 64 ? 3 : 2;
 
-// The mbarriers after the tiles, as indices into them: Q's full, then per stage K full, K empty, V full, V empty.
-// full / empty take the tile kind (kK or kV), for the two issuing threads.
+// The mbarriers after the tiles, as indices into them: per Q buffer full and empty, then per stage K full, K empty,
+// V full, V empty. full / empty take the tile kind (kK or kV), for the two issuing threads.
 constexpr int kK = 0, kV = 1;
 struct Bars {
   uint32_t base;
-  __device__ uint32_t q_full() const { return base; }
-  __device__ uint32_t full(int kind, int s) const { return base + 8 * (1 + 2 * kind + 4 * s); }
-  __device__ uint32_t empty(int kind, int s) const { return base + 8 * (2 + 2 * kind + 4 * s); }
+  __device__ uint32_t q_full(int qs) const { return base + 8 * (2 * qs); }
+  __device__ uint32_t q_empty(int qs) const { return base + 8 * (2 * qs + 1); }
+  __device__ uint32_t full(int kind, int s) const { return base + 8 * (4 + 2 * kind + 4 * s); }
+  __device__ uint32_t empty(int kind, int s) const { return base + 8 * (5 + 2 * kind + 4 * s); }
   __device__ uint32_t k_full(int s) const { return full(kK, s); }
   __device__ uint32_t k_empty(int s) const { return empty(kK, s); }
   __device__ uint32_t v_full(int s) const { return full(kV, s); }
   __device__ uint32_t v_empty(int s) const { return empty(kV, s); }
 };
 template <int D>
-constexpr int kBarBytes = 8 * (1 + 4 * kStages<D>);
+constexpr int kBarBytes = 8 * (4 + 4 * kStages<D>);
+
+// Q buffers: a CTA's next tile's Q lands while the consumers still read the one before.
+constexpr int kQBuffers = 2;
+
+// The CTA's tiles: tile t (0 .. n) is query block nqb - 1 - t / BH of (b, h) number t % BH, so that the heaviest
+// query blocks (causal) come first; a CTA takes blockIdx.x and every gridDim.x-th after it.
+struct Tile {
+  int q0, b, h, bh, nblocks;  // first query row, its (b, h), the key blocks it multiplies
+};
+template <int BR, int BC>
+struct Schedule {
+  int BH, H, nqb, n, T;
+  bool causal;
+  __device__ __forceinline__ Tile at(int t) const {
+    Tile x;
+    x.bh = t % BH;
+    x.b = x.bh / H, x.h = x.bh % H;
+    x.q0 = (nqb - 1 - t / BH) * BR;
+    const int kv_end = causal ? min(T, x.q0 + BR) : T;
+    x.nblocks = (kv_end + BC - 1) / BC;
+    return x;
+  }
+};
 
 template <int D, int NC, int BC>
-constexpr int ws_smem_bytes() {  // Q, the K and V rings, the barriers, room to align
-  return sm90::tile_bytes<64 * NC + 2 * kStages<D> * BC, D>() + kBarBytes<D> + 1024;
+constexpr int ws_smem_bytes() {  // the Q buffers, the K and V rings, the barriers, room to align
+  return sm90::tile_bytes<kQBuffers * 64 * NC + 2 * kStages<D> * BC, D>() + kBarBytes<D> + 1024;
 }
 
 // Registers per thread after setmaxnreg: the copier keeps few (24 is setmaxnreg's least), the consumers share the
@@ -69,47 +102,56 @@ struct Maps {
   tma::HeadsMap q, k, v;
 };
 
-// One issuing thread's ring of tile kind KIND (K or V): tile j, key block j, into buffer j % S of the ring at
-// shared address `ring`, once the buffer's empty barrier says every consumer is done with tile j - S; the tile is
-// published on its full barrier by this thread's arrival (with the tile's byte count) and the copy's bytes. The K
-// thread first asks for Q (BR rows from q0). Only the ring bounds how far ahead a thread runs.
+// One issuing thread's ring of tile kind KIND (K or V) over the CTA's tiles: key block j of a tile, the CTA's n-th
+// key block in all, goes into buffer n % S of the ring at shared address `ring`, once the buffer's empty barrier says
+// every consumer is done with block n - S; the tile is published on its full barrier by this thread's arrival (with
+// the tile's byte count) and the copy's bytes. The K thread first asks for each tile's Q (BR rows), into Q buffer
+// u % 2 of the CTA's u-th tile once the consumers have handed back tile u - 2's. Only the rings bound how far ahead
+// a thread runs.
 template <int D, int S, int BC, int BR, int KIND>
-__device__ __forceinline__ void copy_ring(const Maps& maps, uint32_t ring, uint32_t sQ, Bars bars, int q0,
-                                          int nblocks, int h, int b) {
-  constexpr uint32_t kTileBytes = sm90::tile_bytes<BC, D>();
+__device__ __forceinline__ void copy_ring(const Maps& maps, uint32_t ring, uint32_t sQ, Bars bars,
+                                          const Schedule<BR, BC>& sched) {
+  constexpr uint32_t kTileBytes = sm90::tile_bytes<BC, D>(), kQBytes = sm90::tile_bytes<BR, D>();
   const tma::HeadsMap& src = KIND == kK ? maps.k : maps.v;
   tma::prefetch(&src.map);
-  if constexpr (KIND == kK) {
-    tma::prefetch(&maps.q.map);
-    tma::arrive_expect(bars.q_full(), sm90::tile_bytes<BR, D>());
-    tma::load_tile<BR, D>(sQ, maps.q, bars.q_full(), q0, h, b);
-  }
-  for (int j = 0; j < nblocks; j++) {
-    const int s = j % S, use = j / S;
-    if (use > 0) wgmma::mbar_wait(bars.empty(KIND, s), (use - 1) & 1);
-    tma::arrive_expect(bars.full(KIND, s), kTileBytes);
-    tma::load_tile<BC, D>(ring + s * kTileBytes, src, bars.full(KIND, s), j * BC, h, b);
+  if constexpr (KIND == kK) tma::prefetch(&maps.q.map);
+  int n = 0;  // key blocks asked for so far
+  for (int t = blockIdx.x, u = 0; t < sched.n; t += gridDim.x, u++) {
+    const Tile x = sched.at(t);
+    if constexpr (KIND == kK) {
+      const int qs = u % kQBuffers;
+      if (u >= kQBuffers) wgmma::mbar_wait(bars.q_empty(qs), (u / kQBuffers - 1) & 1);
+      tma::arrive_expect(bars.q_full(qs), kQBytes);
+      tma::load_tile<BR, D>(sQ + qs * kQBytes, maps.q, bars.q_full(qs), x.q0, x.h, x.b);
+    }
+    for (int j = 0; j < x.nblocks; j++, n++) {
+      const int s = n % S, use = n / S;
+      if (use > 0) wgmma::mbar_wait(bars.empty(KIND, s), (use - 1) & 1);
+      tma::arrive_expect(bars.full(KIND, s), kTileBytes);
+      tma::load_tile<BC, D>(ring + s * kTileBytes, src, bars.full(KIND, s), j * BC, x.h, x.b);
+    }
   }
 }
 
 template <typename E, int D, int NC, int BC>
-__global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p, const __grid_constant__ Maps maps) {
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+    forward_ws_kernel(Params p, const __grid_constant__ Maps maps, Schedule<64 * NC, BC> sched) {
   constexpr int BR = 64 * NC, kQBytes = sm90::tile_bytes<BR, D>(), kKVBytes = sm90::tile_bytes<BC, D>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* sQ = sm90::aligned(smem_raw);     // (BR, D) swizzled (flash_attention_sm90.cuh)
+  unsigned char* sQ = sm90::aligned(smem_raw);     // kQBuffers x (BR, D) swizzled (flash_attention_sm90.cuh)
   constexpr int S = kStages<D>;
-  unsigned char* sK = sQ + kQBytes;                // S x (BC, D)
+  unsigned char* sK = sQ + kQBuffers * kQBytes;    // S x (BC, D)
   unsigned char* sV = sK + S * kKVBytes;           // S x (BC, D)
   const Bars bars{wgmma::shared_addr(sV + S * kKVBytes)};
 
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
-  const int qblock = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
-  const int q0 = qblock * BR, T = p.T;
-  const int kv_end = p.causal ? min(T, q0 + BR) : T;
-  const int nblocks = (kv_end + BC - 1) / BC;
+  const int T = p.T;
 
   if (tid == 0) {
-    wgmma::mbar_init(bars.q_full(), 1);
+    for (int qs = 0; qs < kQBuffers; qs++) {
+      wgmma::mbar_init(bars.q_full(qs), 1);       // the K thread (and Q's bytes)
+      wgmma::mbar_init(bars.q_empty(qs), 4 * NC);  // one arrival per consumer warp
+    }
     for (int s = 0; s < S; s++) {
       wgmma::mbar_init(bars.k_full(s), 1);  // the issuing thread (and the tile's bytes)
       wgmma::mbar_init(bars.v_full(s), 1);
@@ -122,100 +164,125 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1) forward_ws_kernel(Params p,
   if (wg == 0) {
     wgmma::regs_dec<kCopierRegs<NC>>();
     const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV), aQ = wgmma::shared_addr(sQ);
-    if (tid == 0) copy_ring<D, S, BC, BR, kK>(maps, aK, aQ, bars, q0, nblocks, h, b);
-    if (tid == 32) copy_ring<D, S, BC, BR, kV>(maps, aV, aQ, bars, q0, nblocks, h, b);
+    if (tid == 0) copy_ring<D, S, BC, BR, kK>(maps, aK, aQ, bars, sched);
+    if (tid == 32) copy_ring<D, S, BC, BR, kV>(maps, aV, aQ, bars, sched);
     return;
   }
   wgmma::regs_inc<kConsumerRegs<NC>>();
-  const int ci = wg - 1;                                // this consumer's 64 rows of the Q tile
-  const int wg0 = q0 + ci * 64, w0 = wg0 + warp * 16;  // its first query, and its warp's
-  // The blocks this warpgroup multiplies (causal: those with a key at or before its last query), a prefix of the
-  // CTA's; the rest it only waits for and hands back, so that every buffer's empty barrier completes.
-  const int nvis = p.causal ? min(nblocks, (wg0 + 64 + BC - 1) / BC) : nblocks;
+  const int ci = wg - 1;                                   // this consumer's 64 rows of each Q tile
   const int turn = 1 + ci, next_turn = 1 + (ci + 1) % NC;  // named barriers of the issue ring, 256 threads each
-  const bool leader = lane == 0;                         // arrives on the empty barriers for its warp
-
-  const uint32_t aQ = wgmma::shared_addr(sQ), aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV);
-  float o[D / 8][4] = {};  // this warp's 16 rows x D of O
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8; m in log2 units
-  float s[BC / 8][4];       // S = Q K^T for this warp's 16 rows x BC keys, then P
-  uint32_t pa[BC / 16][4];  // P of the block before, as wgmma A fragments
+  const bool leader = lane == 0;                           // arrives on the empty barriers for its warp
+  const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV);
   const float sl2 = p.scale * kLog2e;
 
   if (ci == NC - 1) wgmma::bar_arrive(next_turn, 256);  // consumer 0 issues first
-  wgmma::mbar_wait(bars.q_full(), 0);
-  // Step j issues S_j (j < nvis) and P_{j-1} V_{j-1} (1 <= j <= nvis) in this warpgroup's turn, then hands the turn
-  // on. Every warpgroup takes nblocks + 1 turns whatever its nvis, so the ring stays in step; the last consumer's
-  // last hand-on is left out, so that every named barrier ends with no arrival pending. Both tiles are waited for
-  // before the turn: a wait (a loop) between the two products makes ptxas serialise every wgmma (C7520), and the
-  // turn issues both anyway.
-  for (int j = 0; j <= nblocks; j++) {
-    const int sk = j % S, sv = (j + S - 1) % S;  // K_j's and V_{j-1}'s buffers
-    const uint32_t pk = (j / S) & 1, pv = ((j - 1) / S) & 1;
-    const bool hand_on = !(ci == NC - 1 && j == nblocks);
-    if (j < nblocks) wgmma::mbar_wait(bars.k_full(sk), pk);
-    if (j > 0) wgmma::mbar_wait(bars.v_full(sv), pv);
-    wgmma::bar_sync(turn, 256);
-    const uint32_t kb = aK + sk * kKVBytes, vb = aV + sv * kKVBytes;
-    const int k0 = j * BC;
-    // (The mask test inside: computed before the branches, three consumers spill 68 bytes at 160 registers.)
-    const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
-      if (hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal)) mask_scores(sc, k0, w0, g, c, T, p.causal);
-      softmax_rows(sc, sl2, m, l, alpha);
-    };
-    const auto issued = [&] {  // the next consumer's turn
-      if (hand_on) wgmma::bar_arrive(next_turn, 256);
-    };
-    const auto k_read = [&] {  // this warp is done with K_j's buffer
-      if (leader) wgmma::mbar_arrive(bars.k_empty(sk));
-    };
-    const auto v_read = [&] {
-      if (leader) wgmma::mbar_arrive(bars.v_empty(sv));
-    };
-    if (j == 0) {  // S_0 alone (block 0 is visible to every warpgroup)
-      sm90::first_block<E, BR, BC, D>(s, o, pa, aQ, kb, ci, softmax, issued, k_read);
-    } else if (j < nvis) {  // S_j, with P_{j-1} V_{j-1} behind it
-      sm90::next_block<E, BR, BC, D>(s, o, pa, aQ, kb, vb, ci, softmax, issued, k_read, v_read);
-    } else if (j == nvis) {  // the last P V
-      sm90::last_pv<E, BC, D>(o, pa, vb, issued, v_read);
-    } else {  // past this warpgroup's last block: V_{j-1} is not used, only handed back
-      issued();
-      v_read();
-    }
-    if (j >= nvis && j < nblocks) k_read();  // K_j, not used here
-  }
+  int n0 = 0;  // the CTA's key blocks before this tile's (the rings' count)
+  for (int t = blockIdx.x, u = 0; t < sched.n; t += gridDim.x, u++) {
+    const Tile x = sched.at(t);
+    const int nblocks = x.nblocks, q0 = x.q0;
+    const int wg0 = q0 + ci * 64, w0 = wg0 + warp * 16;  // this warpgroup's first query, and its warp's
+    // The blocks this warpgroup multiplies (causal: those with a key at or before its last query), a prefix of the
+    // tile's; the rest it only waits for and hands back, so that every buffer's empty barrier completes.
+    const int nvis = p.causal ? min(nblocks, (wg0 + 64 + BC - 1) / BC) : nblocks;
+    const bool last_tile = t + (int)gridDim.x >= sched.n;
+    const int qs = u % kQBuffers;
+    const uint32_t aQ = wgmma::shared_addr(sQ) + qs * kQBytes;
+    float o[D / 8][4] = {};  // this warp's 16 rows x D of O
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8; m in log2 units
+    float s[BC / 8][4];       // S = Q K^T for this warp's 16 rows x BC keys, then P
+    uint32_t pa[BC / 16][4];  // P of the block before, as wgmma A fragments
 
-  store_rows(o, m, l, w0, g, c, T, static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh, p.os.st,
-             p.lse + (int64_t)bh * T);
+    wgmma::mbar_wait(bars.q_full(qs), (u / kQBuffers) & 1);
+    // Step j issues S_j (j < nvis) and P_{j-1} V_{j-1} (1 <= j <= nvis) in this warpgroup's turn, then hands the
+    // turn on. Every warpgroup takes nblocks + 1 turns of a tile whatever its nvis, so the ring stays in step (from
+    // tile to tile too); the last consumer's last hand-on of the CTA's last tile is left out, so that every named
+    // barrier ends with no arrival pending. Both tiles are waited for before the turn: a wait (a loop) between the
+    // two products makes ptxas serialise every wgmma (C7520), and the turn issues both anyway.
+    for (int j = 0; j <= nblocks; j++) {
+      const int nk = n0 + j, nv = nk + S - 1;  // K_j's and (j > 0) V_{j-1}'s place in the rings, V's plus S
+      const int sk = nk % S, sv = nv % S;
+      const uint32_t pk = (nk / S) & 1, pv = (nv / S - 1) & 1;
+      const bool hand_on = !(ci == NC - 1 && j == nblocks && last_tile);
+      if (j < nblocks) wgmma::mbar_wait(bars.k_full(sk), pk);
+      if (j > 0) wgmma::mbar_wait(bars.v_full(sv), pv);
+      wgmma::bar_sync(turn, 256);
+      const uint32_t kb = aK + sk * kKVBytes, vb = aV + sv * kKVBytes;
+      const int k0 = j * BC;
+      // (The mask test inside: computed before the branches, three consumers spill 68 bytes at 160 registers.)
+      const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
+        if (hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal)) mask_scores(sc, k0, w0, g, c, T, p.causal);
+        softmax_rows(sc, sl2, m, l, alpha);
+      };
+      const auto issued = [&] {  // the next consumer's turn
+        if (hand_on) wgmma::bar_arrive(next_turn, 256);
+      };
+      const auto k_read = [&] {  // this warp is done with K_j's buffer
+        if (leader) wgmma::mbar_arrive(bars.k_empty(sk));
+      };
+      const auto v_read = [&] {
+        if (leader) wgmma::mbar_arrive(bars.v_empty(sv));
+      };
+      if (j == 0) {  // S_0 alone (block 0 is visible to every warpgroup)
+        sm90::first_block<E, BR, BC, D>(s, o, pa, aQ, kb, ci, softmax, issued, k_read);
+      } else if (j < nvis) {  // S_j, with P_{j-1} V_{j-1} behind it
+        sm90::next_block<E, BR, BC, D>(s, o, pa, aQ, kb, vb, ci, softmax, issued, k_read, v_read);
+      } else if (j == nvis) {  // the last P V
+        sm90::last_pv<E, BC, D>(o, pa, vb, issued, v_read);
+      } else {  // past this warpgroup's last block: V_{j-1} is not used, only handed back
+        issued();
+        v_read();
+      }
+      if (j >= nvis && j < nblocks) k_read();  // K_j, not used here
+    }
+    if (leader) wgmma::mbar_arrive(bars.q_empty(qs));  // every S product of the tile has retired
+    n0 += nblocks;
+
+    store_rows(o, m, l, w0, g, c, T, static_cast<E*>(p.out) + x.b * p.os.sb + x.h * p.os.sh, p.os.st,
+               p.lse + (int64_t)x.bh * T);
+  }
 }
 
-// false: a tensor's strides give no TMA map, and nothing was launched.
+// false: a tensor's strides give no TMA map, or there are too many tiles for the kernel's int counts (a tile index
+// plus the grid must fit), and nothing was launched.
+// persistent: one CTA per SM (the kernel's registers allow one), each taking its share of the tiles; else one per
+// tile.
 template <typename E, int D, int NC, int BC>
-bool launch_ws(const Params& p, Stream stream) {
+bool launch_ws(const Params& p, Stream stream, bool persistent) {
   constexpr int bytes = ws_smem_bytes<D, NC, BC>(), rows = 64 * NC;
+  const int nqb = (p.T + rows - 1) / rows;
+  const int64_t tiles = (int64_t)p.B * p.H * nqb;
   Maps maps;
-  if (!tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, D, p.is, rows) ||
+  if (tiles > INT32_MAX / 2 || !tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, D, p.is, rows) ||
       !tma::make_heads_map(maps.k, p.k, p.B, p.H, p.T, D, p.is, BC) ||
       !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, D, p.is, BC))
     return false;
+  const Schedule<rows, BC> sched{p.B * p.H, p.H, nqb, (int)tiles, p.T, p.causal};
+  int ctas = (int)tiles;
+  if (persistent) {
+    int device = 0, sms = 0;
+    FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+    FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    ctas = (int)std::min<int64_t>(tiles, std::max(sms, 1));
+  }
   FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(forward_ws_kernel<E, D, NC, BC>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  dim3 grid(p.B * p.H, (p.T + rows - 1) / rows);  // B * H on x: y and z stop at 65535
-  forward_ws_kernel<E, D, NC, BC><<<grid, 128 * (NC + 1), bytes, stream>>>(p, maps);
+  forward_ws_kernel<E, D, NC, BC><<<ctas, 128 * (NC + 1), bytes, stream>>>(p, maps, sched);
   FASTGPT_CUDA_CHECK_LAUNCH();
   return true;
 }
 
 }  // namespace
 
-// The "sm90 ws" fwd options (flash_attention_sm90a.cu's forward_sm90 sends them here), CTA query rows x keys per
-// block: 0 "128x128" (two consumers), 1 "192x128" (three; head dim 128 runs 128x128: 160 registers would spill).
-// false where the inputs' strides give no TMA map (nothing launched: the caller runs its own kernel).
+// The "sm90 ws" fwd options (flash_attention_sm90a.cu's forward_sm90 sends them here, counted from the first),
+// CTA query rows x keys per block: 0 "128x128" (two consumers), 1 "192x128" (three; head dim 128 runs 128x128: 160
+// registers would spill); 2 and 3 the same, persistent. false where the inputs' strides give no TMA map (nothing
+// launched: the caller runs its own kernel).
 template <typename E>
 bool forward_ws_sm90(const Params& p, Stream stream, int option) {
-  if (p.d == 64 && option == 1) return launch_ws<E, 64, 3, 128>(p, stream);
-  if (p.d == 64) return launch_ws<E, 64, 2, 128>(p, stream);
-  return launch_ws<E, 128, 2, 128>(p, stream);
+  const bool persistent = option >= 2;
+  if (p.d == 64 && option % 2 == 1) return launch_ws<E, 64, 3, 128>(p, stream, persistent);
+  if (p.d == 64) return launch_ws<E, 64, 2, 128>(p, stream, persistent);
+  return launch_ws<E, 128, 2, 128>(p, stream, persistent);
 }
 
 template bool forward_ws_sm90<__nv_bfloat16>(const Params&, Stream, int);

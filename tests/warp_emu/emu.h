@@ -876,8 +876,12 @@ inline cudaError_t FreeAsync(void* p, void*) {
 // The compute capability the flash dispatch sees: 9 (the tensor-core kernels) unless a case sets 7 (a T4, sm_75:
 // bf16/fp16 then take the simt kernels).
 inline int g_cc_major = 9;
+// The SMs a persistent launch (one CTA per SM) sees: a few, so that each CTA takes several tiles in turn.
+inline int g_sm_count = 3;
 inline cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? g_cc_major : 0;
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? g_cc_major
+           : attr == cudaDevAttrMultiProcessorCount   ? g_sm_count
+                                                      : 0;
   return cudaSuccess;
 }
 inline cudaError_t GetLastError() {
@@ -887,6 +891,7 @@ inline cudaError_t GetLastError() {
 }
 inline const char* GetErrorString(cudaError_t e) { return e == cudaErrorInvalidConfiguration ? "invalid configuration" : "emu error"; }
 inline size_t g_max_smem_seen = 0;
+inline dim3 g_last_grid;  // the last launch's grid
 // The OS threads that play a block's CUDA threads, kept from block to block: creating a few hundred per block was
 // most of the emulator's system time (331,013 threads in "quick"; it ran 27 s, now 12). Worker t runs the current
 // block's thread t when released; every per-thread state is set again at the start of each block.
@@ -942,7 +947,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
     }
   }
   g_max_smem_seen = std::max(g_max_smem_seen, bytes);
-  g_grid = grid, g_block = block;
+  g_grid = grid, g_block = block, g_last_grid = grid;
   const int nt = block.x;
   for (unsigned by = 0; by < grid.y; by++)
     for (unsigned bx = 0; bx < grid.x; bx++) {

@@ -184,23 +184,28 @@ void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DTyp
   cuda::set_flash_tiles({0, 0, 0});
 }
 
-// The warp-specialised Hopper forward (fwd options 6 "sm90 ws 128x128" and 7 "sm90 ws 192x128",
-// flash_attention_ws_sm90a.cu): run() checks it against the reference, and its out and lse must be the bits of fwd
-// option 3 ("sm90 128x128": the same key blocks of 128, the same products and softmax per row, only the CTA's roles
-// and synchronisation differ). Option 3's run takes backward passes `dkdv`, `dq`; the ws runs skip the backward,
-// which would read the same out and lse.
+// The warp-specialised Hopper forward (fwd options 6 "sm90 ws 128x128" and 7 "sm90 ws 192x128", 8 and 9 the same
+// persistent; flash_attention_ws_sm90a.cu): run() checks it against the reference, and its out and lse must be the
+// bits of fwd option 3 ("sm90 128x128": the same key blocks of 128, the same products and softmax per row, only the
+// CTA's roles and synchronisation differ). Option 3's run takes backward passes `dkdv`, `dq`; the ws runs skip the
+// backward, which would read the same out and lse. The launch must have one CTA per tile, or (persistent) one per
+// SM (emu::g_sm_count: each CTA then takes several tiles in turn, its Q buffers and rings reused across them).
 template <typename E>
 void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double tol, unsigned seed, int dkdv, int dq) {
   cuda::set_flash_tiles({3, dkdv, dq});
   const Outs base = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
-  for (int fwd : {6, 7}) {
+  for (int fwd : {6, 7, 8, 9}) {
     cuda::set_flash_tiles({fwd, dkdv, dq});
     g_fwd_only = true;
     const Outs o = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
     g_fwd_only = false;
-    const bool same = o.out == base.out && o.lse == base.lse;
-    if (!same) failures++;
-    printf("%s sm90 ws fwd %d: out and lse are fwd 3's bits\n", same ? "ok  " : "FAIL", fwd);
+    const int rows = d == 64 && fwd % 2 ? 192 : 128;
+    const long tiles = (long)B * H * ((T + rows - 1) / rows);
+    const long ctas = fwd >= 8 ? std::min<long>(tiles, emu::g_sm_count) : tiles;
+    const bool same = o.out == base.out && o.lse == base.lse, grid = emu::g_last_grid.x == ctas;
+    if (!same || !grid) failures++;
+    printf("%s sm90 ws fwd %d: out and lse are fwd 3's bits %d; %u CTAs for %ld tiles\n",
+           same && grid ? "ok  " : "FAIL", fwd, same, emu::g_last_grid.x, tiles);
   }
   cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);
@@ -211,7 +216,7 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
 // take H before T). "broadcast": one head serves all H, with H's stride 0 (strides that do not nest, which a TMA map
 // cannot describe): for q, k, v in the forward, for out and dout in the backward (whose q, k, v and gradients are
 // then plain copies, so every head's out is the broadcast one). The ws kernels decline those and the plain ones run.
-// Forward: fwd 6 and 7 must give fwd 3's out and lse; backward: dkdv 4 ("sm90 ws fused") dkdv 3's dq, dk, dv; all
+// Forward: fwd 6, 7 and 8 must give fwd 3's out and lse; backward: dkdv 4 ("sm90 ws fused") dkdv 3's dq, dk, dv; all
 // near the float64 reference. The emulator's count of TMA copies says which path ran.
 template <typename E>
 void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, double tol, unsigned seed) {
@@ -238,7 +243,7 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
   const char* what = broadcast ? "one head broadcast (H stride 0)" : "a qkv buffer";
   std::vector<E> out0;
   std::vector<float> lse0;
-  for (int fwd : {3, 6, 7}) {
+  for (int fwd : {3, 6, 7, 8}) {
     std::vector<E> out(n, E(NAN));
     std::vector<float> lse((size_t)B * H * T, NAN);
     cuda::set_flash_tiles({fwd, 0, 0});
@@ -839,7 +844,9 @@ int main(int argc, char** argv) {
       run_tiles<__nv_bfloat16>(1, 1, 150, true, false, DType::bf16, 3e-2, seed++, {{1, 1, 1}, {2, 1, 2}});
       run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {{3, 2, 3}});
       run_fused_sm90<__nv_bfloat16>(1, 1, 260, 64, true, true, DType::bf16, 3e-2, seed++, 5);
+      emu::g_sm_count = 1;  // the persistent forwards: one CTA takes all three tiles (its Q buffers reused)
       run_ws<__nv_bfloat16>(1, 1, 260, 64, true, false, DType::bf16, 3e-2, seed++, 0, 0);
+      emu::g_sm_count = 3;
       run_ws_views<__half>(1, 2, 70, false, true, DType::f16, 5e-3, seed++);
       run_sm75_cases(seed);
       run_cross_entropy_cases(seed);
