@@ -56,7 +56,9 @@ def test_tile_rows_time_each_choice_that_runs_and_skip_the_rest(rng, d):
         else:
             assert row["status"] == "skipped" and row["ran"] == [], row
             assert "needs a GPU of compute capability 9.0" in row["error"], row
-    assert sum(" fwd sm90" in r["impl"] for r in rows) == 5  # three sm90 forwards, two warp-specialised
+    # three sm90 forwards, four warp-specialised (two of them persistent)
+    assert sum(" fwd sm90" in r["impl"] for r in rows) == 7
+    assert sum(r["impl"].endswith(" persistent") for r in rows) == 2
     assert any("sm90" in r["impl"] and " bwd " in r["impl"] for r in rows)
     assert [r["impl"] for r in rows if "fused" in r["impl"]] == [f"fastgpt tiles bwd sm90 {f}fused/{first['dq']}"
                                                                  for f in ("", "ws ")]
