@@ -62,25 +62,26 @@ constexpr int kBarBytes = 8 * (4 + 4 * kStages<D>);
 // Q buffers: a CTA's next tile's Q lands while the consumers still read the one before.
 constexpr int kQBuffers = 2;
 
-// The CTA's tiles: tile t (0 .. n) is query block nqb - 1 - t / BH of (b, h) number t % BH, so that the heaviest
-// query blocks (causal) come first; a CTA takes blockIdx.x and every gridDim.x-th after it.
+// The tiles, BR query rows each: tile t (0 .. n) is query block nqb - 1 - t / BH of (b, h) number t % BH (BH = B H),
+// so that the heaviest query blocks (causal) come first; a CTA takes blockIdx.x and every gridDim.x-th after it.
+// The counts are the launch's (a kernel parameter): worked out per thread, their divisions cost the three-consumer
+// kernel 8 bytes of spills.
+struct Tiles {
+  int BH, nqb, n;
+};
 struct Tile {
-  int q0, b, h, bh, nblocks;  // first query row, its (b, h), the key blocks it multiplies
+  int q0, b, h, bh, nblocks;  // first query row, its (b, h), the key blocks of BC it multiplies
 };
 template <int BR, int BC>
-struct Schedule {
-  int BH, H, nqb, n, T;
-  bool causal;
-  __device__ __forceinline__ Tile at(int t) const {
-    Tile x;
-    x.bh = t % BH;
-    x.b = x.bh / H, x.h = x.bh % H;
-    x.q0 = (nqb - 1 - t / BH) * BR;
-    const int kv_end = causal ? min(T, x.q0 + BR) : T;
-    x.nblocks = (kv_end + BC - 1) / BC;
-    return x;
-  }
-};
+__device__ __forceinline__ Tile tile_at(const Params& p, const Tiles& ts, int t) {
+  Tile x;
+  x.bh = t % ts.BH;
+  x.b = x.bh / p.H, x.h = x.bh % p.H;
+  x.q0 = (ts.nqb - 1 - t / ts.BH) * BR;
+  const int kv_end = p.causal ? min(p.T, x.q0 + BR) : p.T;
+  x.nblocks = (kv_end + BC - 1) / BC;
+  return x;
+}
 
 template <int D, int NC, int BC>
 constexpr int ws_smem_bytes() {  // the Q buffers, the K and V rings, the barriers, room to align
@@ -109,15 +110,15 @@ struct Maps {
 // u % 2 of the CTA's u-th tile once the consumers have handed back tile u - 2's. Only the rings bound how far ahead
 // a thread runs.
 template <int D, int S, int BC, int BR, int KIND>
-__device__ __forceinline__ void copy_ring(const Maps& maps, uint32_t ring, uint32_t sQ, Bars bars,
-                                          const Schedule<BR, BC>& sched) {
+__device__ __forceinline__ void copy_ring(const Params& p, const Tiles& ts, const Maps& maps, uint32_t ring,
+                                          uint32_t sQ, Bars bars) {
   constexpr uint32_t kTileBytes = sm90::tile_bytes<BC, D>(), kQBytes = sm90::tile_bytes<BR, D>();
   const tma::HeadsMap& src = KIND == kK ? maps.k : maps.v;
   tma::prefetch(&src.map);
   if constexpr (KIND == kK) tma::prefetch(&maps.q.map);
   int n = 0;  // key blocks asked for so far
-  for (int t = blockIdx.x, u = 0; t < sched.n; t += gridDim.x, u++) {
-    const Tile x = sched.at(t);
+  for (int t = blockIdx.x, u = 0; t < ts.n; t += gridDim.x, u++) {
+    const Tile x = tile_at<BR, BC>(p, ts, t);
     if constexpr (KIND == kK) {
       const int qs = u % kQBuffers;
       if (u >= kQBuffers) wgmma::mbar_wait(bars.q_empty(qs), (u / kQBuffers - 1) & 1);
@@ -135,7 +136,7 @@ __device__ __forceinline__ void copy_ring(const Maps& maps, uint32_t ring, uint3
 
 template <typename E, int D, int NC, int BC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
-    forward_ws_kernel(Params p, const __grid_constant__ Maps maps, Schedule<64 * NC, BC> sched) {
+    forward_ws_kernel(Params p, const __grid_constant__ Maps maps, Tiles ts) {
   constexpr int BR = 64 * NC, kQBytes = sm90::tile_bytes<BR, D>(), kKVBytes = sm90::tile_bytes<BC, D>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* sQ = sm90::aligned(smem_raw);     // kQBuffers x (BR, D) swizzled (flash_attention_sm90.cuh)
@@ -164,8 +165,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   if (wg == 0) {
     wgmma::regs_dec<kCopierRegs<NC>>();
     const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV), aQ = wgmma::shared_addr(sQ);
-    if (tid == 0) copy_ring<D, S, BC, BR, kK>(maps, aK, aQ, bars, sched);
-    if (tid == 32) copy_ring<D, S, BC, BR, kV>(maps, aV, aQ, bars, sched);
+    if (tid == 0) copy_ring<D, S, BC, BR, kK>(p, ts, maps, aK, aQ, bars);
+    if (tid == 32) copy_ring<D, S, BC, BR, kV>(p, ts, maps, aV, aQ, bars);
     return;
   }
   wgmma::regs_inc<kConsumerRegs<NC>>();
@@ -177,14 +178,14 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 
   if (ci == NC - 1) wgmma::bar_arrive(next_turn, 256);  // consumer 0 issues first
   int n0 = 0;  // the CTA's key blocks before this tile's (the rings' count)
-  for (int t = blockIdx.x, u = 0; t < sched.n; t += gridDim.x, u++) {
-    const Tile x = sched.at(t);
+  for (int t = blockIdx.x, u = 0; t < ts.n; t += gridDim.x, u++) {
+    const Tile x = tile_at<BR, BC>(p, ts, t);
     const int nblocks = x.nblocks, q0 = x.q0;
     const int wg0 = q0 + ci * 64, w0 = wg0 + warp * 16;  // this warpgroup's first query, and its warp's
     // The blocks this warpgroup multiplies (causal: those with a key at or before its last query), a prefix of the
     // tile's; the rest it only waits for and hands back, so that every buffer's empty barrier completes.
     const int nvis = p.causal ? min(nblocks, (wg0 + 64 + BC - 1) / BC) : nblocks;
-    const bool last_tile = t + (int)gridDim.x >= sched.n;
+    const bool last_tile = t + (int)gridDim.x >= ts.n;
     const int qs = u % kQBuffers;
     const uint32_t aQ = wgmma::shared_addr(sQ) + qs * kQBytes;
     float o[D / 8][4] = {};  // this warp's 16 rows x D of O
@@ -256,8 +257,8 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
       !tma::make_heads_map(maps.k, p.k, p.B, p.H, p.T, D, p.is, BC) ||
       !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, D, p.is, BC))
     return false;
-  const Schedule<rows, BC> sched{p.B * p.H, p.H, nqb, (int)tiles, p.T, p.causal};
-  int ctas = (int)tiles;
+  const Tiles ts{p.B * p.H, nqb, (int)tiles};
+  int ctas = ts.n;
   if (persistent) {
     int device = 0, sms = 0;
     FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
@@ -266,7 +267,7 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
   }
   FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(forward_ws_kernel<E, D, NC, BC>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  forward_ws_kernel<E, D, NC, BC><<<ctas, 128 * (NC + 1), bytes, stream>>>(p, maps, sched);
+  forward_ws_kernel<E, D, NC, BC><<<ctas, 128 * (NC + 1), bytes, stream>>>(p, maps, ts);
   FASTGPT_CUDA_CHECK_LAUNCH();
   return true;
 }

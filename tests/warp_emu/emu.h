@@ -891,7 +891,6 @@ inline cudaError_t GetLastError() {
 }
 inline const char* GetErrorString(cudaError_t e) { return e == cudaErrorInvalidConfiguration ? "invalid configuration" : "emu error"; }
 inline size_t g_max_smem_seen = 0;
-inline dim3 g_last_grid;  // the last launch's grid
 // The OS threads that play a block's CUDA threads, kept from block to block: creating a few hundred per block was
 // most of the emulator's system time (331,013 threads in "quick"; it ran 27 s, now 12). Worker t runs the current
 // block's thread t when released; every per-thread state is set again at the start of each block.
@@ -947,7 +946,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
     }
   }
   g_max_smem_seen = std::max(g_max_smem_seen, bytes);
-  g_grid = grid, g_block = block, g_last_grid = grid;
+  g_grid = grid, g_block = block;
   const int nt = block.x;
   for (unsigned by = 0; by < grid.y; by++)
     for (unsigned bx = 0; bx < grid.x; bx++) {
