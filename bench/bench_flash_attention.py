@@ -164,13 +164,14 @@ def gpu_rows(args):
     return rows
 
 
-FUSED = ("sm90 fused", "sm90 ws fused")  # the dkdv options that make dq in the same kernel (dq's is unused)
+# The dkdv options that make dq in the same kernel (dq's is unused).
+FUSED = ("sm90 fused", "sm90 ws fused", "sm90 ws fused 128x128")
 
 
 def tile_rows(record, q, k, v, dout, causal, d):
     """fastgpt's other tile shapes: a forward row per fwd option (with its output's largest difference from the
     default's), a deterministic backward row per (dkdv, dq) pair (its forward from the default tiles: every option
-    reads the same out and lse; dkdv "sm90 fused" and "sm90 ws fused" make dq themselves: one row each, with dq's
+    reads the same out and lse; dkdv "sm90 fused" and "sm90 ws fused ..." make dq themselves: one row each, with dq's
     first option), the default shapes put back. At d 128 only the Hopper ("sm90") kernels: d 128 has no other
     mma.sync shapes. An sm90 option this GPU or build cannot run is a skipped row."""
     from fastgpt import ops

@@ -9,7 +9,8 @@ place of that reading (CUTLASS's headers come with the `nvidia-cutlass` test dep
   emulator's accumulator and register-A maps against CuTe's CLayout_64xN and ALayout_64x16;
 - tests/warp_emu/cute_ptx.cu: the PTX wgmma instruction of each wgmma.cuh call against CUTLASS's for the same
   operation (m64n64k16 and m64n128k16, bf16 and f16, both operands from shared memory or A from registers with an
-  MN-major B; and the fused backward's m64n32k16 with an MN-major A and a K-major B), compiled by nvcc for sm_90a;
+  MN-major B; the fused backward's m64n32k16 with an MN-major A and a K-major B, and the 128-query warp-specialised
+  one's m64n64k16 with both MN-major), compiled by nvcc for sm_90a;
   and the warp-specialised forward's mbarrier, named-barrier and setmaxnreg instructions against barrier.h's and
   reg_reconfig.h's, its TMA instructions and the backward's bulk copies (tma.cuh) against copy_sm90_tma.hpp's; and in
   cute_check.cpp, the TMA loader's placement of every element (the emulator's copies) against the same CuTe layouts,
@@ -68,7 +69,7 @@ def _wgmma_lines(ptx):
     """The PTX wgmma instruction (and its scale-d predicate) of each kernel, register numbers and spacing dropped."""
     return {name: [" ".join(re.sub(r"%(f|rd|r|p)\d+", r"%\1", line).replace(",", " , ").split()) for line in lines
                    if re.match(r"\s*(wgmma\.|setp\.ne\.b32 p,)", line)]
-            for name, lines in entries(ptx, r"((?:ours|cute)_(?:ss|rs|amn)_\w+?)P").items()}
+            for name, lines in entries(ptx, r"((?:ours|cute)_(?:ss|rs|amn|mn)_\w+?)P").items()}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_wgmma_instructions_are_cutlass_instructions(cute_ptx):
     lines = _wgmma_lines(cute_ptx)
     pairs = sorted(n[len("ours_"):] for n in lines if n.startswith("ours_"))
     want = [f"{k}_{n}_{t}" for k in ("ss", "rs") for n in (64, 128) for t in ("BF16", "F16")]
-    assert pairs == sorted(want + [f"amn_32_{t}" for t in ("BF16", "F16")]), lines
+    assert pairs == sorted(want + [f"{k}_{t}" for k in ("amn_32", "mn_64") for t in ("BF16", "F16")]), lines
     for p in pairs:
         ours, cutlass = lines["ours_" + p], lines["cute_" + p]
         assert len(ours) == 2 and any(x.startswith("wgmma.mma_async") for x in ours), (p, ours)
@@ -96,20 +97,20 @@ def _sync_instructions(ptx):
     pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg|cp|prefetch|fence)\.[\w.:]+)"
                          r"(\s+\d+)?")
     return {name: {m.group(1) + (m.group(2) or "") for m in map(pattern.match, lines) if m}
-            for name, lines in entries(ptx, r"(\w+?_(?:sync_(?:mbar|named|regs|tma|bulk)|bulk_add))").items()}
+            for name, lines in entries(ptx, r"(\w+?_(?:sync_(?:mbar|named|regs|tma|bulk|g2s)|bulk_add))").items()}
 
 
 def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
     """mbar_init / mbar_arrive / mbar_wait, bar_sync / bar_arrive and regs_dec / regs_inc (wgmma.cuh), and prefetch
-    / expect / arrive_expect / load and store / commit / wait_read (tma.cuh), for the warp-specialised kernels, emit
-    the instructions CUTLASS's ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc, ClusterTransactionBarrier
-    (expect_transaction, arrive_and_expect_tx), prefetch_tma_descriptor, SM90_TMA_LOAD_4D, SM90_BULK_COPY_S2G,
-    tma_store_arrive and tma_store_wait emit, with the same qualifiers (state space, scope, parity, register counts,
+    / expect / arrive_expect / load, store / commit / wait_read and load_bulk (tma.cuh), for the warp-specialised
+    kernels, emit the instructions CUTLASS's ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc,
+    ClusterTransactionBarrier (expect_transaction, arrive_and_expect_tx), prefetch_tma_descriptor, SM90_TMA_LOAD_4D,
+    SM90_BULK_COPY_S2G, tma_store_arrive, tma_store_wait and SM90_BULK_COPY_G2S emit, with the same qualifiers (state space, scope, parity, register counts,
     the copy's completion on the mbarrier's transaction bytes and its L2 hint, whose value both load from the same
     constant; the bulk copy's completion by bulk group)."""
     found = _sync_instructions(cute_ptx)
-    assert sorted(n for n in found if n.startswith("ours_")) == ["ours_bulk_add", "ours_sync_bulk", "ours_sync_mbar",
-                                                                 "ours_sync_named", "ours_sync_regs",
+    assert sorted(n for n in found if n.startswith("ours_")) == ["ours_bulk_add", "ours_sync_bulk", "ours_sync_g2s",
+                                                                 "ours_sync_mbar", "ours_sync_named", "ours_sync_regs",
                                                                  "ours_sync_tma"], found
     want = {"mbar": {"mbarrier.init.shared::cta.b64", "mbarrier.arrive.shared::cta.b64",
                      "mbarrier.try_wait.parity.shared::cta.b64"},
@@ -119,7 +120,9 @@ def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
                     "mbarrier.arrive.expect_tx.shared::cta.b64",
                     "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"},
             "bulk": {"cp.async.bulk.global.shared::cta.bulk_group", "cp.async.bulk.commit_group",
-                     "cp.async.bulk.wait_group.read 0"}}
+                     "cp.async.bulk.wait_group.read 0"},
+            "g2s": {"mbarrier.arrive.expect_tx.shared::cta.b64",
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"}}
     for what, instructions in want.items():
         assert found["ours_sync_" + what] == found["cute_sync_" + what] == instructions, (what, found)
     # No CUTLASS counterpart (its bulk reduce takes a tensor map): the PTX ISA's spelling of the f32 bulk add to

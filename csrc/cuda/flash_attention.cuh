@@ -34,8 +34,8 @@ struct Params {
   void *dq, *dk, *dv;      // strides `is`
   float* lse;              // (B, H, T): written by forward, read by backward
   float* delta;            // (B, H, T) scratch: rowsum(dout * out), backward only
-  float* dq_accum;         // (B, H, T, d) fp32 scratch for the atomic dq path, (B, H, ceil(T / 64) 64, d) for the
-                           // fused sm90 backward, else nullptr
+  float* dq_accum;         // (B, H, T, d) fp32 scratch for the atomic dq path, (B, H, ceil(T / 128) 128, d) for the
+                           // fused sm90 backwards, else nullptr
   int* dq_turn;            // (B, H, ceil(T / 64)): the fused sm90 backward's turn counters, else nullptr
   HeadStrides is, os;
   int B, H, T, d;
@@ -60,13 +60,13 @@ void backward_tc(const Params& p, bool deterministic, Stream stream);
 // (forward_ws_sm90, its `option` counted from there; forward_sm90 sends them on, and runs its own 128-row kernel, the
 // same bits, where forward_ws_sm90 returns false: strides no TMA map can describe); dkdv_sm90 and dq_sm90 are the
 // deterministic backward's two passes, backward_fused_sm90 (the dkdv option kFusedSm90) both in one, deterministic
-// too; it needs dq_accum and dq_turn, as does backward_ws_sm90 (the dkdv option kWsFusedSm90, its warp-specialised
-// form, flash_attention_bwd_ws_sm90a.cu; head dim 64 only; false, nothing launched, where its TMA maps cannot be
-// made: the caller then runs backward_fused_sm90).
+// too; it needs dq_accum and dq_turn, as does backward_ws_sm90 (the dkdv options kWsFusedSm90 and kWsFused128Sm90,
+// its warp-specialised form in steps of `step` 64 or 128 queries, flash_attention_bwd_ws_sm90a.cu; head dim 64 only;
+// false, nothing launched, where its TMA maps cannot be made: the caller then runs backward_fused_sm90).
 constexpr Tiles kFirstSm90{3, 2, 3};
-constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4;
-// Whether a dkdv option makes dq itself (either fused kernel): it needs dq_accum and dq_turn, and no dq pass.
-constexpr bool fused_sm90(int dkdv) { return dkdv == kFusedSm90 || dkdv == kWsFusedSm90; }
+constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4, kWsFused128Sm90 = 5;
+// Whether a dkdv option makes dq itself (any fused kernel): it needs dq_accum and dq_turn, and no dq pass.
+constexpr bool fused_sm90(int dkdv) { return dkdv >= kFusedSm90 && dkdv <= kWsFused128Sm90; }
 constexpr int kFirstWsSm90 = 6;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
@@ -79,9 +79,10 @@ void dq_sm90(const Params& p, Stream stream);
 template <typename E>
 void backward_fused_sm90(const Params& p, Stream stream);
 template <typename E>
-bool backward_ws_sm90(const Params& p, Stream stream);
-// Both fused kernels' launch prologue: checks that their grid (B * H * ceil(T / 128) CTAs, one row) fits and zeroes
-// the turn counters on `stream`; -> the number of CTAs. `option` names the choice in the error.
+bool backward_ws_sm90(const Params& p, Stream stream, int step);
+// The fused kernels' launch prologue: checks that their grid (B * H * ceil(T / 128) CTAs, one row) fits and zeroes
+// the turn counters (one per 64 queries: enough for 128-query steps too) on `stream`; -> the number of CTAs.
+// `option` names the choice in the error.
 int start_fused_sm90(const Params& p, Stream stream, const char* option);
 // The CUDA-core path (flash_attention.cu), for float, __nv_bfloat16 and __half: fp32 at any d <= 256, and 16-bit
 // elements on GPUs without the tensor-core kernels (older than sm_80).

@@ -9,15 +9,26 @@
 //   strides a tensor map cannot describe run the "sm90 fused" kernel (the same bits). The dQ parts come from a
 //   ring of kDqStages fp32 parts in shared memory, each added in the CTA's turn to the ordered sums: in key blocks
 //   j > 0 by one thread that has the copy engine add the whole part in L2 (cp.reduce.async.bulk: dq_adder), in key
-//   block 0, the last turn, by warps 1-3, which read the sums and write dq (dq_writer). The warpgroup gives
-//   registers back (setmaxnreg), so the other two get 208 (they use 183; dq_writer's batched loads use 74).
+//   block 0, the last turn, by warps 1-3, which write dq (dq_writer). The warpgroup gives registers back
+//   (setmaxnreg) to the other two (Step<BR>: 208 or 232 each).
 // - Warpgroups 1 and 2 own 64 keys each and only multiply: a step waits for its buffer, makes dV, dK and dS^T, hands
 //   the buffer back, meets the other warpgroup at one named barrier (dS^T of all 128 keys is in shared memory; two
 //   dS^T tiles alternate, so one barrier per step is enough), multiplies its half of the step's dQ part and leaves
 //   it in the ring. They never wait for another CTA unless the ring is full.
 // The sums, their order (highest key block first; key block 0 writes dq) and therefore dq, dk and dv are the "sm90
-// fused" kernel's bits. Head dim 64 only (the dkdv option "sm90 ws fused"; at 128 that option runs "sm90 fused":
-// the kernel there needs all 255 registers). Written and run only in the warp emulator (tests/warp_emu) so far.
+// fused" kernel's bits. Head dim 64 only (the dkdv options "sm90 ws fused" and "sm90 ws fused 128x128"; at 128
+// they run "sm90 fused": the kernel there needs all 255 registers). Two step sizes (BR queries per step, Step<BR>):
+// - 64 ("sm90 ws fused"): each consumer's S^T, dP^T are 64 x 64; dQ is split by columns, 32 at a time (the 32-column
+//   MN-major B would be half a swizzle row: K is read K-major from a transposed copy made once per CTA).
+// - 128 ("sm90 ws fused 128x128", FlashAttention-3's tile at d 64): S^T and dP^T are 64 keys x 128 queries, so each
+//   step's fixed costs (the waits, the consumers' barrier, the dQ turn and its copy) are spread over twice the
+//   products and each wgmma is n 128; dQ is split by rows, each consumer's 64 queries x all 64 columns reading dS and
+//   K both MN-major (no K^T). The registers this takes (S^T, dP^T, P^T, dK, dV: 228 per thread at the peak) leave
+//   warpgroup 0 40 each; shared memory (K, V, two Q, dO and dS^T tiles: 160 KB) leaves room for one 32 KB dQ part,
+//   and key block 0's writers, whose 40 registers hold one chunk of it at a time, have the copy engine add their
+//   part and fetch the finished sum (kBulkSum) instead of loading it from L2 chunk by chunk.
+// Both give the same bits: every element's products run over the same keys and queries in the same order.
+// Written and run only in the warp emulator (tests/warp_emu) so far.
 #include <stdexcept>
 
 #include "cuda/check.h"
@@ -28,55 +39,86 @@ namespace fastgpt::cuda::flash {
 
 namespace {
 
-constexpr int KB = 128, BR = 64;               // keys per CTA, queries per step
-constexpr int kStages = 2, kDqStages = 2;      // Q/dO/lse/delta buffers, dQ part buffers
+constexpr int KB = 128;                        // keys per CTA
+constexpr int kStages = 2;                     // Q/dO/lse/delta buffers
 constexpr int kNT = 384, kWriters = 96;        // threads: warpgroup 0 (loader warp, writer warps), two consumers
 constexpr int kConsumerBar = 1, kWriterBar = 2;  // named barriers (0 is __syncthreads)
-constexpr int kCopierRegs = 80, kConsumerRegs = 208;
-// setmaxnreg.inc blocks until the pool has the registers: ptxas gives the launch 168 per thread (65536 / 384), and
-// the consumers' 2 x 128 x (208 - 168) must come from warpgroup 0's 128 x (168 - 80).
-static_assert(128 * (168 - kCopierRegs) >= 256 * (kConsumerRegs - 168), "registers: the pool");
 
-// The mbarriers after the tiles: K and V full, then per stage Q full and empty, then per dQ stage full and empty.
+// Per step size (BR queries): dQ part buffers, the registers of warpgroup 0 and of the consumers, how many chunks
+// dq_writer loads from L2 at once (4: no spills at 80 registers, 5 spilled 28 bytes), and whether key block 0 has the
+// copy engine add its part too and bring the finished sum back (kBulkSum: dq_writer's 40 registers hold one chunk,
+// and one chunk at a time is 22 round trips to L2 per 32 KB step, in the turn chain's last link).
+template <int BR>
+struct Step;
+template <>
+struct Step<64> {
+  static constexpr int kDqStages = 2, kCopierRegs = 80, kConsumerRegs = 208, kBatch = 4;
+  static constexpr bool kBulkSum = false;
+};
+template <>
+struct Step<128> {
+  static constexpr int kDqStages = 1, kCopierRegs = 40, kConsumerRegs = 232;
+  static constexpr bool kBulkSum = true;
+};
+// setmaxnreg.inc blocks until the pool has the registers: ptxas gives the launch 168 per thread (65536 / 384), and
+// the consumers' 2 x 128 x (kConsumerRegs - 168) must come from warpgroup 0's 128 x (168 - kCopierRegs).
+template <int BR>
+constexpr bool fits_pool() {
+  return 128 * (168 - Step<BR>::kCopierRegs) >= 256 * (Step<BR>::kConsumerRegs - 168);
+}
+static_assert(fits_pool<64>() && fits_pool<128>(), "registers: the pool");
+
+// The mbarriers after the tiles: K and V full, then per stage Q full and empty, then per dQ stage full and empty,
+// then (kBulkSum) per dQ stage the finished sum's arrival in the part's buffer.
+template <int BR>
 struct Bars {
+  static constexpr int kDqStages = Step<BR>::kDqStages;
+  static constexpr int kCount = 1 + 2 * kStages + (Step<BR>::kBulkSum ? 3 : 2) * kDqStages;
   uint32_t base;
   __device__ uint32_t kv_full() const { return base; }
   __device__ uint32_t q_full(int s) const { return base + 8 * (1 + 2 * s); }
   __device__ uint32_t q_empty(int s) const { return base + 8 * (2 + 2 * s); }
   __device__ uint32_t dq_full(int s) const { return base + 8 * (1 + 2 * kStages + 2 * s); }
   __device__ uint32_t dq_empty(int s) const { return base + 8 * (2 + 2 * kStages + 2 * s); }
+  __device__ uint32_t dq_sum(int s) const { return base + 8 * (1 + 2 * kStages + 2 * kDqStages + s); }
 };
-constexpr int kBarBytes = 8 * (1 + 2 * kStages + 2 * kDqStages);
 
 // Shared memory, every tile 1024-byte aligned (their sizes are multiples of 1024).
-template <int D>
+template <int D, int BR>
 struct Layout {
+  static constexpr bool kHasKt = BR == 64;  // K^T for the 32-column dQ products
+  static constexpr int kDqStages = Step<BR>::kDqStages;
   static constexpr int kKBytes = sm90::tile_bytes<KB, D>(), kQBytes = sm90::tile_bytes<BR, D>();
   static constexpr int kSBytes = sm90::tile_bytes<KB, BR>(), kDqBytes = BR * D * 4, kLdBytes = 2 * BR * 4;
-  static constexpr int kK = 0, kV = kKBytes, kKt = 2 * kKBytes;   // (KB, D), (KB, D), (D, KB) K^T
-  static constexpr int kQ = 3 * kKBytes;                          // kStages x (BR, D)
+  static constexpr int kK = 0, kV = kKBytes, kKt = 2 * kKBytes;   // (KB, D), (KB, D), (D, KB) K^T if kHasKt
+  static constexpr int kQ = (kHasKt ? 3 : 2) * kKBytes;           // kStages x (BR, D)
   static constexpr int kdO = kQ + kStages * kQBytes;              // kStages x (BR, D)
   static constexpr int kS = kdO + kStages * kQBytes;              // 2 x (KB, BR) dS^T
   static constexpr int kDq = kS + 2 * kSBytes;                    // kDqStages x (BR, D) fp32, in fragment order
   static constexpr int kLd = kDq + kDqStages * kDqBytes;          // kStages x (lse in log2 units, delta) x BR
   static constexpr int kBars = kLd + kStages * kLdBytes;
-  static constexpr int kBytes = kBars + kBarBytes + 1024;         // and room to align
+  static constexpr int kBytes = kBars + 8 * Bars<BR>::kCount + 1024;  // and room to align
 };
+static_assert(Layout<64, 64>::kBytes <= 227 * 1024 && Layout<64, 128>::kBytes <= 227 * 1024, "shared memory");
 
 // A step's dQ part in the ring and in the fp32 sums is in fragment order: float4 number
-// (((consumer * (D / 64) + column block) * 4 + warp) * 4 + t) * 32 + lane holds that lane's accumulators of 8-column
-// tile t (rows g and g + 8, columns 2c and 2c + 1): each warp stores and each writer thread loads 16 contiguous
-// bytes per lane (no bank conflicts), and the sums are one coalesced pass. The float4 number of consumer ci's warp's
-// tile t of column block cb, and (dq_coords) the row and column of float4 number q:
-template <int D>
+// (((consumer * kCb + column block) * 4 + warp) * 4 + t) * 32 + lane holds that lane's accumulators of 8-column
+// tile t of a block of 32 columns (rows g and g + 8, columns 2c and 2c + 1): each warp stores and each writer thread
+// loads 16 contiguous bytes per lane (no bank conflicts), and the sums are one coalesced pass. A consumer has kCb
+// blocks of 32 columns: of its D / 2 columns of all 64 queries (BR 64), or of all D columns of its 64 queries (BR
+// 128). The float4 number of consumer ci's warp's tile t of column block cb, and (dq_coords) the row and column of
+// float4 number q:
+template <int D, int BR>
+constexpr int kCb = BR == 64 ? D / 64 : D / 32;
+template <int D, int BR>
 __device__ __forceinline__ int dq_chunk(int ci, int cb, int warp, int t, int lane) {
-  return (((ci * (D / 64) + cb) * 4 + warp) * 4 + t) * 32 + lane;
+  return (((ci * kCb<D, BR> + cb) * 4 + warp) * 4 + t) * 32 + lane;
 }
-template <int D>
+template <int D, int BR>
 __device__ __forceinline__ void dq_coords(int q, int& row, int& col) {
-  const int lane = q % 32, t = q / 32 % 4, warp = q / 128 % 4, cb = q / 512 % (D / 64), ci = q / (512 * (D / 64));
-  row = 16 * warp + lane / 4;
-  col = ci * (D / 2) + cb * 32 + 8 * t + 2 * (lane % 4);
+  const int lane = q % 32, t = q / 32 % 4, warp = q / 128 % 4, cb = q / 512 % kCb<D, BR>, ci = q / (512 * kCb<D, BR>);
+  row = (BR == 64 ? 0 : 64 * ci) + 16 * warp + lane / 4;
+  col = (BR == 64 ? ci * (D / 2) : 0) + cb * 32 + 8 * t + 2 * (lane % 4);
 }
 
 // The TMA maps of Q and dO (boxes of a step's BR queries) and K and V (the CTA's KB keys): kernel parameters
@@ -92,10 +134,10 @@ struct Maps {
 // step's publication waits for another step's, nor for the consumers (a loader that published a step only once the
 // next was issued waited for the hand-back of the buffer before it: a bubble before every step). Only the ring
 // bounds how far ahead the loader runs.
-template <int D>
-__device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsigned char* sm, Bars bars, int bh, int b,
-                                       int h, int k0, int i_first, int n_q, int lane) {
-  using L = Layout<D>;
+template <int D, int BR>
+__device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsigned char* sm, Bars<BR> bars, int bh,
+                                       int b, int h, int k0, int i_first, int n_q, int lane) {
+  using L = Layout<D, BR>;
   const int T = p.T;
   if (lane == 0) {
     for (const tma::HeadsMap* m : {&maps.k, &maps.v, &maps.q, &maps.dout}) tma::prefetch(&m->map);
@@ -123,42 +165,69 @@ __device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsign
 
 // Key block 0's warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn (the
 // last) to the sums of query step i and written to dq (times the scale, rounded once), as dq_part in
-// flash_attention_bwd_sm90a.cu: the same additions in the same order. The part's buffer is handed back as soon as
-// it is read.
-template <typename E, int D>
-__device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Bars bars, int bh, int n_kb, int i_first,
-                                          int n_q, int64_t in_off, int wt) {
-  using L = Layout<D>;
-  constexpr int kChunks = BR * D / 4, kBatch = 4;  // 4: no spills at 80 registers (5: 28 bytes)
+// flash_attention_bwd_sm90a.cu: the same additions in the same order. The part's buffer is handed back once each
+// thread has read its chunks. Two ways to the finished sum:
+// - kBulkSum (128-query steps): thread wt 0 has the copy engine add the part to the sum in L2, as dq_adder does,
+//   and bring the finished sum back into the part's buffer (one bulk copy each way, the whole 32 KB in flight at
+//   once); the writers read it there. Where no other key block meets the step (turn 0) the part is the sum.
+// - else: each thread loads kBatch chunks of the sum from L2 at a time, all before the first add: at BR 64, three
+//   round trips to L2 per step (d 64), not one per chunk.
+template <typename E, int D, int BR>
+__device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Bars<BR> bars, int bh, int n_kb,
+                                          int i_first, int n_q, int64_t in_off, int wt) {
+  using L = Layout<D, BR>;
+  constexpr int kChunks = BR * D / 4, kDqStages = L::kDqStages;
   E* dq = static_cast<E*>(p.dq) + in_off;
+  const auto write = [&](int q, int q0, float4 v) {  // float4 number q of the step's sum, scaled, rounded, to dq
+    int row, col;
+    dq_coords<D, BR>(q, row, col);
+    if (q0 + row < p.T) store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v.x * p.scale, v.y * p.scale);
+    if (q0 + row + 8 < p.T) store_two(dq + (int64_t)(q0 + row + 8) * p.is.st + col, v.z * p.scale, v.w * p.scale);
+  };
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kDqStages, q0 = i * BR;
     const int turn = sm90::turn_of<KB, BR>(p.causal, i, 0, n_kb);  // every other key block's part comes first
-    const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + ((int64_t)bh * n_q + i) * BR * D);
+    float* sum = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;
     const float4* part = reinterpret_cast<const float4*>(sm + L::kDq + s * L::kDqBytes);
-    wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
-    if (wt == 0) wgmma::wait_count(p.dq_turn + (int64_t)bh * n_q + i, turn);
-    wgmma::bar_sync(kWriterBar, kWriters);  // the turn is this CTA's: the sums before it are visible
-    // kBatch chunks per thread at a time, all their loads issued before the first add: three round trips to L2
-    // per step (d 64), not one per chunk.
-    for (int qb = wt; qb < kChunks; qb += kBatch * kWriters) {
-      float4 v[kBatch], o[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; k++)
-        if (qb + k * kWriters < kChunks) {
-          v[k] = wgmma::ld_shared_v4(part + qb + k * kWriters);
-          if (turn > 0) o[k] = __ldcg(acc + qb + k * kWriters);  // the sum so far, from L2 (other SMs made it)
+    if constexpr (Step<BR>::kBulkSum) {
+      if (wt == 0) {
+        const uint32_t at = wgmma::shared_addr(part);
+        wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);  // the consumers' stores are behind their fence
+        if (turn > 0) {
+          wgmma::wait_count(p.dq_turn + (int64_t)bh * n_q + i, turn);
+          tma::fence_global();  // the sum the turn's acquire made visible, before the copy engine adds to it
+          tma::reduce_add(sum, at, L::kDqBytes);
+          tma::commit();
+          tma::wait<0>();       // the sum is finished (and the part read: its buffer may be overwritten)
+          tma::fence_global();  // the finished sum, visible to this thread, before the copy engine reads it
+          tma::arrive_expect(bars.dq_sum(s), L::kDqBytes);
+          tma::load_bulk(at, sum, L::kDqBytes, bars.dq_sum(s));
+        } else {
+          wgmma::mbar_arrive(bars.dq_sum(s));
         }
+      }
+      wgmma::mbar_wait(bars.dq_sum(s), (u / kDqStages) & 1);
+      for (int q = wt; q < kChunks; q += kWriters) write(q, q0, wgmma::ld_shared_v4(part + q));
+    } else {
+      wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
+      if (wt == 0) wgmma::wait_count(p.dq_turn + (int64_t)bh * n_q + i, turn);
+      wgmma::bar_sync(kWriterBar, kWriters);  // the turn is this CTA's: the sums before it are visible
+      const float4* acc = reinterpret_cast<const float4*>(sum);
+      constexpr int kBatch = Step<BR>::kBatch;
+      for (int qb = wt; qb < kChunks; qb += kBatch * kWriters) {
+        float4 v[kBatch], o[kBatch];
 #pragma unroll
-      for (int k = 0; k < kBatch; k++) {
-        if (qb + k * kWriters >= kChunks) continue;
-        if (turn > 0) v[k].x += o[k].x, v[k].y += o[k].y, v[k].z += o[k].z, v[k].w += o[k].w;
-        int row, col;
-        dq_coords<D>(qb + k * kWriters, row, col);
-        if (q0 + row < p.T)
-          store_two(dq + (int64_t)(q0 + row) * p.is.st + col, v[k].x * p.scale, v[k].y * p.scale);
-        if (q0 + row + 8 < p.T)
-          store_two(dq + (int64_t)(q0 + row + 8) * p.is.st + col, v[k].z * p.scale, v[k].w * p.scale);
+        for (int k = 0; k < kBatch; k++)
+          if (qb + k * kWriters < kChunks) {
+            v[k] = wgmma::ld_shared_v4(part + qb + k * kWriters);
+            if (turn > 0) o[k] = __ldcg(acc + qb + k * kWriters);  // the sum so far, from L2 (other SMs made it)
+          }
+#pragma unroll
+        for (int k = 0; k < kBatch; k++) {
+          if (qb + k * kWriters >= kChunks) continue;
+          if (turn > 0) v[k].x += o[k].x, v[k].y += o[k].y, v[k].z += o[k].z, v[k].w += o[k].w;
+          write(qb + k * kWriters, q0, v[k]);
+        }
       }
     }
     wgmma::mbar_arrive(bars.dq_empty(s));
@@ -168,14 +237,15 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
 // Key blocks j > 0, one thread (wg 0's thread 32): each step's dQ part goes to the query step's fp32 sums by the copy
 // engine, in this CTA's turn: the first turn stores it, each later one adds it to the sum in L2
 // (cp.reduce.async.bulk), so the sums are the same adds in the same order as dq_part's (an add's operands commute).
-// The part is 16 KB at d 64, contiguous in the ring and in the sums (both in fragment order): one copy. Its buffer
-// goes back to the consumers once the copy has read it; the turn passes on once the sum is written. Before, three
-// warps moved each part through their registers: three round trips to L2 per step, each sum read into the SM and
-// written back, the turn held meanwhile.
-template <int D>
-__device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bars bars, int bh, int j, int n_kb,
+// The part is 16 KB at d 64 (32 KB at 128 queries), contiguous in the ring and in the sums (both in fragment order):
+// one copy. Its buffer goes back to the consumers once the copy has read it; the turn passes on once the sum is
+// written. Before, three warps moved each part through their registers: three round trips to L2 per step, each sum
+// read into the SM and written back, the turn held meanwhile.
+template <int D, int BR>
+__device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bars<BR> bars, int bh, int j, int n_kb,
                                          int i_first, int n_q) {
-  using L = Layout<D>;
+  using L = Layout<D, BR>;
+  constexpr int kDqStages = L::kDqStages;
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kDqStages;
     const int turn = sm90::turn_of<KB, BR>(p.causal, i, j, n_kb);
@@ -197,12 +267,13 @@ __device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bar
   }
 }
 
-template <typename E, int D>
+template <typename E, int D, int BR>
 __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __grid_constant__ Maps maps) {
-  using L = Layout<D>;
+  using L = Layout<D, BR>;
+  constexpr int kDqStages = L::kDqStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* sm = sm90::aligned(smem_raw);
-  const Bars bars{wgmma::shared_addr(sm + L::kBars)};
+  const Bars<BR> bars{wgmma::shared_addr(sm + L::kBars)};
 
   const int tid = threadIdx.x, wg = tid / 128;
   // One grid row, each (b, h)'s key blocks counted down: a CTA waits only for CTAs started before it (the turns).
@@ -221,21 +292,22 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     for (int s = 0; s < kDqStages; s++) {
       wgmma::mbar_init(bars.dq_full(s), 256);  // every consumer thread (each stored its part)
       wgmma::mbar_init(bars.dq_empty(s), j == 0 ? kWriters : 1);  // dq_writer's threads, or dq_adder's one
+      if (Step<BR>::kBulkSum) wgmma::mbar_init(bars.dq_sum(s), 1);    // dq_writer's thread 0 (and the copy's bytes)
     }
   }
   __syncthreads();  // the barriers are initialised before anyone uses them; the only CTA-wide barrier
 
   if (wg == 0) {
-    wgmma::regs_dec<kCopierRegs>();
+    wgmma::regs_dec<Step<BR>::kCopierRegs>();
     if (tid < 32)
-      loader<D>(p, maps, sm, bars, bh, b, h, k0, i_first, n_q, tid);
+      loader<D, BR>(p, maps, sm, bars, bh, b, h, k0, i_first, n_q, tid);
     else if (j == 0)
-      dq_writer<E, D>(p, sm, bars, bh, n_kb, i_first, n_q, in_off, tid - 32);
+      dq_writer<E, D, BR>(p, sm, bars, bh, n_kb, i_first, n_q, in_off, tid - 32);
     else if (tid == 32)
-      dq_adder<D>(p, sm, bars, bh, j, n_kb, i_first, n_q);
+      dq_adder<D, BR>(p, sm, bars, bh, j, n_kb, i_first, n_q);
     return;
   }
-  wgmma::regs_inc<kConsumerRegs>();
+  wgmma::regs_inc<Step<BR>::kConsumerRegs>();
   const int ci = wg - 1, ct = tid - 128;  // this consumer's 64 keys; the consumers' thread index
   const int warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
   const uint32_t aK = wgmma::shared_addr(sm + L::kK), aV = wgmma::shared_addr(sm + L::kV);
@@ -245,7 +317,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
   // The consumers' waits have no 60 s limit (wgmma.cuh's mbar_wait: with it, ptxas held this code to 168 registers).
   // A consumer that never gets its buffer still ends in a trap: the writer waits, with the limit, for its dQ part.
   wgmma::mbar_wait<false>(bars.kv_full(), 0);
-  sm90::transpose<KB, D, 256>(sm + L::kKt, sm + L::kK, ct);  // read by wgmma after the first step's barrier
+  if constexpr (L::kHasKt) sm90::transpose<KB, D, 256>(sm + L::kKt, sm + L::kK, ct);  // read after the first barrier
   for (int i = i_first; i < n_q; i++) {
     const int u = i - i_first, s = u % kStages, sd = u % kDqStages, q0 = i * BR;
     const float* ld = reinterpret_cast<const float*>(sm + L::kLd + s * L::kLdBytes);
@@ -261,16 +333,26 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     wgmma::bar_sync(kConsumerBar, 256);
     if (u >= kDqStages) wgmma::mbar_wait<false>(bars.dq_empty(sd), (u / kDqStages - 1) & 1);
     float4* ring = reinterpret_cast<float4*>(sm + L::kDq + sd * L::kDqBytes);
+    if constexpr (BR == 64) {
 #pragma unroll
-    for (int cb = 0; cb < D / 64; cb++) {
-      float part[4][4];  // this warp's 16 queries x 32 columns of dQ
-      sm90::dq_product<E, KB, D>(part, wgmma::shared_addr(sS), aKt, ci * (D / 2) + cb * 32);
+      for (int cb = 0; cb < D / 64; cb++) {
+        float part[4][4];  // this warp's 16 queries x 32 columns of dQ
+        sm90::dq_product<E, KB, D>(part, wgmma::shared_addr(sS), aKt, ci * (D / 2) + cb * 32);
 #pragma unroll
-      for (int t = 0; t < 4; t++)
-        wgmma::st_shared_v4(ring + dq_chunk<D>(ci, cb, warp, t, lane),
+        for (int t = 0; t < 4; t++)
+          wgmma::st_shared_v4(ring + dq_chunk<D, BR>(ci, cb, warp, t, lane),
+                              make_float4(part[t][0], part[t][1], part[t][2], part[t][3]));
+      }
+    } else {
+      float part[D / 8][4];  // this warp's 16 of the consumer's 64 queries x D columns of dQ
+      sm90::dq_rows_product<E, KB, D>(part, wgmma::shared_addr(sS), aK, ci);
+#pragma unroll
+      for (int t = 0; t < D / 8; t++)
+        wgmma::st_shared_v4(ring + dq_chunk<D, BR>(ci, t / 4, warp, t % 4, lane),
                             make_float4(part[t][0], part[t][1], part[t][2], part[t][3]));
     }
-    if (j > 0) wgmma::fence_proxy_async();  // dq_adder's copy reads the part through the async proxy
+    // dq_adder's copy (and kBulkSum's in key block 0) reads the part through the async proxy
+    if (j > 0 || Step<BR>::kBulkSum) wgmma::fence_proxy_async();
     wgmma::mbar_arrive(bars.dq_full(sd));
   }
 
@@ -279,31 +361,40 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
   store_tile_rows(dv, kw0, g, c, T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
 }
 
-}  // namespace
-
-// The dkdv option "sm90 ws fused" at head dim 64 (flash_attention_bwd.cu sends head dim 128 to backward_fused_sm90).
-// The turn counters, dq_accum and the grid are the "sm90 fused" kernel's (start_fused_sm90 checks the grid and
-// zeroes the counters; flash_attention.cu allocates both buffers). false where the inputs' strides give no TMA map
-// (nothing launched: the caller runs "sm90 fused").
-template <typename E>
-bool backward_ws_sm90(const Params& p, Stream stream) {
-  if (p.d != 64) throw std::logic_error("backward_ws_sm90: head dim 64 only");
+// Sets up and launches the kernel of step BR; false (nothing launched) where no TMA map describes the views.
+template <typename E, int BR>
+bool launch_ws(const Params& p, Stream stream, const char* option) {
   Maps maps;
   if (!tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, 64, p.is, BR) ||
       !tma::make_heads_map(maps.k, p.k, p.B, p.H, p.T, 64, p.is, KB) ||
       !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, 64, p.is, KB) ||
       !tma::make_heads_map(maps.dout, p.dout, p.B, p.H, p.T, 64, p.os, BR))
     return false;
-  const int blocks = start_fused_sm90(p, stream, "sm90 ws fused");
-  constexpr int bytes = Layout<64>::kBytes;
+  const int blocks = start_fused_sm90(p, stream, option);
+  constexpr int bytes = Layout<64, BR>::kBytes;
   FASTGPT_CUDA_CHECK(
-      cudaFuncSetAttribute(backward_ws_kernel<E, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  backward_ws_kernel<E, 64><<<blocks, kNT, bytes, stream>>>(p, maps);
+      cudaFuncSetAttribute(backward_ws_kernel<E, 64, BR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  backward_ws_kernel<E, 64, BR><<<blocks, kNT, bytes, stream>>>(p, maps);
   FASTGPT_CUDA_CHECK_LAUNCH();
   return true;
 }
 
-template bool backward_ws_sm90<__nv_bfloat16>(const Params&, Stream);
-template bool backward_ws_sm90<__half>(const Params&, Stream);
+}  // namespace
+
+// The dkdv options "sm90 ws fused" (step 64) and "sm90 ws fused 128x128" (step 128) at head dim 64
+// (flash_attention_bwd.cu sends head dim 128 to backward_fused_sm90). The turn counters, dq_accum and the grid are
+// the "sm90 fused" kernel's (start_fused_sm90 checks the grid and zeroes the counters; flash_attention.cu allocates
+// both buffers, dq_accum's rows padded to 128). false where the inputs' strides give no TMA map (nothing launched:
+// the caller runs "sm90 fused").
+template <typename E>
+bool backward_ws_sm90(const Params& p, Stream stream, int step) {
+  if (p.d != 64) throw std::logic_error("backward_ws_sm90: head dim 64 only");
+  if (step == 64) return launch_ws<E, 64>(p, stream, "sm90 ws fused");
+  if (step == 128) return launch_ws<E, 128>(p, stream, "sm90 ws fused 128x128");
+  throw std::logic_error("backward_ws_sm90: a step of 64 or 128 queries");
+}
+
+template bool backward_ws_sm90<__nv_bfloat16>(const Params&, Stream, int);
+template bool backward_ws_sm90<__half>(const Params&, Stream, int);
 
 }  // namespace fastgpt::cuda::flash

@@ -49,6 +49,12 @@ __device__ __forceinline__ uint64_t mnmajor(uint32_t tile, int ks) {
   return wgmma::desc(tile + ks * 2048, ROWS * 128, 1024);
 }
 
+// The MN-major operand of column block cb (columns [64 cb, 64 cb + 64)) of a tile of ROWS rows: M = 64 of them.
+template <int ROWS>
+__device__ __forceinline__ uint64_t mnmajor_block(uint32_t tile, int cb, int ks) {
+  return mnmajor<ROWS>(tile + cb * ROWS * 128, ks);
+}
+
 // S = Q K^T for warpgroup wg's 64 rows of the (BR, D) Q tile at aQ and the (BC, D) K tile at kb: one wgmma per 16
 // columns of d, both operands K-major.
 template <typename E, int BR, int BC, int D>
@@ -135,13 +141,23 @@ __device__ __forceinline__ void last_pv(float (&o)[D / 8][4], uint32_t (&pa)[BC 
 // A warp's 16 keys (rows r0 ..) x BR queries of dS^T, as dK's A fragments (mma.m16n8k16's A layout: registers 0-3
 // are rows g, g + 8, g, g + 8 and queries 2c, 2c, 2c + 8, 2c + 8 of 16 queries each, two per register), into the
 // swizzled (KB, BR) tile at sS: the A operand (MN-major: queries along its rows) of the fused backward's dQ.
+// Register (ks, r) goes to offset<KB>(r0 + g + 8 (r & 1), 16 ks + 2c + 8 (r >> 1)): its row is g mod 8 (r0 is a
+// multiple of 16), so the swizzle XORs that offset's 16-byte chunk bits with g, and the offset is
+// (constant + (r0 + g) 128 + 4c) ^ 16 g. The thread's base is made opaque per call: left to itself, ptxas keeps all
+// 4 BR / 16 offsets live across the caller's step loop (at 128 queries, 28 of them spilled).
 template <int KB, int BR>
 __device__ __forceinline__ void store_ds(unsigned char* sS, const uint32_t (&ad)[BR / 16][4], int r0, int g, int c) {
+  int base = (r0 + g) * 128 + 4 * c;
+  wgmma::opaque(base);
+  const int gx = 16 * g;
 #pragma unroll
   for (int ks = 0; ks < BR / 16; ks++)
 #pragma unroll
-    for (int r = 0; r < 4; r++)
-      wgmma::st_shared_b32(sS + offset<KB>(r0 + g + 8 * (r & 1), ks * 16 + 2 * c + 8 * (r >> 1)), ad[ks][r]);
+    for (int r = 0; r < 4; r++) {
+      constexpr int kRow = 128, kChunk = 16;
+      const int k = ((ks / 4) * KB + 8 * (r & 1)) * kRow + (2 * (ks % 4) + (r >> 1)) * kChunk;
+      wgmma::st_shared_b32(sS + ((base + k) ^ gx), ad[ks][r]);
+    }
 }
 
 // dst (D, KB) = src (KB, D)^T, both swizzled tiles of 16-bit elements, by NT threads (tid 0 ..): each moves pairs
@@ -171,8 +187,10 @@ __device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t
 // Q read MN-major). Each product is its own wgmma group, waited for only when its result is needed: P^T's
 // exponentials run while dP^T is on the tensor cores, and dS^T while dV is. At d 128 (dK, dV, S^T, dP^T and the
 // fragments fill the registers) ptxas serialises split groups (its C7520 warning): there S^T with dP^T, and dV with
-// dK, are one group each. kDq: dS^T also goes into the (KB, BR) tile at sS for the fused backward's dQ (zeros from
-// a warpgroup none of whose keys a query of the step sees; it multiplies nothing). Every wgmma has retired on
+// dK, are one group each. At 128 queries (d 64: S^T and dP^T take 64 registers each) dV is issued with dK, after
+// dS^T, and P^T's fragments are packed only then: S^T, dP^T and P^T's fragments live at once beside dK and dV (224)
+// would not fit the warp-specialised kernel's 232. kDq: dS^T also goes into the (KB, BR) tile at sS for the fused
+// backward's dQ (zeros from a warpgroup none of whose keys a query of the step sees; it multiplies nothing). Every wgmma has retired on
 // return: the Q and dO tiles, sL and sDl may be refilled once the warpgroup's threads are past it.
 template <typename E, int KB, int BR, int D, bool kDq>
 __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t aK, uint32_t aV,
@@ -191,7 +209,7 @@ __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D 
   const float sl2 = p.scale * kLog2e;
   float st[BR / 8][4], dpt[BR / 8][4];      // S^T and dP^T (then P^T, dS^T): this warp's 16 keys x BR queries
   uint32_t ap[BR / 16][4], ad[BR / 16][4];  // P^T and dS^T as A fragments
-  constexpr bool kSplit = D == 64;
+  constexpr bool kSplit = D == 64, kEarlyDv = kSplit && BR == 64, kLateP = kSplit && !kEarlyDv;
   wgmma::fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; kk++)
@@ -206,13 +224,17 @@ __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D 
   probs(st, sl2, hides_any(q0, q0 + BR, kw0, kw0 + 16, T, p.causal),
         [&](int t, int e) { return wgmma::ld_shared_f32(sL + t * 8 + 2 * c + (e & 1)); },
         [&](int t, int e) { return !visible(q0 + t * 8 + 2 * c + (e & 1), kw0 + g + (e >> 1) * 8, T, p.causal); });
+  if constexpr (!kLateP) {
 #pragma unroll
-  for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
-  if constexpr (kSplit) {
+    for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
+  }
+  if constexpr (kEarlyDv) {
     wgmma::fence();
     dv_product<E, BR, D>(dv, ap, ob);
     wgmma::commit();
     wgmma::wait<1>();  // dP^T
+  } else if constexpr (kLateP) {
+    wgmma::wait<0>();  // dP^T
   }
   wgmma::keep(dpt);
 #pragma unroll
@@ -221,9 +243,12 @@ __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D 
     for (int e = 0; e < 4; e++)
       dpt[t][e] = st[t][e] * (dpt[t][e] - wgmma::ld_shared_f32(sDl + t * 8 + 2 * c + (e & 1)));  // dS^T
 #pragma unroll
-  for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ad[ks], dpt[2 * ks], dpt[2 * ks + 1]);
+  for (int ks = 0; ks < BR / 16; ks++) {
+    if constexpr (kLateP) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);
+    a_from_acc<E>(ad[ks], dpt[2 * ks], dpt[2 * ks + 1]);
+  }
   wgmma::fence();
-  if constexpr (!kSplit) dv_product<E, BR, D>(dv, ap, ob);
+  if constexpr (!kEarlyDv) dv_product<E, BR, D>(dv, ap, ob);
 #pragma unroll
   for (int ks = 0; ks < BR / 16; ks++)  // dK += dS^T Q, 16 queries (two 8-row groups of Q) per wgmma
     wgmma::Mma<E, D>::rs(&dk[0][0], ad[ks], mnmajor<BR>(qb, ks), 1);
@@ -244,6 +269,21 @@ __device__ __forceinline__ void dq_product(float (&part)[4][4], uint32_t aS, uin
 #pragma unroll
   for (int ks = 0; ks < KB / 16; ks++)
     wgmma::Mma<E, 32>::ss_amn(&part[0][0], mnmajor<KB>(aS, ks), kmajor<D>(aKt, n0, ks), ks > 0);
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::keep(part);
+}
+
+// The 128-query warp-specialised backward's dQ part for one step: warpgroup wg's 64 queries (column block wg of the
+// (KB, 128) dS^T tile at aS) of dS K_j over the CTA's KB keys, all D = 64 columns: dS and K (the (KB, D) tile at aK,
+// as V in P V) both read MN-major, so no K^T is needed. This warp's 16 queries x D.
+template <typename E, int KB, int D>
+__device__ __forceinline__ void dq_rows_product(float (&part)[D / 8][4], uint32_t aS, uint32_t aK, int wg) {
+  static_assert(D == 64, "dq_rows_product: one 64-column block (wgmma n 64)");
+  wgmma::fence();
+#pragma unroll
+  for (int ks = 0; ks < KB / 16; ks++)
+    wgmma::Mma<E, D>::ss_mn(&part[0][0], mnmajor_block<KB>(aS, wg, ks), mnmajor<KB>(aK, ks), ks > 0);
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::keep(part);

@@ -63,6 +63,16 @@ __device__ __forceinline__ void load(uint32_t dst, const CUtensorMap* map, uint3
       : "memory");
 }
 
+// `bytes` (a multiple of 16) of global memory at `src` (16-byte aligned) into shared memory at `dst` (16-byte
+// aligned) as they are, counted on the mbarrier at `bar` (the caller declares them first: arrive_expect): the 128-query
+// fused backward's last turn brings a finished dQ sum back into its part's buffer. A bulk copy, not a tensor one: the
+// sum is contiguous. After an acquire of the sum (or the bulk group that wrote it), fence_global first.
+__device__ __forceinline__ void load_bulk(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  FASTGPT_SM90A_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                    ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+                    : "memory");
+}
+
 // Bulk copies from shared to global memory (the fused backward's dQ sums, one per query step): `bytes` (a multiple of
 // 16) at shared address `src` stored at `dst`, or added to the fp32 values there (the adds made in L2, each rounded to
 // nearest even; the PTX ISA has this f32 add keep subnormals). The source must be behind its writers'

@@ -57,6 +57,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 // wgmma (the asm that wrote it looks finished to the compiler) nor reuse an A fragment's register before it.
 __device__ __forceinline__ void keep(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+// A value the compiler must take as made here, each time: what is computed from it cannot be hoisted out of a loop
+// (and kept live across it). No memory clobber: nothing else is ordered.
+__device__ __forceinline__ void opaque(int& x) { asm volatile("" : "+r"(x)); }
 
 #define FASTGPT_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FASTGPT_WGMMA_D32 \
@@ -76,7 +79,8 @@ __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)::"
 
 // d (64 x N) = A B (+ d if accumulate): ss takes A (K-major) and B (K-major) from shared memory; rs takes A from
 // registers (4 per lane) and an MN-major B (transposed: imm-trans-b 1); ss_amn (N = 32: the fused backward's dQ,
-// flash_attention_bwd_sm90a.cu) an MN-major A (imm-trans-a 1) and a K-major B from shared memory. The scale-d
+// flash_attention_bwd_sm90a.cu) an MN-major A (imm-trans-a 1) and a K-major B from shared memory; ss_mn (N = 64: the
+// 128-query warp-specialised backward's dQ = dS K, flash_attention_bwd_ws_sm90a.cu) both MN-major. The scale-d
 // predicate is set from `accumulate`; A and B are not negated or scaled.
 template <typename E, int N>
 struct Mma;
@@ -105,6 +109,9 @@ struct Mma;
     }                                                                                                             \
     static __device__ __forceinline__ void rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {          \
       FASTGPT_WGMMA_RS("64", T, FASTGPT_WGMMA_D32, FASTGPT_F32, "{%32, %33, %34, %35}", "36", "37");              \
+    }                                                                                                             \
+    static __device__ __forceinline__ void ss_mn(float* d, uint64_t a, uint64_t b, int accumulate) {              \
+      FASTGPT_WGMMA_SS("64", T, FASTGPT_WGMMA_D32, FASTGPT_F32, "32", "33", "34", "1, 1");                        \
     }                                                                                                             \
   };                                                                                                              \
   template <>                                                                                                     \

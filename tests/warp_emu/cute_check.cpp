@@ -209,6 +209,38 @@ void check_amn() {
   }
 }
 
+// The 128-query warp-specialised backward's dQ = dS K (flash_attention_bwd_ws_sm90a.cu's dq_rows_product): A = dS,
+// MN-major, warpgroup wg's 64 queries (column block wg, mnmajor_block) of the (128 keys, 128 queries) dS^T tile at 0
+// that store_ds writes; B = K, MN-major (d along N, as V in P V) from the (128 keys, 64) K tile after it, as the
+// loader's TMA copy leaves it. The elements' offsets and the descriptors must be CuTe's.
+void check_mn() {
+  constexpr int KB = 128, kB = sm90::tile_bytes<KB, 128>();
+  auto sA = make_tensor(make_smem_ptr((cutlass::bfloat16_t*)g_smem),
+                        tile_to_shape(GMMA::Layout_MN_SW128_Atom<cutlass::bfloat16_t>{}, Shape<_128, Int<KB>>{},
+                                      Step<_2, _1>{}));
+  auto sB = make_tensor(make_smem_ptr((cutlass::bfloat16_t*)(g_smem + kB)),
+                        tile_to_shape(GMMA::Layout_MN_SW128_Atom<cutlass::bfloat16_t>{}, Shape<_64, Int<KB>>{},
+                                      Step<_2, _1>{}));
+  for (int key = 0; key < KB; key++) {
+    for (int q = 0; q < 128; q++) check(sm90::offset<KB>(key, q) == offset_of(sA, q, key), "dS^T element", key, q);
+    for (int x = 0; x < 64; x++) check(kB + sm90::offset<KB>(key, x) == offset_of(sB, x, key), "K element", key, x);
+  }
+  auto mma = make_tiled_mma(SM90_64x64x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>{});
+  auto thr = mma.get_thread_slice(0);
+  for (int wg = 0; wg < 2; wg++) {
+    auto sAw = local_tile(sA, Shape<_64, Int<KB>>{}, make_coord(wg, 0));
+    auto pA = thr.partition_A(sAw);
+    auto dA = thr.partition_fragment_A(sAw);
+    for (int ks = 0; ks < KB / 16; ks++)
+      check_slices<uint64_t>(sm90::mnmajor_block<KB>(0, wg, ks), dA(0, 0, ks), pA(_, 0, ks), 64, true,
+                             "MN-major A of a column block", wg, ks);
+  }
+  auto pB = thr.partition_B(sB);
+  auto dB = thr.partition_fragment_B(sB);
+  for (int ks = 0; ks < KB / 16; ks++)
+    check_slices<uint64_t>(sm90::mnmajor<KB>(kB, ks), dB(0, 0, ks), pB(_, 0, ks), 64, true, "MN-major B of K", KB, ks);
+}
+
 template <int N>
 void check_registers() {
   for (int t = 0; t < 128; t++)
@@ -238,6 +270,7 @@ int main() {
   // O = P V (K = 64 or 128 keys), dQ = dS K (64 keys), dV = P^T dO and dK = dS^T Q (64 queries).
   check_rs<64, 64>(), check_rs<128, 64>(), check_rs<64, 128>(), check_rs<128, 128>();
   check_amn<64>(), check_amn<128>();  // the fused backward's dQ = dS K
+  check_mn();                         // and the 128-query warp-specialised one's
   check_registers<32>(), check_registers<64>(), check_registers<128>();
   printf("cute checks %d failures %d\n", g_checks, g_failures);
   return g_failures != 0;

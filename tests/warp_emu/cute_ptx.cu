@@ -1,10 +1,11 @@
 // The wgmma instructions csrc/cuda/wgmma.cuh emits, beside CUTLASS's for the same operation: each pair of kernels below
 // compiles (nvcc -ptx, sm_90a) to a PTX wgmma line that must be the same once register names are dropped (run.sh's
 // "cute" mode compares them). That holds the immediates CUTLASS passes (scale-a, scale-b, transposes: a K-major A and B
-// from shared memory, A from registers with an MN-major B, or an MN-major A and a K-major B) and the operand order to
-// ours. The warp-specialised forward's synchronisation (mbarrier init / arrive / parity wait, named barriers,
-// setmaxnreg), the TMA copies of both warp-specialised kernels (tma.cuh: map prefetch, expected bytes with and
-// without an arrival, the 4-d tile copy) and the backward's bulk copies to global memory are paired with CUTLASS's
+// from shared memory, A from registers with an MN-major B, an MN-major A and a K-major B, or both MN-major) and the
+// operand order to ours. The warp-specialised forward's synchronisation (mbarrier init / arrive / parity wait, named
+// barriers, setmaxnreg), the TMA copies of both warp-specialised kernels (tma.cuh: map prefetch, expected bytes with
+// and without an arrival, the 4-d tile copy) and the backward's bulk copies to and from global memory are paired
+// with CUTLASS's
 // barrier.h, reg_reconfig.h and copy_sm90_tma.hpp the same way: sync_<what> kernels, compared by their instructions
 // (opcode and qualifiers).
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -57,28 +58,31 @@ __device__ void call_cute(float* d, std::index_sequence<I...>, int accumulate, A
     for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
   }
 
-// The fused backward's dQ product (N = 32): A MN-major, B K-major, both from shared memory.
-#define FASTGPT_PAIR_AMN(E, T)                                                                                    \
-  __global__ void ours_amn_32_##T(float* o, uint64_t a, uint64_t b, int acc) {                                    \
-    float d[16];                                                                                                   \
-    for (int i = 0; i < 16; i++) d[i] = o[i];                                                                      \
-    wg::Mma<E, 32>::ss_amn(d, a, b, acc);                                                                          \
-    for (int i = 0; i < 16; i++) o[i] = d[i];                                                                      \
+// The fused backwards' dQ products, both operands from shared memory: ss_amn (N = 32, A MN-major, B K-major) and
+// ss_mn (the 128-query warp-specialised backward's, N = 64, both MN-major).
+#define FASTGPT_PAIR_SS(E, T, KIND, N, CALL, MA, MB)                                                               \
+  __global__ void ours_##KIND##_##N##_##T(float* o, uint64_t a, uint64_t b, int acc) {                             \
+    float d[N / 2];                                                                                                \
+    for (int i = 0; i < N / 2; i++) d[i] = o[i];                                                                   \
+    wg::Mma<E, N>::CALL(d, a, b, acc);                                                                             \
+    for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
   }                                                                                                                \
-  __global__ void cute_amn_32_##T(float* o, uint64_t a, uint64_t b, int acc) {                                    \
-    float d[16];                                                                                                   \
-    for (int i = 0; i < 16; i++) d[i] = o[i];                                                                      \
-    call_cute<G::MMA_64x32x16_F32##T##T##_SS<G::Major::MN, G::Major::K>, 32>(d, std::make_index_sequence<16>{},   \
-                                                                             acc, a, b);                           \
-    for (int i = 0; i < 16; i++) o[i] = d[i];                                                                      \
+  __global__ void cute_##KIND##_##N##_##T(float* o, uint64_t a, uint64_t b, int acc) {                             \
+    float d[N / 2];                                                                                                \
+    for (int i = 0; i < N / 2; i++) d[i] = o[i];                                                                   \
+    call_cute<G::MMA_64x##N##x16_F32##T##T##_SS<G::Major::MA, G::Major::MB>, N>(                                   \
+        d, std::make_index_sequence<N / 2>{}, acc, a, b);                                                          \
+    for (int i = 0; i < N / 2; i++) o[i] = d[i];                                                                   \
   }
 
 FASTGPT_PAIR(__nv_bfloat16, BF16, 64)
 FASTGPT_PAIR(__nv_bfloat16, BF16, 128)
 FASTGPT_PAIR(__half, F16, 64)
 FASTGPT_PAIR(__half, F16, 128)
-FASTGPT_PAIR_AMN(__nv_bfloat16, BF16)
-FASTGPT_PAIR_AMN(__half, F16)
+FASTGPT_PAIR_SS(__nv_bfloat16, BF16, amn, 32, ss_amn, MN, K)
+FASTGPT_PAIR_SS(__half, F16, amn, 32, ss_amn, MN, K)
+FASTGPT_PAIR_SS(__nv_bfloat16, BF16, mn, 64, ss_mn, MN, MN)
+FASTGPT_PAIR_SS(__half, F16, mn, 64, ss_mn, MN, MN)
 
 // ours_sync_<what> and cute_sync_<what>: one synchronisation each, on a shared mbarrier and runtime ids and counts.
 __global__ void ours_sync_mbar(uint32_t count, uint32_t parity) {
@@ -146,6 +150,21 @@ __global__ void cute_sync_bulk(float* g, uint32_t bytes) {
   cute::SM90_BULK_COPY_S2G::copy(part, g, bytes);
   cute::tma_store_arrive();
   cute::tma_store_wait<0>();
+}
+// The 128-query fused backward's bulk copy of a finished dQ sum back into shared memory (tma.cuh's load_bulk, its
+// bytes declared with an arrival), beside CUTLASS's SM90_BULK_COPY_G2S and arrive_and_expect_tx.
+__global__ void ours_sync_g2s(const float* g, uint32_t bytes) {
+  __shared__ alignas(128) float part[1024];
+  __shared__ uint64_t bar;
+  namespace tma = fastgpt::cuda::tma;
+  tma::arrive_expect(wg::shared_addr(&bar), bytes);
+  tma::load_bulk(wg::shared_addr(part), g, bytes, wg::shared_addr(&bar));
+}
+__global__ void cute_sync_g2s(const float* g, uint32_t bytes) {
+  __shared__ alignas(128) float part[1024];
+  __shared__ uint64_t bar;
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&bar, bytes);
+  cute::SM90_BULK_COPY_G2S::copy(g, &bar, part, bytes);
 }
 __global__ void ours_bulk_add(float* g, uint32_t bytes) {
   __shared__ alignas(128) float part[1024];

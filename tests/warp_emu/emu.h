@@ -49,7 +49,8 @@ struct Warp {
 struct WgOp {
   int n;              // N: 32, 64 or 128 columns
   bool rs;            // A from registers (an MN-major B), else both from shared memory (K-major; A MN-major if amn)
-  bool amn;           // A MN-major from shared memory (ss_amn)
+  bool amn;           // A MN-major from shared memory (ss_amn, ss_mn)
+  bool bmn;           // B MN-major from shared memory (ss_mn)
   bool half;          // fp16 elements, else bf16
   float* d;           // this thread's n / 2 accumulators
   const uint32_t* a;  // this thread's A fragment (rs)
@@ -498,7 +499,7 @@ inline void wg_exec(const WgOp& op) {
     int row, col;
     wg_acc_coord(lt, i, row, col);
     double acc = 0;
-    for (int k = 0; k < 16; k++) acc += (double)A(row, k) * wg_operand(op.db, col, k, op.rs, op.half);
+    for (int k = 0; k < 16; k++) acc += (double)A(row, k) * wg_operand(op.db, col, k, op.rs || op.bmn, op.half);
     out[i] = (float)((op.accumulate ? op.d[i] : 0.f) + acc);
   }
   w.bar.arrive_and_wait();  // all reads done before any accumulator changes
@@ -513,20 +514,20 @@ inline void operand_chunks(std::vector<uint32_t>& out, uint64_t desc, int rows, 
   }
 }
 inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint64_t da, uint64_t db, int accumulate,
-                   bool amn = false) {
+                   bool amn = false, bool bmn = false) {
   if (!tl_wg_fenced) die("wgmma.mma_async without a wgmma.fence after the last wait_group");
   WarpGroup& w = warpgroup();
   Block& b = *tl_block;
-  WgOp op{n, rs, amn, half, d, a, da, db, accumulate, false, {}};
+  WgOp op{n, rs, amn, bmn, half, d, a, da, db, accumulate, false, {}};
   const int lt = tl_tid.x % 128, wg = tl_tid.x / 128;
   if (lt == 0) {
     if (!rs) operand_chunks(op.reads, da, 64, amn);
-    operand_chunks(op.reads, db, n, rs);
+    operand_chunks(op.reads, db, n, rs || bmn);
   }
   w.ops[lt] = &op;
   w.bar.arrive_and_wait();
   const WgOp& o = *w.ops[0];
-  if (o.n != n || o.rs != rs || o.amn != amn || o.half != half || o.da != da || o.db != db ||
+  if (o.n != n || o.rs != rs || o.amn != amn || o.bmn != bmn || o.half != half || o.da != da || o.db != db ||
       (o.accumulate != 0) != (accumulate != 0))
     die("wgmma: the warpgroup's threads disagree on the instruction, its descriptors or scale-d");
   // Every thread issues the product: each must have seen every write of what it reads complete.
@@ -805,9 +806,32 @@ inline void bulk_wait(int n, bool read_only) {
   while ((int)tl_bulk_groups.size() > n) {
     for (Bulk& op : tl_bulk_groups.front()) bulk_write(op);
     tl_bulk_groups.erase(tl_bulk_groups.begin());
+    tl_acquired = true;  // the writes are visible to this thread: to its async proxy only after a fence
   }
 }
 inline void bulk_fence_global() { tl_acquired = false; }
+// A bulk copy from global into shared memory (tma.cuh's load_bulk), made at issue like a TMA copy (written through
+// the async proxy, its bytes completed on the mbarrier with the issuing thread's clock). What an acquire, or the
+// completion of this thread's own bulk group, made visible to it must be behind fence.proxy.async.global first.
+inline std::atomic<long> g_bulk_loads{0};
+inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  Block& b = *tl_block;
+  if (dst % 16 || (uintptr_t)src % 16) die("bulk load: both addresses must be 16-byte aligned");
+  if (bytes == 0 || bytes % 16) die("bulk load: the size must be a positive multiple of 16");
+  if (dst + bytes > b.smem_bytes) die("bulk load: the destination runs past shared memory");
+  if (tl_acquired)
+    die("bulk load from global memory after an acquire or a bulk group's completion with no "
+        "fence.proxy.async.global between");
+  for (uint32_t off = dst; off < dst + bytes; off += 16) {
+    note_write(off, "a bulk load", false);
+    memset(&b.dirty[off], 0, 16);
+  }
+  memcpy(b.smem + dst, src, bytes);
+  g_bulk_loads++;
+  const Clock clk = release();
+  std::lock_guard<std::mutex> lock(b.sync_mu);
+  mbar_at(bar).complete_tx(clk, (int64_t)bytes, b.sync_cv);
+}
 
 // The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
 // the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later

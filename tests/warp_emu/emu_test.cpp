@@ -218,7 +218,8 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
 // cannot describe): for q, k, v in the forward, for out and dout in the backward (whose q, k, v and gradients are
 // then plain copies, so every head's out is the broadcast one). The ws kernels decline those and the plain ones run.
 // Forward: fwd 6, 7 and 8 must give fwd 3's out and lse; backward: dkdv 4 ("sm90 ws fused") dkdv 3's dq, dk, dv; all
-// near the float64 reference. The emulator's count of TMA copies says which path ran.
+// near the float64 reference; dkdv 5 ("sm90 ws fused 128x128") too. The emulator's count of TMA copies says which
+// path ran.
 template <typename E>
 void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, double tol, unsigned seed) {
   const int d = 64, rows = broadcast ? 1 : 3 * H;  // heads stored per (b, t) row of the buffer
@@ -274,45 +275,54 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
     for (int b = 0; b < B; b++) std::copy_n(&out0[(size_t)b * H * T * d], (size_t)T * d, &out[(size_t)b * T * d]);
   }
   std::vector<E> grads0;
-  for (int dkdv : {3, 4}) {
+  for (int dkdv : {3, 4, 5}) {
     std::vector<E> grads(q.size(), E(NAN));
     cuda::set_flash_tiles({3, dkdv, 0});
-    const long copies = emu::g_tma_copies, bulk0 = emu::g_bulk_copies;
+    const long copies = emu::g_tma_copies, bulk0 = emu::g_bulk_copies, loads0 = emu::g_bulk_loads;
     cuda::flash_attention_backward(grads.data(), grads.data() + qpart, grads.data() + 2 * qpart, is_bwd, dout.data(),
                                    out.data(), os_bwd, q.data(), q.data() + qpart, q.data() + 2 * qpart, lse0.data(),
                                    sh, dt, true, nullptr);
-    const bool tma = emu::g_tma_copies > copies, bulk = emu::g_bulk_copies > bulk0;
+    const bool tma = emu::g_tma_copies > copies, bulk = emu::g_bulk_copies > bulk0,
+               loads = emu::g_bulk_loads > loads0;
     if (dkdv == 3) grads0 = grads;
     const bool same = memcmp(grads.data(), grads0.data(), grads.size() * sizeof(E)) == 0;
     const double eq = relerr(logical(grads.data(), is_bwd), r.dq),
                  ek = relerr(logical(grads.data() + qpart, is_bwd), r.dk),
                  ev = relerr(logical(grads.data() + 2 * qpart, is_bwd), r.dv);
-    const bool ws = dkdv == 4 && !broadcast;  // and key blocks past the first hand their dQ parts to bulk copies
-    const bool ok = eq < tol && ek < tol && ev < tol && same && tma == ws && bulk == (ws && T > 128);
+    // Key blocks past the first hand their dQ parts to bulk copies; at 128-query steps key block 0 fetches the
+    // finished sums back by bulk loads.
+    const bool ws = dkdv >= 4 && !broadcast, multi = ws && T > 128;
+    const bool ok = eq < tol && ek < tol && ev < tol && same && tma == ws && bulk == multi &&
+                    loads == (multi && dkdv == 5);
     if (!ok) failures++;
     printf("%s sm90 dkdv %d on %s B=%d H=%d T=%d causal=%d: dq %.2e dk %.2e dv %.2e, dkdv 3's bits %d, TMA %d, "
-           "bulk %d\n", ok ? "ok  " : "FAIL", dkdv, what, B, H, T, causal, eq, ek, ev, same, tma, bulk);
+           "bulk %d, bulk loads %d\n", ok ? "ok  " : "FAIL", dkdv, what, B, H, T, causal, eq, ek, ev, same, tma, bulk,
+           loads);
   }
   cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);
 }
 
-// The warp-specialised form (dkdv option 4, "sm90 ws fused", flash_attention_bwd_ws_sm90a.cu; head dim 64, where
-// 128 runs option 3) must give option 3's bits (`fused`, a run of the same case) in dq, dk and dv: the same
-// products, sums and order.
+// The warp-specialised forms (dkdv options 4, "sm90 ws fused", and 5, "sm90 ws fused 128x128": steps of 64 and 128
+// queries; flash_attention_bwd_ws_sm90a.cu; head dim 64, where 128 runs option 3) must give option 3's bits
+// (`fused`, a run of the same case) in dq, dk and dv: the same products, sums and order.
 template <typename E>
 void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd,
                 const Outs& fused) {
-  cuda::set_flash_tiles({fwd, 4, 0});
-  const long bulk0 = emu::g_bulk_copies;
-  const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
-  // Key blocks past the first hand their dQ parts to the copy engine (one bulk copy per step), key block 0 none.
-  const bool bulk_ok = (emu::g_bulk_copies > bulk0) == (T > 128);
-  const bool same = o.out == fused.out && o.lse == fused.lse && o.dq == fused.dq && o.dk == fused.dk &&
-                    o.dv == fused.dv;
-  if (!same || !bulk_ok) failures++;
-  printf("%s sm90 ws fused: dq, dk, dv are sm90 fused's bits %d, bulk dQ copies where T > 128 %d\n",
-         same && bulk_ok ? "ok  " : "FAIL", same, bulk_ok);
+  for (int dkdv : {4, 5}) {
+    cuda::set_flash_tiles({fwd, dkdv, 0});
+    const long bulk0 = emu::g_bulk_copies, loads0 = emu::g_bulk_loads;
+    const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
+    // Key blocks past the first hand their dQ parts to the copy engine (one bulk copy per step); key block 0 adds
+    // its own that way and fetches the finished sums back at 128-query steps only (kBulkSum).
+    const bool bulk_ok = (emu::g_bulk_copies > bulk0) == (T > 128) &&
+                         (emu::g_bulk_loads > loads0) == (T > 128 && dkdv == 5);
+    const bool same = o.out == fused.out && o.lse == fused.lse && o.dq == fused.dq && o.dk == fused.dk &&
+                      o.dv == fused.dv;
+    if (!same || !bulk_ok) failures++;
+    printf("%s sm90 ws fused, %d-query steps: dq, dk, dv are sm90 fused's bits %d, bulk dQ copies where T > 128 %d\n",
+           same && bulk_ok ? "ok  " : "FAIL", dkdv == 4 ? 64 : 128, same, bulk_ok);
+  }
   cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);
 }

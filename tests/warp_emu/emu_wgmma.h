@@ -7,6 +7,7 @@ __device__ __forceinline__ void wait() { emu::wg_wait(N); }
 __device__ __forceinline__ void fence_proxy_async() { emu::proxy_fence(); }
 __device__ __forceinline__ void keep(float&) {}
 __device__ __forceinline__ void keep(uint32_t&) {}
+__device__ __forceinline__ void opaque(int&) {}
 template <typename E, int N>
 struct Mma {
   static constexpr bool kHalf = std::is_same<E, __half>::value;
@@ -19,6 +20,10 @@ struct Mma {
   static void ss_amn(float* d, uint64_t a, uint64_t b, int accumulate) {
     static_assert(N == 32, "ss_amn: wgmma.cuh defines it for N = 32");
     emu::wg_mma(N, false, kHalf, d, nullptr, a, b, accumulate, true);
+  }
+  static void ss_mn(float* d, uint64_t a, uint64_t b, int accumulate) {
+    static_assert(N == 64, "ss_mn: wgmma.cuh defines it for N = 64");
+    emu::wg_mma(N, false, kHalf, d, nullptr, a, b, accumulate, true, true);
   }
 };
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { emu::st_shared_b32(p, v); }
