@@ -401,13 +401,14 @@ def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     assert ops.flash_attention_tiles(fwd="32x64", dq=2) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
     assert ops.flash_attention_tiles(dkdv=1) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # None keeps each
-    for bad in (dict(fwd="64x64"), dict(dkdv=5), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
+    n = len(options["dkdv"])  # one past the last dkdv option
+    for bad in (dict(fwd="64x64"), dict(dkdv=n), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=f"flash_attention_tiles: {name} must be one of"):
             ops.flash_attention_tiles(**bad)
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # a refusal changes nothing
-    with pytest.raises(ValueError, match=r"dkdv takes an option in \[0, 5\), got 5"):  # the engine's own check
-        _C.ops.flash_attention_tiles((0, 5, 0))
+    with pytest.raises(ValueError, match=rf"dkdv takes an option in \[0, {n}\), got {n}"):  # the engine's own check
+        _C.ops.flash_attention_tiles((0, n, 0))
 
 
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
@@ -416,7 +417,8 @@ def test_sm90_tiles_are_refused_where_they_cannot_run(default_tiles):
     one is a clear error that names it and changes nothing; on an H100/H200 it is taken."""
     default = dict(fwd="16x64", dkdv="16x64", dq="16x64")
     for kernel, name in [("fwd", n) for n in SM90_FWD] + [("dkdv", SM90_BWD), ("dkdv", SM90_FUSED),
-                                                                  ("dkdv", SM90_WS_FUSED), ("dq", SM90_BWD)]:
+                                                                  ("dkdv", SM90_WS_FUSED), ("dkdv", SM90_WS_FUSED_128),
+                                                                  ("dq", SM90_BWD)]:
         if sm90_device():
             ops.flash_attention_tiles(**{kernel: name})
             assert ops.flash_attention_tiles(**default)[kernel] == name

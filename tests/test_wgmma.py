@@ -105,9 +105,9 @@ def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
     / expect / arrive_expect / load, store / commit / wait_read and load_bulk (tma.cuh), for the warp-specialised
     kernels, emit the instructions CUTLASS's ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc,
     ClusterTransactionBarrier (expect_transaction, arrive_and_expect_tx), prefetch_tma_descriptor, SM90_TMA_LOAD_4D,
-    SM90_BULK_COPY_S2G, tma_store_arrive, tma_store_wait and SM90_BULK_COPY_G2S emit, with the same qualifiers (state space, scope, parity, register counts,
-    the copy's completion on the mbarrier's transaction bytes and its L2 hint, whose value both load from the same
-    constant; the bulk copy's completion by bulk group)."""
+    SM90_BULK_COPY_S2G, tma_store_arrive, tma_store_wait and SM90_BULK_COPY_G2S emit, with the same qualifiers
+    (state space, scope, parity, register counts, the copy's completion on the mbarrier's transaction bytes and its
+    L2 hint, whose value both load from the same constant; the bulk copy's completion by bulk group)."""
     found = _sync_instructions(cute_ptx)
     assert sorted(n for n in found if n.startswith("ours_")) == ["ours_bulk_add", "ours_sync_bulk", "ours_sync_g2s",
                                                                  "ours_sync_mbar", "ours_sync_named", "ours_sync_regs",

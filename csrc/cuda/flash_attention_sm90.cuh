@@ -190,8 +190,9 @@ __device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t
 // dK, are one group each. At 128 queries (d 64: S^T and dP^T take 64 registers each) dV is issued with dK, after
 // dS^T, and P^T's fragments are packed only then: S^T, dP^T and P^T's fragments live at once beside dK and dV (224)
 // would not fit the warp-specialised kernel's 232. kDq: dS^T also goes into the (KB, BR) tile at sS for the fused
-// backward's dQ (zeros from a warpgroup none of whose keys a query of the step sees; it multiplies nothing). Every wgmma has retired on
-// return: the Q and dO tiles, sL and sDl may be refilled once the warpgroup's threads are past it.
+// backward's dQ (zeros from a warpgroup none of whose keys a query of the step sees; it multiplies nothing). Every
+// wgmma has retired on return: the Q and dO tiles, sL and sDl may be refilled once the warpgroup's threads are past
+// it.
 template <typename E, int KB, int BR, int D, bool kDq>
 __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t aK, uint32_t aV,
                                            uint32_t qb, uint32_t ob, const float* sL, const float* sDl,
