@@ -61,12 +61,13 @@ void backward_tc(const Params& p, bool deterministic, Stream stream);
 // same bits, where forward_ws_sm90 returns false: strides no TMA map can describe); dkdv_sm90 and dq_sm90 are the
 // deterministic backward's two passes, backward_fused_sm90 (the dkdv option kFusedSm90) both in one, deterministic
 // too; it needs dq_accum and dq_turn, as does backward_ws_sm90 (the dkdv options kWsFusedSm90 and kWsFused128Sm90,
-// its warp-specialised form in steps of `step` 64 or 128 queries, flash_attention_bwd_ws_sm90a.cu; head dim 64 only;
-// false, nothing launched, where its TMA maps cannot be made: the caller then runs backward_fused_sm90).
+// ws_fused_sm90: its warp-specialised form in steps of 64 or 128 queries, flash_attention_bwd_ws_sm90a.cu; head dim
+// 64 only; false, nothing launched, where its TMA maps cannot be made: the caller then runs backward_fused_sm90).
 constexpr Tiles kFirstSm90{3, 2, 3};
 constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4, kWsFused128Sm90 = 5;
 // Whether a dkdv option makes dq itself (any fused kernel): it needs dq_accum and dq_turn, and no dq pass.
 constexpr bool fused_sm90(int dkdv) { return dkdv >= kFusedSm90 && dkdv <= kWsFused128Sm90; }
+constexpr bool ws_fused_sm90(int dkdv) { return dkdv == kWsFusedSm90 || dkdv == kWsFused128Sm90; }
 constexpr int kFirstWsSm90 = 6;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
@@ -79,7 +80,7 @@ void dq_sm90(const Params& p, Stream stream);
 template <typename E>
 void backward_fused_sm90(const Params& p, Stream stream);
 template <typename E>
-bool backward_ws_sm90(const Params& p, Stream stream, int step);
+bool backward_ws_sm90(const Params& p, Stream stream);
 // The fused kernels' launch prologue: checks that their grid (B * H * ceil(T / 128) CTAs, one row) fits and zeroes
 // the turn counters (one per 64 queries: enough for 128-query steps too) on `stream`; -> the number of CTAs.
 // `option` names the choice in the error.

@@ -335,8 +335,7 @@ void launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
 #ifdef FASTGPT_SM90A
   // (deterministic either way; the warp-specialised kernel declines views it can make no TMA map of)
-  if (D == 64 && p.tiles.dkdv == kWsFusedSm90 && backward_ws_sm90<E>(p, stream, 64)) return;
-  if (D == 64 && p.tiles.dkdv == kWsFused128Sm90 && backward_ws_sm90<E>(p, stream, 128)) return;
+  if (D == 64 && ws_fused_sm90(p.tiles.dkdv) && backward_ws_sm90<E>(p, stream)) return;
   if (fused_sm90(p.tiles.dkdv)) return backward_fused_sm90<E>(p, stream);
 #endif
   if (deterministic) {

@@ -163,6 +163,20 @@ __device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsign
   }
 }
 
+// One thread's hand-off of a dQ part (the ring buffer at shared address `part`) to the copy engine in its turn on
+// `counter`: the first turn stores it as the sum at `sum`, each later one adds it there in L2 (an add's operands
+// commute: the sums are dq_part's); one bulk group, committed, not waited for.
+template <int D, int BR>
+__device__ __forceinline__ void add_part(float* sum, uint32_t part, int* counter, int turn) {
+  wgmma::wait_count(counter, turn);
+  tma::fence_global();  // the sum the turn's acquire made visible, before the copy engine adds to it
+  if (turn == 0)
+    tma::store(sum, part, Layout<D, BR>::kDqBytes);
+  else
+    tma::reduce_add(sum, part, Layout<D, BR>::kDqBytes);
+  tma::commit();
+}
+
 // Key block 0's warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn (the
 // last) to the sums of query step i and written to dq (times the scale, rounded once), as dq_part in
 // flash_attention_bwd_sm90a.cu: the same additions in the same order. The part's buffer is handed back once each
@@ -194,10 +208,7 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
         const uint32_t at = wgmma::shared_addr(part);
         wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);  // the consumers' stores are behind their fence
         if (turn > 0) {
-          wgmma::wait_count(p.dq_turn + (int64_t)bh * n_q + i, turn);
-          tma::fence_global();  // the sum the turn's acquire made visible, before the copy engine adds to it
-          tma::reduce_add(sum, at, L::kDqBytes);
-          tma::commit();
+          add_part<D, BR>(sum, at, p.dq_turn + (int64_t)bh * n_q + i, turn);
           tma::wait<0>();       // the sum is finished (and the part read: its buffer may be overwritten)
           tma::fence_global();  // the finished sum, visible to this thread, before the copy engine reads it
           tma::arrive_expect(bars.dq_sum(s), L::kDqBytes);
@@ -235,9 +246,7 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
 }
 
 // Key blocks j > 0, one thread (wg 0's thread 32): each step's dQ part goes to the query step's fp32 sums by the copy
-// engine, in this CTA's turn: the first turn stores it, each later one adds it to the sum in L2
-// (cp.reduce.async.bulk), so the sums are the same adds in the same order as dq_part's (an add's operands commute).
-// The part is 16 KB at d 64 (32 KB at 128 queries), contiguous in the ring and in the sums (both in fragment order):
+// engine, in this CTA's turn (add_part). The part is 16 KB at d 64 (32 KB at 128 queries), contiguous in the ring and in the sums (both in fragment order):
 // one copy. Its buffer goes back to the consumers once the copy has read it; the turn passes on once the sum is
 // written. Before, three warps moved each part through their registers: three round trips to L2 per step, each sum
 // read into the SM and written back, the turn held meanwhile.
@@ -253,13 +262,7 @@ __device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bar
     int* counter = p.dq_turn + (int64_t)bh * n_q + i;
     const uint32_t part = wgmma::shared_addr(sm + L::kDq + s * L::kDqBytes);
     wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);  // the consumers' stores are behind their proxy fence
-    wgmma::wait_count(counter, turn);
-    tma::fence_global();  // the sum the turn's acquire made visible, before the copy engine adds to it
-    if (turn == 0)
-      tma::store(acc, part, L::kDqBytes);
-    else
-      tma::reduce_add(acc, part, L::kDqBytes);
-    tma::commit();
+    add_part<D, BR>(acc, part, counter, turn);
     tma::wait_read<0>();
     wgmma::mbar_arrive(bars.dq_empty(s));
     tma::wait<0>();
@@ -387,14 +390,13 @@ bool launch_ws(const Params& p, Stream stream, const char* option) {
 // both buffers, dq_accum's rows padded to 128). false where the inputs' strides give no TMA map (nothing launched:
 // the caller runs "sm90 fused").
 template <typename E>
-bool backward_ws_sm90(const Params& p, Stream stream, int step) {
+bool backward_ws_sm90(const Params& p, Stream stream) {
   if (p.d != 64) throw std::logic_error("backward_ws_sm90: head dim 64 only");
-  if (step == 64) return launch_ws<E, 64>(p, stream, "sm90 ws fused");
-  if (step == 128) return launch_ws<E, 128>(p, stream, "sm90 ws fused 128x128");
-  throw std::logic_error("backward_ws_sm90: a step of 64 or 128 queries");
+  return p.tiles.dkdv == kWsFused128Sm90 ? launch_ws<E, 128>(p, stream, "sm90 ws fused 128x128")
+                                         : launch_ws<E, 64>(p, stream, "sm90 ws fused");
 }
 
-template bool backward_ws_sm90<__nv_bfloat16>(const Params&, Stream, int);
-template bool backward_ws_sm90<__half>(const Params&, Stream, int);
+template bool backward_ws_sm90<__nv_bfloat16>(const Params&, Stream);
+template bool backward_ws_sm90<__half>(const Params&, Stream);
 
 }  // namespace fastgpt::cuda::flash
