@@ -12,9 +12,10 @@ place of that reading (CUTLASS's headers come with the `nvidia-cutlass` test dep
   MN-major B; the fused backward's m64n32k16 with an MN-major A and a K-major B, and the 128-query warp-specialised
   one's m64n64k16 with both MN-major), compiled by nvcc for sm_90a;
   and the warp-specialised forward's mbarrier, named-barrier and setmaxnreg instructions against barrier.h's and
-  reg_reconfig.h's, its TMA instructions and the backward's bulk copies (tma.cuh) against copy_sm90_tma.hpp's; and in
-  cute_check.cpp, the TMA loader's placement of every element (the emulator's copies) against the same CuTe layouts,
-  whose TMA swizzle mode CuTe takes to be the 128-byte one tma.cu encodes.
+  reg_reconfig.h's, its TMA instructions (the copies, and the tensor store of O) and the backward's bulk copies
+  (tma.cuh) against copy_sm90_tma.hpp's; and in cute_check.cpp, the TMA loader's placement of every element (the
+  emulator's copies) against the same CuTe layouts, whose TMA swizzle mode CuTe takes to be the 128-byte one tma.cu
+  encodes.
 They say nothing of speed, and nothing of what the emulator cannot model; a GPU run is still the verification."""
 import importlib.util
 import os
@@ -97,21 +98,23 @@ def _sync_instructions(ptx):
     pattern = re.compile(r"\s*(?:@%?\w+\s+)?((?:mbarrier|bar|barrier|setmaxnreg|cp|prefetch|fence)\.[\w.:]+)"
                          r"(\s+\d+)?")
     return {name: {m.group(1) + (m.group(2) or "") for m in map(pattern.match, lines) if m}
-            for name, lines in entries(ptx, r"(\w+?_(?:sync_(?:mbar|named|regs|tma|bulk|g2s)|bulk_add))").items()}
+            for name, lines in entries(ptx, r"(\w+?_(?:sync_(?:mbar|named|regs|tma|tstore|bulk|g2s)|bulk_add))")
+            .items()}
 
 
 def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
     """mbar_init / mbar_arrive / mbar_wait, bar_sync / bar_arrive and regs_dec / regs_inc (wgmma.cuh), and prefetch
-    / expect / arrive_expect / load, store / commit / wait_read and load_bulk (tma.cuh), for the warp-specialised
-    kernels, emit the instructions CUTLASS's ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc,
+    / expect / arrive_expect / load, store_box, store / commit / wait_read and load_bulk (tma.cuh), for the
+    warp-specialised kernels, emit the instructions CUTLASS's ClusterBarrier, NamedBarrier, warpgroup_reg_(de)alloc,
     ClusterTransactionBarrier (expect_transaction, arrive_and_expect_tx), prefetch_tma_descriptor, SM90_TMA_LOAD_4D,
-    SM90_BULK_COPY_S2G, tma_store_arrive, tma_store_wait and SM90_BULK_COPY_G2S emit, with the same qualifiers
-    (state space, scope, parity, register counts, the copy's completion on the mbarrier's transaction bytes and its
-    L2 hint, whose value both load from the same constant; the bulk copy's completion by bulk group)."""
+    SM90_TMA_STORE_4D (behind tma_store_fence), SM90_BULK_COPY_S2G, tma_store_arrive, tma_store_wait and
+    SM90_BULK_COPY_G2S emit, with the same qualifiers (state space, scope, parity, register counts, the copy's
+    completion on the mbarrier's transaction bytes and its L2 hint, whose value both load from the same constant; the
+    bulk copies' completion by bulk group)."""
     found = _sync_instructions(cute_ptx)
     assert sorted(n for n in found if n.startswith("ours_")) == ["ours_bulk_add", "ours_sync_bulk", "ours_sync_g2s",
                                                                  "ours_sync_mbar", "ours_sync_named", "ours_sync_regs",
-                                                                 "ours_sync_tma"], found
+                                                                 "ours_sync_tma", "ours_sync_tstore"], found
     want = {"mbar": {"mbarrier.init.shared::cta.b64", "mbarrier.arrive.shared::cta.b64",
                      "mbarrier.try_wait.parity.shared::cta.b64"},
             "named": {"bar.sync", "bar.arrive"},
@@ -122,7 +125,9 @@ def test_barrier_instructions_are_cutlass_instructions(cute_ptx):
             "bulk": {"cp.async.bulk.global.shared::cta.bulk_group", "cp.async.bulk.commit_group",
                      "cp.async.bulk.wait_group.read 0"},
             "g2s": {"mbarrier.arrive.expect_tx.shared::cta.b64",
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"}}
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"},
+            "tstore": {"fence.proxy.async.shared::cta", "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group",
+                       "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0"}}
     for what, instructions in want.items():
         assert found["ours_sync_" + what] == found["cute_sync_" + what] == instructions, (what, found)
     # No CUTLASS counterpart (its bulk reduce takes a tensor map): the PTX ISA's spelling of the f32 bulk add to

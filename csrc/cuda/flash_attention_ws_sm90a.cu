@@ -9,6 +9,12 @@
 //   multiplying warpgroups get 240 (two of them) or 160 (three) instead of the 168 or 128 an even split leaves.
 //   Views whose strides a tensor map cannot describe (forward_ws_sm90 says so) run flash_attention_sm90a.cu's
 //   kernel, whose bits these are.
+// - O goes out the same way (FlashAttention-3's epilogue): each consumer thread puts its rows of O, normalised and
+//   rounded, into the swizzled layout in its warpgroup's own rows of the tile's Q buffer (read by nothing once the
+//   tile's last S product has retired) and arrives on an mbarrier; one thread of warpgroup 0 then has the copy
+//   engine store them (TMA tensor stores, rows past T left out) and hands the buffer back to the Q copies once the
+//   stores have read it. The consumers neither wait for nor compute addresses for O's 16 (d 64) or 32 (d 128)
+//   scattered 4-byte global stores per thread per tile; they start the next tile at once.
 // - Warpgroups 1..NC each own 64 query rows and only multiply and take the softmax. They never wait on each other
 //   or on the copier at a CTA-wide barrier (the other kernel's __syncthreads per key block): each buffer has a
 //   "full" mbarrier (the issuing thread's arrival and the tile's bytes) and an "empty" one (every consumer warp
@@ -42,22 +48,24 @@ namespace {
 template <int D>
 constexpr int kStages = D == 64 ? 3 : 2;
 
-// The mbarriers after the tiles, as indices into them: per Q buffer full and empty, then per stage K full, K empty,
-// V full, V empty. full / empty take the tile kind (kK or kV), for the two issuing threads.
+// The mbarriers after the tiles, as indices into them: per Q buffer full, empty and O staged (o_full: the buffer
+// holds the tile's O for store_o), then per stage K full, K empty, V full, V empty. full / empty take the tile kind
+// (kK or kV), for the two issuing threads.
 constexpr int kK = 0, kV = 1;
 struct Bars {
   uint32_t base;
-  __device__ uint32_t q_full(int qs) const { return base + 8 * (2 * qs); }
-  __device__ uint32_t q_empty(int qs) const { return base + 8 * (2 * qs + 1); }
-  __device__ uint32_t full(int kind, int s) const { return base + 8 * (4 + 2 * kind + 4 * s); }
-  __device__ uint32_t empty(int kind, int s) const { return base + 8 * (5 + 2 * kind + 4 * s); }
+  __device__ uint32_t q_full(int qs) const { return base + 8 * (3 * qs); }
+  __device__ uint32_t q_empty(int qs) const { return base + 8 * (3 * qs + 1); }
+  __device__ uint32_t o_full(int qs) const { return base + 8 * (3 * qs + 2); }
+  __device__ uint32_t full(int kind, int s) const { return base + 8 * (6 + 2 * kind + 4 * s); }
+  __device__ uint32_t empty(int kind, int s) const { return base + 8 * (7 + 2 * kind + 4 * s); }
   __device__ uint32_t k_full(int s) const { return full(kK, s); }
   __device__ uint32_t k_empty(int s) const { return empty(kK, s); }
   __device__ uint32_t v_full(int s) const { return full(kV, s); }
   __device__ uint32_t v_empty(int s) const { return empty(kV, s); }
 };
 template <int D>
-constexpr int kBarBytes = 8 * (4 + 4 * kStages<D>);
+constexpr int kBarBytes = 8 * (6 + 4 * kStages<D>);
 
 // Q buffers: a CTA's next tile's Q lands while the consumers still read the one before.
 constexpr int kQBuffers = 2;
@@ -100,15 +108,15 @@ static_assert(128 * kCopierRegs<3> + 384 * kConsumerRegs<3> <= 65536, "registers
 // The TMA maps of Q (boxes of the CTA's BR rows), K and V (BC rows): kernel parameters (__grid_constant__), as
 // the copy instruction wants a map in parameter, constant or global memory.
 struct Maps {
-  tma::HeadsMap q, k, v;
+  tma::HeadsMap q, k, v, o;  // o: boxes of one consumer's 64 rows
 };
 
 // One issuing thread's ring of tile kind KIND (K or V) over the CTA's tiles: key block j of a tile, the CTA's n-th
 // key block in all, goes into buffer n % S of the ring at shared address `ring`, once the buffer's empty barrier says
 // every consumer is done with block n - S; the tile is published on its full barrier by this thread's arrival (with
 // the tile's byte count) and the copy's bytes. The K thread first asks for each tile's Q (BR rows), into Q buffer
-// u % 2 of the CTA's u-th tile once the consumers have handed back tile u - 2's. Only the rings bound how far ahead
-// a thread runs.
+// u % 2 of the CTA's u-th tile once tile u - 2's O stores have read that buffer (store_o hands it back). Only the
+// rings bound how far ahead a thread runs.
 template <int D, int S, int BC, int BR, int KIND>
 __device__ __forceinline__ void copy_ring(const Params& p, const Tiles& ts, const Maps& maps, uint32_t ring,
                                           uint32_t sQ, Bars bars) {
@@ -134,6 +142,27 @@ __device__ __forceinline__ void copy_ring(const Params& p, const Tiles& ts, cons
   }
 }
 
+// Warp 2's first thread of warpgroup 0: each tile's O, once every consumer thread has staged its rows in the tile's
+// Q buffer (o_full), to global memory by TMA stores (one per consumer and 64 columns; rows past T left out), and
+// the buffer back to the copier (q_empty) once they have read it. The consumers never wait for a store: a thread
+// waits only for its own bulk groups, and a wait in the consumers' code made ptxas hold it to the launch's 168
+// registers (hundreds of bytes spilled).
+template <int D, int BR, int BC>
+__device__ __forceinline__ void store_o(const Params& p, const Tiles& ts, const Maps& maps, uint32_t sQ, Bars bars) {
+  constexpr uint32_t kQBytes = sm90::tile_bytes<BR, D>();
+  tma::prefetch(&maps.o.map);
+  for (int t = blockIdx.x, u = 0; t < ts.n; t += gridDim.x, u++) {
+    const Tile x = tile_at<BR, BC>(p, ts, t);
+    const int qs = u % kQBuffers;
+    wgmma::mbar_wait(bars.o_full(qs), (u / kQBuffers) & 1);
+    for (int r0 = 0; r0 < BR && x.q0 + r0 < p.T; r0 += 64)
+      tma::store_tile<D>(sQ + qs * kQBytes + r0 * 128, BR * 128, maps.o, x.q0 + r0, x.h, x.b);
+    tma::commit();
+    tma::wait_read<0>();
+    wgmma::mbar_arrive(bars.q_empty(qs));
+  }
+}
+
 template <typename E, int D, int NC, int BC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     forward_ws_kernel(Params p, const __grid_constant__ Maps maps, Tiles ts) {
@@ -151,7 +180,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   if (tid == 0) {
     for (int qs = 0; qs < kQBuffers; qs++) {
       wgmma::mbar_init(bars.q_full(qs), 1);       // the K thread (and Q's bytes)
-      wgmma::mbar_init(bars.q_empty(qs), 4 * NC);  // one arrival per consumer warp
+      wgmma::mbar_init(bars.q_empty(qs), 1);        // store_o, once its stores have read the buffer
+      wgmma::mbar_init(bars.o_full(qs), 128 * NC);  // every consumer thread, its O staged in the buffer
     }
     for (int s = 0; s < S; s++) {
       wgmma::mbar_init(bars.k_full(s), 1);  // the issuing thread (and the tile's bytes)
@@ -167,6 +197,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     const uint32_t aK = wgmma::shared_addr(sK), aV = wgmma::shared_addr(sV), aQ = wgmma::shared_addr(sQ);
     if (tid == 0) copy_ring<D, S, BC, BR, kK>(p, ts, maps, aK, aQ, bars);
     if (tid == 32) copy_ring<D, S, BC, BR, kV>(p, ts, maps, aV, aQ, bars);
+    if (tid == 64) store_o<D, BR, BC>(p, ts, maps, aQ, bars);
     return;
   }
   wgmma::regs_inc<kConsumerRegs<NC>>();
@@ -235,16 +266,19 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       }
       if (j >= nvis && j < nblocks) k_read();  // K_j, not used here
     }
-    if (leader) wgmma::mbar_arrive(bars.q_empty(qs));  // every S product of the tile has retired
     n0 += nblocks;
 
-    store_rows(o, m, l, w0, g, c, T, static_cast<E*>(p.out) + x.b * p.os.sb + x.h * p.os.sh, p.os.st,
-               p.lse + (int64_t)x.bh * T);
+    // O goes out through the warpgroup's rows of the Q buffer (every S product of the tile has retired, and no other
+    // warpgroup reads them); store_o has the copy engine write it while this warpgroup goes on to the next tile.
+    sm90::stage_rows<E, BR, D>(o, m, l, sQ + qs * kQBytes, ci * 64 + warp * 16, w0, g, c, T,
+                               p.lse + (int64_t)x.bh * T);
+    wgmma::fence_proxy_async();  // this thread's O, for the copy engine
+    wgmma::mbar_arrive(bars.o_full(qs));
   }
 }
 
-// false: a tensor's strides give no TMA map, or there are too many tiles for the kernel's int counts (a tile index
-// plus the grid must fit), and nothing was launched.
+// false: a tensor's strides (q, k, v or out) give no TMA map, or there are too many tiles for the kernel's int counts
+// (a tile index plus the grid must fit), and nothing was launched.
 // persistent: one CTA per SM (the kernel's registers allow one), each taking its share of the tiles; else one per
 // tile.
 template <typename E, int D, int NC, int BC>
@@ -255,7 +289,8 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
   Maps maps;
   if (tiles > INT32_MAX / 2 || !tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, D, p.is, rows) ||
       !tma::make_heads_map(maps.k, p.k, p.B, p.H, p.T, D, p.is, BC) ||
-      !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, D, p.is, BC))
+      !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, D, p.is, BC) ||
+      !tma::make_heads_map(maps.o, p.out, p.B, p.H, p.T, D, p.os, 64))
     return false;
   const Tiles ts{p.B * p.H, nqb, (int)tiles};
   int ctas = ts.n;

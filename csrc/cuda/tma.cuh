@@ -7,7 +7,8 @@
 // consumers (setmaxnreg), and the data written by the async proxy that wgmma reads through (no fence.proxy.async).
 // A map (a 128-byte CUtensorMap, encoded on the host by the driver's cuTensorMapEncodeTiled: tma.cu) describes a
 // whole (B, H, T, d) tensor; the kernel names a box by its coordinates. The other way, the fused backward has the
-// copy engine store or add its dQ parts to global memory (bulk copies, not tensor ones: the parts are contiguous).
+// copy engine store or add its dQ parts to global memory (bulk copies, not tensor ones: the parts are contiguous), and
+// the warp-specialised forward has it store O, box by box (tensor stores, which leave out the rows past T).
 // Written from the PTX ISA (cp.async.bulk[.tensor], cp.reduce.async.bulk, mbarrier.expect_tx) and cuda.h's
 // documentation of the encoder; the instructions are held to CUTLASS's where it has them (tests/warp_emu/cute_ptx.cu),
 // and tests/warp_emu swaps the PTX part (and the encoder) for its own.
@@ -90,6 +91,15 @@ __device__ __forceinline__ void reduce_add(float* dst, uint32_t src, uint32_t by
                     "r"(bytes)
                     : "memory");
 }
+// The box at coordinates (c0, c1, c2, c3) of `map` from shared memory at `src` (1024-byte aligned, in the 128-byte
+// swizzle, behind its writers' fence.proxy.async) to global memory; elements outside the tensor are not written (the
+// forward's O rows past T). A tensor store, completed by bulk group as store's.
+__device__ __forceinline__ void store_box(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+  FASTGPT_SM90A_ASM("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                        reinterpret_cast<uint64_t>(map)),
+                    "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                    : "memory");
+}
 __device__ __forceinline__ void commit() { FASTGPT_SM90A_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wait_read() {
@@ -133,15 +143,29 @@ inline bool make_heads_map(HeadsMap& m, const void* base, int B, int H, int T, i
   return true;
 }
 
+// The coordinate in slot 1-3 of `m` of rows from `row` of head (b, h).
+__device__ __forceinline__ int coord(const HeadsMap& m, int slot, int row, int h, int b) {
+  return slot == m.slot_t ? row : slot == m.slot_h ? h : b;
+}
+
 // A tile of ROWS x D (rows [row, row + ROWS) of head (b, h)) into the swizzled tile at shared address `dst`: one
 // box per 64-column block, each block's rows ROWS * 128 bytes after the one before (the tile layout of
 // flash_attention_sm90.cuh). Counts tile_bytes<ROWS, D> on `bar`; the caller declares them first (arrive_expect).
 template <int ROWS, int D>
 __device__ __forceinline__ void load_tile(uint32_t dst, const HeadsMap& m, uint32_t bar, int row, int h, int b) {
-  const auto at = [&](int slot) { return slot == m.slot_t ? row : slot == m.slot_h ? h : b; };
-  const int c1 = at(1), c2 = at(2), c3 = at(3);
+  const int c1 = coord(m, 1, row, h, b), c2 = coord(m, 2, row, h, b), c3 = coord(m, 3, row, h, b);
 #pragma unroll
   for (int cb = 0; cb < D / 64; cb++) load(dst + cb * ROWS * 128, &m.map, bar, cb * 64, c1, c2, c3);
+}
+
+// The other way: the map's box of rows (rows [row, row + box) of head (b, h), D wide) from shared memory at `src`,
+// whose 64-column blocks are `block_bytes` apart (a tile of block_bytes / 128 rows of which the box is a slice), to
+// global memory by D / 64 tensor stores, rows past T left out; the caller commits the bulk group.
+template <int D>
+__device__ __forceinline__ void store_tile(uint32_t src, int block_bytes, const HeadsMap& m, int row, int h, int b) {
+  const int c1 = coord(m, 1, row, h, b), c2 = coord(m, 2, row, h, b), c3 = coord(m, 3, row, h, b);
+#pragma unroll
+  for (int cb = 0; cb < D / 64; cb++) store_box(&m.map, src + cb * block_bytes, cb * 64, c1, c2, c3);
 }
 
 }  // namespace fastgpt::cuda::tma

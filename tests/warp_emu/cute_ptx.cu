@@ -4,10 +4,9 @@
 // from shared memory, A from registers with an MN-major B, an MN-major A and a K-major B, or both MN-major) and the
 // operand order to ours. The warp-specialised forward's synchronisation (mbarrier init / arrive / parity wait, named
 // barriers, setmaxnreg), the TMA copies of both warp-specialised kernels (tma.cuh: map prefetch, expected bytes with
-// and without an arrival, the 4-d tile copy) and the backward's bulk copies to and from global memory are paired
-// with CUTLASS's
-// barrier.h, reg_reconfig.h and copy_sm90_tma.hpp the same way: sync_<what> kernels, compared by their instructions
-// (opcode and qualifiers).
+// and without an arrival, the 4-d tile copy, the forward's 4-d tensor store of O) and the backward's bulk copies to
+// and from global memory are paired with CUTLASS's barrier.h, reg_reconfig.h and copy_sm90_tma.hpp the same way:
+// sync_<what> kernels, compared by their instructions (opcode and qualifiers).
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -165,6 +164,24 @@ __global__ void cute_sync_g2s(const float* g, uint32_t bytes) {
   __shared__ uint64_t bar;
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&bar, bytes);
   cute::SM90_BULK_COPY_G2S::copy(g, &bar, part, bytes);
+}
+// The warp-specialised forward's O: a 4-d tensor store from shared memory behind the proxy fence (wgmma.cuh's
+// fence_proxy_async, tma.cuh's store_box, commit, wait_read), beside CUTLASS's tma_store_fence, SM90_TMA_STORE_4D,
+// tma_store_arrive and tma_store_wait.
+__global__ void ours_sync_tstore(const __grid_constant__ CUtensorMap map, int c0, int c1, int c2, int c3) {
+  __shared__ alignas(1024) unsigned char tile[8192];
+  namespace tma = fastgpt::cuda::tma;
+  wg::fence_proxy_async();
+  tma::store_box(&map, wg::shared_addr(tile), c0, c1, c2, c3);
+  tma::commit();
+  tma::wait_read<0>();
+}
+__global__ void cute_sync_tstore(const __grid_constant__ CUtensorMap map, int c0, int c1, int c2, int c3) {
+  __shared__ alignas(1024) unsigned char tile[8192];
+  cute::tma_store_fence();
+  cute::SM90_TMA_STORE_4D::copy(&map, tile, c0, c1, c2, c3);
+  cute::tma_store_arrive();
+  cute::tma_store_wait<0>();
 }
 __global__ void ours_bulk_add(float* g, uint32_t bytes) {
   __shared__ alignas(128) float part[1024];

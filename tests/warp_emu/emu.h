@@ -739,11 +739,16 @@ inline void bar_arrive(int id, int count) {
 // source before then is a race). Eager mode copies at issue; lazy mode reads the source at the wait_group.read and
 // writes global memory at the wait_group (the latest legal moments), so a buffer reused or a sum read early shows in
 // the results too. A turn passed on (add_count) with copies in flight, a copy issued after a wait_count's acquire
-// without fence.proxy.async.global, and copies never waited for at exit are errors.
+// without fence.proxy.async.global, and copies never committed at exit are errors; a thread may exit once its
+// copies have read their source (wait_group.read: shared memory goes with the CTA), and their writes are made then.
+// A tensor store (tma.cuh's store_box) is a bulk copy whose destination is a map's box: its source is the box in
+// the 128-byte swizzle, and only the elements inside the tensor are written.
 struct Bulk {
   unsigned char* dst = nullptr;  // global
   uint32_t src = 0, bytes = 0;   // shared
   bool add = false;              // fp32 adds (reduce_add), else a copy (store)
+  const uint64_t* map = nullptr;  // a tensor store's map (the emulator's encoding), and the box's coordinates
+  std::array<int, 4> c{};
   bool read = false, written = false;
   bool read_waited = false;  // a wait_group(.read) has covered it: its read is complete, for the race check
   std::vector<unsigned char> data;  // the source as read
@@ -760,6 +765,24 @@ inline void bulk_write(Bulk& op) {
   bulk_read(op);
   if (op.written) return;
   op.written = true;
+  if (op.map) {  // element by element in the box's row-major order, read through the swizzle, inside the tensor only
+    const uint64_t *dims = op.map + 2, *strides = op.map + 6, *box = op.map + 9;
+    unsigned char* base = reinterpret_cast<unsigned char*>((uintptr_t)op.map[1]);
+    uint32_t at = op.src;
+    for (uint64_t i3 = 0; i3 < box[3]; i3++)
+      for (uint64_t i2 = 0; i2 < box[2]; i2++)
+        for (uint64_t i1 = 0; i1 < box[1]; i1++)
+          for (uint64_t i0 = 0; i0 < box[0]; i0++, at += 2) {
+            const int64_t g[4] = {op.c[0] + (int64_t)i0, op.c[1] + (int64_t)i1, op.c[2] + (int64_t)i2,
+                                  op.c[3] + (int64_t)i3};
+            bool inside = true;
+            for (int i = 0; i < 4; i++) inside = inside && g[i] >= 0 && g[i] < (int64_t)dims[i];
+            if (inside)
+              memcpy(base + g[0] * 2 + g[1] * strides[0] + g[2] * strides[1] + g[3] * strides[2],
+                     op.data.data() + (wg_swizzle(at) - op.src), 2);
+          }
+    return;
+  }
   if (!op.add) {
     memcpy(op.dst, op.data.data(), op.bytes);
     return;
@@ -773,21 +796,34 @@ inline void bulk_write(Bulk& op) {
   }
 }
 inline std::atomic<long> g_bulk_copies{0};  // every bulk copy so far (the tests ask whether a kernel took them)
-inline void bulk_issue(void* dst, uint32_t src, uint32_t bytes, bool add) {
+inline std::atomic<long> g_tma_stores{0};   // the tensor stores among them
+inline void bulk_enqueue(Bulk op) {
   Block& b = *tl_block;
-  if ((uintptr_t)dst % 16 || src % 16) die("bulk copy: both addresses must be 16-byte aligned");
-  if (bytes == 0 || bytes % 16) die("bulk copy: the size must be a positive multiple of 16");
-  if (src + bytes > b.smem_bytes) die("bulk copy: the source runs past shared memory");
+  if (op.src + op.bytes > b.smem_bytes) die("bulk copy: the source runs past shared memory");
   if (tl_acquired)
     die("bulk copy to global memory after an acquire (wait_count) with no fence.proxy.async.global between");
-  for (uint32_t off = src; off < src + bytes; off++)
+  for (uint32_t off = op.src; off < op.src + op.bytes; off++)
     if (b.dirty[off]) die("bulk copy reads shared memory written by a store without a fence.proxy.async after it");
-  for (uint32_t off = src; off < src + bytes; off += 16) note_read(off, "a bulk copy", true);
-  Bulk op;
-  op.dst = static_cast<unsigned char*>(dst), op.src = src, op.bytes = bytes, op.add = add;
+  for (uint32_t off = op.src; off < op.src + op.bytes; off += 16) note_read(off, "a bulk copy", true);
   if (!g_lazy_cp) bulk_write(op);
   tl_bulk_cur.push_back(std::move(op));
   g_bulk_copies++;
+}
+inline void bulk_issue(void* dst, uint32_t src, uint32_t bytes, bool add) {
+  if ((uintptr_t)dst % 16 || src % 16) die("bulk copy: both addresses must be 16-byte aligned");
+  if (bytes == 0 || bytes % 16) die("bulk copy: the size must be a positive multiple of 16");
+  Bulk op;
+  op.dst = static_cast<unsigned char*>(dst), op.src = src, op.bytes = bytes, op.add = add;
+  bulk_enqueue(std::move(op));
+}
+inline void tma_store(const CUtensorMap* map, uint32_t src, std::array<int, 4> c) {
+  Bulk op;
+  op.map = tma_map(map), op.c = c, op.src = src;
+  const uint64_t* box = op.map + 9;
+  op.bytes = (uint32_t)(box[0] * box[1] * box[2] * box[3] * 2);
+  if (src % 1024) die("TMA store: a box in the 128-byte swizzle must come from a 1024-byte aligned address");
+  bulk_enqueue(std::move(op));
+  g_tma_stores++;
 }
 inline void bulk_commit() {
   tl_bulk_groups.push_back(std::move(tl_bulk_cur));
@@ -1002,7 +1038,13 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
         tl_bulk_groups.clear();
         tl_acquired = false;
         k(args...);
-        if (bulk_in_flight()) die("bulk copy never committed or never waited for at exit");
+        if (!tl_bulk_cur.empty()) die("bulk copy never committed at exit");
+        for (auto& gq : tl_bulk_groups)
+          for (Bulk& op : gq) {
+            if (!op.read_waited) die("a thread exits before its bulk copies have read shared memory (wait_group.read)");
+            bulk_write(op);
+          }
+        tl_bulk_groups.clear();
         if (!tl_wg_cur.empty() || !tl_wg_groups.empty()) die("wgmma not committed or never waited at exit");
         if (!tl_cur.empty()) die("uncommitted cp.async at exit");
         for (auto& gq : tl_groups) if (!gq.empty()) die("cp.async group never waited at exit");

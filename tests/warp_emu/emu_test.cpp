@@ -197,16 +197,19 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
   for (int fwd : {6, 7, 8, 9}) {
     cuda::set_flash_tiles({fwd, dkdv, dq});
     g_fwd_only = true;
+    const long stores0 = emu::g_tma_stores;
     const Outs o = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
     g_fwd_only = false;
     const int rows = d == 64 && fwd % 2 ? 192 : 128;
     const long tiles = (long)B * H * ((T + rows - 1) / rows);
     const long ctas = fwd >= 8 ? std::min<long>(tiles, emu::g_sm_count) : tiles;
+    // O by TMA stores of 64 rows x 64 columns: one per 64 rows of each head that start before T, and 64 columns
+    const long stores = emu::g_tma_stores - stores0, want = (long)B * H * ((T + 63) / 64) * (d / 64);
     // (emu::g_grid, the emulated gridDim, keeps the last launch's: the forward's)
     const bool same = o.out == base.out && o.lse == base.lse, grid = emu::g_grid.x == ctas;
-    if (!same || !grid) failures++;
-    printf("%s sm90 ws fwd %d: out and lse are fwd 3's bits %d; %u CTAs for %ld tiles\n",
-           same && grid ? "ok  " : "FAIL", fwd, same, emu::g_grid.x, tiles);
+    if (!same || !grid || stores != want) failures++;
+    printf("%s sm90 ws fwd %d: out and lse are fwd 3's bits %d; %u CTAs for %ld tiles; %ld O stores\n",
+           same && grid && stores == want ? "ok  " : "FAIL", fwd, same, emu::g_grid.x, tiles, stores);
   }
   cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);

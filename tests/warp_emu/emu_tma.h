@@ -1,6 +1,7 @@
 // replaces the PTX part of tma.cuh (inside namespace fastgpt::cuda::tma) with emu.h's TMA: maps encoded here, with
 // the encoder's documented requirements checked, and copies made at issue by emu::tma_load; the bulk copies to global
-// memory by emu::bulk_issue and its waits, the bulk copy back from global memory by emu::bulk_load
+// memory by emu::bulk_issue (tensor stores by emu::tma_store) and their waits, the bulk copy back from global memory
+// by emu::bulk_load
 inline void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
                    const uint32_t (&box)[4]) {
   emu::tma_encode(map, base, dims, strides, box);
@@ -20,6 +21,9 @@ __device__ __forceinline__ void store(void* dst, uint32_t src, uint32_t bytes) {
 }
 __device__ __forceinline__ void reduce_add(float* dst, uint32_t src, uint32_t bytes) {
   emu::bulk_issue(dst, src, bytes, true);
+}
+__device__ __forceinline__ void store_box(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+  emu::tma_store(map, src, {c0, c1, c2, c3});
 }
 __device__ __forceinline__ void commit() { emu::bulk_commit(); }
 template <int N>
