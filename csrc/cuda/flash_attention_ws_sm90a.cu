@@ -13,8 +13,9 @@
 //   rounded, into the swizzled layout in its warpgroup's own rows of the tile's Q buffer (read by nothing once the
 //   tile's last S product has retired) and arrives on an mbarrier; one thread of warpgroup 0 then has the copy
 //   engine store them (TMA tensor stores, rows past T left out) and hands the buffer back to the Q copies once the
-//   stores have read it. The consumers neither wait for nor compute addresses for O's 16 (d 64) or 32 (d 128)
-//   scattered 4-byte global stores per thread per tile; they start the next tile at once.
+//   stores have read it. A consumer thread's 16 (d 64) or 32 (d 128) 4-byte global stores per tile, half sectors
+//   each, with their 64-bit addresses, become as many conflict-free shared stores; it then starts the next tile, and
+//   the copy engine writes whole 128-byte rows.
 // - Warpgroups 1..NC each own 64 query rows and only multiply and take the softmax. They never wait on each other
 //   or on the copier at a CTA-wide barrier (the other kernel's __syncthreads per key block): each buffer has a
 //   "full" mbarrier (the issuing thread's arrival and the tile's bytes) and an "empty" one (every consumer warp
