@@ -228,24 +228,31 @@ __device__ __forceinline__ void store_two(float* dst, float lo, float hi) {
   *reinterpret_cast<float2*>(dst) = v;
 }
 
+// The end of a row's online softmax (this thread's m and l of row `row`, g or g + 8 of its tile): l summed over the
+// row's four lanes, and (lane c == 0, a row before T) lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2 into lse[row].
+// -> the row's sum. The forwards' ends: store_rows, sm90::stage_rows.
+__device__ __forceinline__ float finish_row(float m, float l, int row, int c, int T, float* lse) {
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (c == 0 && row < T) lse[row] = (m + log2f(l)) * kLn2;
+  return l;
+}
+
 // Forward's end: O normalised into rows [row0, row0 + 16) of `out` (row stride st; rows past T dropped) and each
-// row's lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2 into lse[row].
+// row's lse into lse[row] (finish_row).
 template <typename E, int ND>
 __device__ __forceinline__ void store_rows(const float (&o)[ND][4], const float (&m)[2], const float (&l)[2],
                                            int row0, int g, int c, int T, E* out, int64_t st, float* lse) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
-    float tot = l[r];
-    tot += __shfl_xor_sync(0xffffffffu, tot, 1);
-    tot += __shfl_xor_sync(0xffffffffu, tot, 2);
     const int row = row0 + g + r * 8;
+    const float tot = finish_row(m[r], l[r], row, c, T, lse);
     if (row >= T) continue;
     const float inv = 1.f / tot;
     E* orow = out + (int64_t)row * st;
 #pragma unroll
     for (int t = 0; t < ND; t++)
       store_two(orow + t * 8 + 2 * c, o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
-    if (c == 0) lse[row] = (m[r] + log2f(tot)) * kLn2;
   }
 }
 

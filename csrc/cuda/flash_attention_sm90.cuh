@@ -138,18 +138,15 @@ __device__ __forceinline__ void last_pv(float (&o)[D / 8][4], uint32_t (&pa)[BC 
 
 // The warp-specialised forward's end (store_rows' values, placed for a TMA store): one warp's 16 rows of O
 // (rows r0 + g, r0 + g + 8 of the swizzled (ROWS, D) tile at `tile`) normalised and rounded to E, and each row's lse
-// into lse[q0 + g], lse[q0 + g + 8] (rows past T dropped). Rows past T get whatever 1 / l makes of them: the
-// store leaves them out. Each 32-bit store of a warp goes to 8 rows x 4 words whose 16-byte chunks the swizzle
-// spreads over all 32 banks.
+// into lse[q0 + g], lse[q0 + g + 8] (finish_row). Rows past T get whatever 1 / l makes of them: the store leaves
+// them out. Each 32-bit store of a warp goes to 8 rows x 4 words whose 16-byte chunks the swizzle spreads over all
+// 32 banks.
 template <typename E, int ROWS, int D>
 __device__ __forceinline__ void stage_rows(const float (&o)[D / 8][4], const float (&m)[2], const float (&l)[2],
                                            unsigned char* tile, int r0, int q0, int g, int c, int T, float* lse) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
-    float tot = l[r];
-    tot += __shfl_xor_sync(0xffffffffu, tot, 1);
-    tot += __shfl_xor_sync(0xffffffffu, tot, 2);
-    const float inv = 1.f / tot;
+    const float inv = 1.f / finish_row(m[r], l[r], q0 + g + r * 8, c, T, lse);
     // offset<ROWS>(r0 + g + 8 r, 8 t + 2c) as store_ds spells it: the row is g mod 8, so the swizzle XORs the chunk
     // bits with g after a constant per t is added to the thread's base (made opaque: not D / 8 offsets kept live).
     int base = (r0 + g + r * 8) * 128 + 4 * c;
@@ -158,7 +155,6 @@ __device__ __forceinline__ void stage_rows(const float (&o)[D / 8][4], const flo
     for (int t = 0; t < D / 8; t++)
       wgmma::st_shared_b32(tile + ((base + (t / 8) * ROWS * 128 + (t % 8) * 16) ^ (16 * g)),
                            Pack<E>::two(o[t][2 * r] * inv, o[t][2 * r + 1] * inv));
-    if (c == 0 && q0 + g + r * 8 < T) lse[q0 + g + r * 8] = (m[r] + log2f(tot)) * kLn2;
   }
 }
 

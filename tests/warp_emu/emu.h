@@ -681,30 +681,41 @@ inline const uint64_t* tma_map(const CUtensorMap* map) {
   if (o[0] != kTmaMagic) die("TMA: a map the encoder did not make");
   return o;
 }
-inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, std::array<int, 4> c) {
-  const uint64_t *o = tma_map(map), *dims = o + 2, *strides = o + 6, *box = o + 9;
-  Block& b = *tl_block;
-  const size_t bytes = box[0] * box[1] * box[2] * box[3] * 2;
-  if (dst % 1024) die("TMA copy: a box in the 128-byte swizzle must land 1024-byte aligned");
-  if (dst + bytes > b.smem_bytes) die("TMA copy: the box runs past shared memory");
-  const unsigned char* base = reinterpret_cast<const unsigned char*>((uintptr_t)o[1]);
-  uint32_t at = dst;
+// A map's box (o: tma_map's words): its bytes, and each of its elements at coordinates c, in the box's row-major
+// order: f(at, elem) with `at` the element's place in an unswizzled box from shared byte `at0` and `elem` its global
+// address, nullptr outside the tensor.
+inline uint32_t box_bytes(const uint64_t* o) { return (uint32_t)(o[9] * o[10] * o[11] * o[12] * 2); }
+template <class F>
+void box_elements(const uint64_t* o, const std::array<int, 4>& c, uint32_t at0, F f) {
+  const uint64_t *dims = o + 2, *strides = o + 6, *box = o + 9;
+  unsigned char* base = reinterpret_cast<unsigned char*>((uintptr_t)o[1]);
+  uint32_t at = at0;
   for (uint64_t i3 = 0; i3 < box[3]; i3++)
     for (uint64_t i2 = 0; i2 < box[2]; i2++)
       for (uint64_t i1 = 0; i1 < box[1]; i1++)
         for (uint64_t i0 = 0; i0 < box[0]; i0++, at += 2) {
-          const uint32_t to = wg_swizzle(at);
-          if (at % 16 == 0) {  // a new 16-byte chunk
-            note_write(to, "a TMA copy", false);
-            memset(&b.dirty[to], 0, 16);
-          }
           const int64_t g[4] = {c[0] + (int64_t)i0, c[1] + (int64_t)i1, c[2] + (int64_t)i2, c[3] + (int64_t)i3};
           bool inside = true;
           for (int i = 0; i < 4; i++) inside = inside && g[i] >= 0 && g[i] < (int64_t)dims[i];
-          uint16_t v = 0;
-          if (inside) memcpy(&v, base + g[0] * 2 + g[1] * strides[0] + g[2] * strides[1] + g[3] * strides[2], 2);
-          memcpy(b.smem + to, &v, 2);
+          f(at, inside ? base + g[0] * 2 + g[1] * strides[0] + g[2] * strides[1] + g[3] * strides[2] : nullptr);
         }
+}
+inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, std::array<int, 4> c) {
+  const uint64_t* o = tma_map(map);
+  Block& b = *tl_block;
+  const size_t bytes = box_bytes(o);
+  if (dst % 1024) die("TMA copy: a box in the 128-byte swizzle must land 1024-byte aligned");
+  if (dst + bytes > b.smem_bytes) die("TMA copy: the box runs past shared memory");
+  box_elements(o, c, dst, [&](uint32_t at, unsigned char* elem) {
+    const uint32_t to = wg_swizzle(at);
+    if (at % 16 == 0) {  // a new 16-byte chunk
+      note_write(to, "a TMA copy", false);
+      memset(&b.dirty[to], 0, 16);
+    }
+    uint16_t v = 0;
+    if (elem) memcpy(&v, elem, 2);
+    memcpy(b.smem + to, &v, 2);
+  });
   g_tma_copies++;
   const Clock clk = release();
   std::lock_guard<std::mutex> lock(b.sync_mu);
@@ -765,22 +776,10 @@ inline void bulk_write(Bulk& op) {
   bulk_read(op);
   if (op.written) return;
   op.written = true;
-  if (op.map) {  // element by element in the box's row-major order, read through the swizzle, inside the tensor only
-    const uint64_t *dims = op.map + 2, *strides = op.map + 6, *box = op.map + 9;
-    unsigned char* base = reinterpret_cast<unsigned char*>((uintptr_t)op.map[1]);
-    uint32_t at = op.src;
-    for (uint64_t i3 = 0; i3 < box[3]; i3++)
-      for (uint64_t i2 = 0; i2 < box[2]; i2++)
-        for (uint64_t i1 = 0; i1 < box[1]; i1++)
-          for (uint64_t i0 = 0; i0 < box[0]; i0++, at += 2) {
-            const int64_t g[4] = {op.c[0] + (int64_t)i0, op.c[1] + (int64_t)i1, op.c[2] + (int64_t)i2,
-                                  op.c[3] + (int64_t)i3};
-            bool inside = true;
-            for (int i = 0; i < 4; i++) inside = inside && g[i] >= 0 && g[i] < (int64_t)dims[i];
-            if (inside)
-              memcpy(base + g[0] * 2 + g[1] * strides[0] + g[2] * strides[1] + g[3] * strides[2],
-                     op.data.data() + (wg_swizzle(at) - op.src), 2);
-          }
+  if (op.map) {  // element by element, read through the swizzle, inside the tensor only
+    box_elements(op.map, op.c, op.src, [&](uint32_t at, unsigned char* elem) {
+      if (elem) memcpy(elem, op.data.data() + (wg_swizzle(at) - op.src), 2);
+    });
     return;
   }
   if (!op.add) {
@@ -818,9 +817,7 @@ inline void bulk_issue(void* dst, uint32_t src, uint32_t bytes, bool add) {
 }
 inline void tma_store(const CUtensorMap* map, uint32_t src, std::array<int, 4> c) {
   Bulk op;
-  op.map = tma_map(map), op.c = c, op.src = src;
-  const uint64_t* box = op.map + 9;
-  op.bytes = (uint32_t)(box[0] * box[1] * box[2] * box[3] * 2);
+  op.map = tma_map(map), op.c = c, op.src = src, op.bytes = box_bytes(op.map);
   if (src % 1024) die("TMA store: a box in the 128-byte swizzle must come from a 1024-byte aligned address");
   bulk_enqueue(std::move(op));
   g_tma_stores++;
