@@ -8,6 +8,12 @@ the max |fastgpt - torch| column is only there to show both sides computed the s
 
     python3 bench/bench_ops.py                  # all cases
     python3 bench/bench_ops.py --case matmul --json /tmp/ops.json
+    python3 bench/bench_ops.py --device cuda --case layernorm --B 16 --T 1024 --C 768   # on a GPU, bf16
+
+On a GPU (--device cuda, with --dtype) the LayerNorm cases run; the other ops have their GPU benchmarks in
+bench_gpu_train.py (--profile: each kernel's time in the training step) and bench_flash_attention.py. There the
+backward gets a second row, "bwd2": fastgpt's two-pass form (ops.layernorm_backward_one_pass(False)) against the
+same torch call, so one run shows what reading each row once saves.
 """
 import argparse
 import os
@@ -19,6 +25,7 @@ from _common import OtherLoad, default_threads, environment, report_other_load, 
 
 CASES = ("embedding", "layernorm", "residual_layernorm", "matmul", "matmul_gelu", "attention", "gelu", "cross_entropy",
          "adamw")
+GPU_CASES = ("layernorm", "residual_layernorm")
 LINEARS = ("attn", "attn_proj", "fc", "fc_proj", "lm_head")  # every distinct nn.Linear shape of GPT-2
 
 
@@ -40,7 +47,17 @@ def parse_args(argv=None):
                    help="threads for both fastgpt (OpenMP) and torch (default: $OMP_NUM_THREADS or os.cpu_count())")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the LayerNorm cases on the GPU (timed with CUDA events)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="storage type of both sides (default: fp32 on the CPU, bf16 on a GPU; the CPU takes fp32 only)")
     args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    if args.device == "cpu" and args.dtype != "fp32":
+        p.error("--dtype bf16/fp16 needs --device cuda (the CPU cases compare float32)")
+    if args.device == "cuda" and args.case not in GPU_CASES:
+        p.error(f"--device cuda runs --case {' or '.join(GPU_CASES)} (the other ops' GPU benchmarks are "
+                "bench_gpu_train.py --profile and bench_flash_attention.py)")
     args.linears = [s.strip() for s in args.linears.split(",") if s.strip()]
     bad = [s for s in args.linears if s not in LINEARS]
     if bad:
@@ -52,7 +69,26 @@ def parse_args(argv=None):
     return args
 
 
-def paired_timings(fg, th, warmup, repeats):
+def host_ms(fn):
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def cuda_ms(fn, inner=20):
+    """ms per call from CUDA events around `inner` back-to-back calls: a kernel of tens of microseconds is not lost in
+    the host's launch and synchronisation."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / inner
+
+
+def paired_timings(fg, th, warmup, repeats, clock=host_ms):
     """[(median ms, min ms) of fg, (median ms, min ms) of th]. The calls alternate (fg, th, fg, th, ...) so that both
     sides see the same load when the machine is shared; warm-up calls of each come first and are not timed."""
     for _ in range(warmup):
@@ -61,10 +97,8 @@ def paired_timings(fg, th, warmup, repeats):
     times = ([], [])
     for _ in range(repeats):
         for fn, out in ((fg, times[0]), (th, times[1])):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return [(1e3 * statistics.median(t), 1e3 * min(t)) for t in times]
+            out.append(clock(fn))
+    return [(statistics.median(t), min(t)) for t in times]
 
 
 def max_diff(a, b):
@@ -72,8 +106,9 @@ def max_diff(a, b):
     import torch
     if isinstance(a, (tuple, list)):
         return max(max_diff(x, y) for x, y in zip(a, b))
-    b = b.detach().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
-    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - b.astype(np.float64)))) if b.size else 0.0
+    wide = lambda t: t.detach().double().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
+    a, b = wide(a), wide(b)
+    return float(np.max(np.abs(a - b))) if b.size else 0.0
 
 
 def run_cases(args):
@@ -86,17 +121,23 @@ def run_cases(args):
     rng = np.random.default_rng(args.seed)
     B, T, C, NH, V = args.B, args.T, args.C, args.n_head, args.vocab
     N = B * T
+    gpu = args.device == "cuda"
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    clock = cuda_ms if gpu else host_ms
 
-    def randn(*shape, scale=1.0):
+    def randn(*shape, scale=1.0):  # NumPy float32 on the CPU; a torch tensor of --dtype on a GPU
         a = (rng.standard_normal(shape) * scale).astype(np.float32)
         a[a == 0] = 1e-3  # non-zero everywhere
-        return a
+        return torch.from_numpy(a).to("cuda", tdt) if gpu else a
 
     def ids(*shape):
         return rng.integers(0, V, size=shape, dtype=np.int64)
 
     def tt(a):  # a leaf torch tensor with a's values (its own copy: nothing shares memory across the two sides)
-        return torch.from_numpy(a.copy()).requires_grad_(True)
+        return (a.clone() if gpu else torch.from_numpy(a.copy())).requires_grad_(True)
+
+    def dt(a):  # a torch tensor of a's values, for a torch-side gradient
+        return a.clone() if gpu else torch.from_numpy(a)
 
     rows = []
 
@@ -106,7 +147,7 @@ def run_cases(args):
             if fg is None:
                 continue
             diff = max_diff(fg(), th())
-            (fg_ms, fg_min), (th_ms, th_min) = paired_timings(fg, th, args.warmup, args.repeats)
+            (fg_ms, fg_min), (th_ms, th_min) = paired_timings(fg, th, args.warmup, args.repeats, clock)
             rows.append(dict(op=op, shape=shape, **{"pass": pas}, fastgpt_ms=fg_ms, torch_ms=th_ms,
                              ratio=th_ms / fg_ms, max_abs_diff=diff, fastgpt_min_ms=fg_min, torch_min_ms=th_min))
             print_row(rows[-1], flush=True)
@@ -129,33 +170,44 @@ def run_cases(args):
               th_fwd,
               lambda: torch.autograd.grad(th_out, (wte_t, wpe_t), dout_t, retain_graph=True))
 
+    def two_pass(fn):  # on a GPU: fastgpt's LayerNorm backward in two passes, for the "bwd2" row
+        def run():
+            before = ops.layernorm_backward_one_pass(False)
+            try:
+                return fn()
+            finally:
+                ops.layernorm_backward_one_pass(before)
+        return run
+
     if "layernorm" in selected:
         x, w, b, dout = randn(B, T, C), randn(C), randn(C), randn(B, T, C)
         _, mean, rstd = ops.layernorm_forward(x, w, b)
-        x_t, w_t, b_t, dout_t = tt(x), tt(w), tt(b), torch.from_numpy(dout)
+        x_t, w_t, b_t, dout_t = tt(x), tt(w), tt(b), dt(dout)
 
         def th_fwd():
             return F.layer_norm(x_t, (C,), w_t, b_t, 1e-5)
         th_out = th_fwd()
-        bench("layernorm", f"x({B},{T},{C})",
-              lambda: ops.layernorm_forward(x, w, b)[0],
-              lambda: ops.layernorm_backward(dout, x, w, mean, rstd),
-              th_fwd,
-              lambda: torch.autograd.grad(th_out, (x_t, w_t, b_t), dout_t, retain_graph=True))
+        fg_bwd = lambda: ops.layernorm_backward(dout, x, w, mean, rstd)
+        th_bwd = lambda: torch.autograd.grad(th_out, (x_t, w_t, b_t), dout_t, retain_graph=True)
+        bench("layernorm", f"x({B},{T},{C})", lambda: ops.layernorm_forward(x, w, b)[0], fg_bwd, th_fwd, th_bwd)
+        if gpu:
+            bench("layernorm", f"x({B},{T},{C})", None, two_pass(fg_bwd), None, th_bwd, passes=("fwd", "bwd2"))
 
     if "residual_layernorm" in selected:  # the fused model's skip connection: the add and the LayerNorm after it
         a, b, w, bias, dout = randn(B, T, C), randn(B, T, C), randn(C), randn(C), randn(B, T, C)
         res, _, mean, rstd = ops.residual_layernorm_forward(a, b, w, bias)
-        a_t, b_t, w_t, bias_t, dout_t = tt(a), tt(b), tt(w), tt(bias), torch.from_numpy(dout)
+        a_t, b_t, w_t, bias_t, dout_t = tt(a), tt(b), tt(w), tt(bias), dt(dout)
 
         def th_fwd():
             return F.layer_norm(a_t + b_t, (C,), w_t, bias_t, 1e-5)
         th_out = th_fwd()
-        bench("residual_layernorm", f"a,b({B},{T},{C})",
-              lambda: ops.residual_layernorm_forward(a, b, w, bias)[1],
-              lambda: ops.layernorm_backward(dout, res, w, mean, rstd),  # the fused op's backward
-              th_fwd,
-              lambda: torch.autograd.grad(th_out, (a_t, w_t, bias_t), dout_t, retain_graph=True))  # grad of b = of a
+        fg_bwd = lambda: ops.layernorm_backward(dout, res, w, mean, rstd)  # the fused op's backward
+        th_bwd = lambda: torch.autograd.grad(th_out, (a_t, w_t, bias_t), dout_t, retain_graph=True)  # b's = a's
+        bench("residual_layernorm", f"a,b({B},{T},{C})", lambda: ops.residual_layernorm_forward(a, b, w, bias)[1],
+              fg_bwd, th_fwd, th_bwd)
+        if gpu:
+            bench("residual_layernorm", f"a,b({B},{T},{C})", None, two_pass(fg_bwd), None, th_bwd,
+                  passes=("fwd", "bwd2"))
 
     if "matmul" in selected:
         shapes = {"attn": (C, 3 * C, True), "attn_proj": (C, C, True), "fc": (C, 4 * C, True),
@@ -294,6 +346,9 @@ def main(argv=None):
           f"threads {threads} (torch {torch.get_num_threads()}) | warmup {args.warmup}, median of {args.repeats} | "
           f"seed {args.seed}")
     print(f"torch {env['torch']}, fastgpt {env['fastgpt']}, {env['host_cpu']}, load average {env['loadavg_1m']:.2f}")
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        print(f"device cuda ({env['gpu']}), {args.dtype}; each timing is CUDA events around 20 calls")
     busy = OtherLoad()
     rows = run_cases(args)
     print("ratio = torch ms / fastgpt ms: above 1 means fastgpt is faster.")
@@ -302,7 +357,7 @@ def main(argv=None):
     if args.json:
         payload = {"benchmark": "bench_ops", "env": env,
                    "config": {k: getattr(args, k) for k in ("B", "T", "C", "n_head", "n_layer", "vocab", "linears",
-                                                            "warmup", "repeats", "seed")},
+                                                            "warmup", "repeats", "seed", "device", "dtype")},
                    "results": rows}
         write_json(args.json, payload)
     return 0

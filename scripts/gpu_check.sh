@@ -3,7 +3,7 @@
 # tests sanitize bench), and print a short table last (the device tool returns only the tail of the output).
 #   tests     every test file on its own (a fault in one cannot poison the others), GPU cases on; NCCL line
 #   sanitize  compute-sanitizer memcheck/racecheck/initcheck/synccheck on every flash variant and a 3-step training
-#   bench     GPT-2 124M training, precision table, flash attention, AdamW bandwidth, generation (JSON)
+#   bench     GPT-2 124M training, precision table, flash attention, LayerNorm backward, AdamW bandwidth, generation
 #   accuracy  scripts/flash_accuracy.py: half-precision flash error beside every SDPA backend and an emulation
 #   diagnose  scripts/flash_diagnose.py: each flash kernel choice against float64 on small shapes, each in its own
 #             process; for a wrong output, which rows, columns and heads, and a map (where to look first)
@@ -125,6 +125,10 @@ if [ $build = ok ] && has bench; then
   timeout 60 python3 bench/bench_flash_attention.py --dtype fp32 --d 64 --T 1024 --causal yes \
     --json "$out/bench_flash_attention_fp32.json" >> "$out/bench.log" 2>&1 || b=FAIL
   res[bench_flash]=$b
+  # The LayerNorm backward at GPT-2's rows (B 16): rows read once ("bwd") and in two passes ("bwd2") vs torch.
+  b=FAIL; timeout 40 python3 bench/bench_ops.py --device cuda --case layernorm --B 16 --T 1024 --C 768 \
+    --json "$out/bench_ops_layernorm.json" >> "$out/bench.log" 2>&1 && b=ok
+  res[bench_layernorm]=$b
   b=FAIL; timeout 40 python3 bench/bench_adamw.py --json "$out/bench_adamw.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_adamw]=$b
   b=FAIL; timeout 90 python3 bench/bench_generate.py --device cuda --precision bf16 --prompt-len 64 --new-tokens 128 \
@@ -157,6 +161,7 @@ if has bench; then
   grep -E -A8 "^variant " "$out/bench.log"
   grep -E -A5 "^precision " "$out/bench.log"
   grep -E "vs fastest torch|^adamw|copy|AdamW" "$out/bench.log" | tail -18
+  grep -E "^layernorm " "$out/bench.log"
 fi
 if has diagnose && [ -f "$out/diagnose.log" ]; then grep "^== " "$out/diagnose.log"; fi
 if has ncu && [ -f "$out/ncu.log" ]; then cut -c1-230 "$out/ncu.log"; fi

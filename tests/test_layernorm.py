@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
-from devices import DEVICES, host, on
+from devices import DEVICES, host, needs_cuda, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -46,3 +46,51 @@ def test_layernorm_deterministic(rng, device):
     second = ops.layernorm_backward(dout, x, w, mean, rstd)
     for a, c in zip(first, second):
         assert np.array_equal(host(a), host(c))
+
+
+def test_layernorm_backward_one_pass_setting():
+    if not ops._C.built_with_cuda:
+        with pytest.raises(RuntimeError, match="no CUDA"):
+            ops.layernorm_backward_one_pass()
+        return
+    before = ops.layernorm_backward_one_pass()
+    try:
+        assert ops.layernorm_backward_one_pass(not before) == before
+        assert ops.layernorm_backward_one_pass() == (not before)
+        with pytest.raises(TypeError, match="enabled must be True, False or None"):
+            ops.layernorm_backward_one_pass(1)
+        assert ops.layernorm_backward_one_pass() == (not before)  # a refused value changes nothing
+    finally:
+        ops.layernorm_backward_one_pass(before)
+
+
+# On a GPU the backward reads each row once where it can (C a whole number of 16-byte packs, <= 1024: GPT-2 124M's
+# 768 and a short row) and in two passes otherwise (1032: too wide; 100 bf16 values: not whole packs), or when told.
+# Both paths must give the same dweight/dbias bits (the same parts summed in the same order) and match float64.
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(8, 1024, 768), (3, 67, 40), (3, 50, 1032), (2, 70, 100)])
+def test_cuda_layernorm_backward_paths(rng, dtype, tol, shape):
+    C = shape[-1]
+    make = lambda s, scale=1.0, shift=0.0: torch.tensor(rng.standard_normal(s) * scale + shift).to(dtype).cuda()
+    x, w, b, dout = make(shape, 2.0, 0.5), make(C), make(C), make(shape)
+    _, mean, rstd = ops.layernorm_forward(x, w, b)
+    xt, wt, bt = (t.double().cpu().requires_grad_(True) for t in (x, w, b))
+    F.layer_norm(xt, (C,), wt, bt, eps=1e-5).backward(dout.double().cpu())
+    grads = []
+    for one_pass in (True, False):
+        before = ops.layernorm_backward_one_pass(one_pass)
+        try:
+            dx, dw, db = ops.layernorm_backward(dout, x, w, mean, rstd)
+        finally:
+            ops.layernorm_backward_one_pass(before)
+        # dx as float64 (numpy has no bfloat16); dweight and dbias are float32.
+        dx = dx.detach().double().cpu() if isinstance(dx, torch.Tensor) else np.asarray(dx, dtype=np.float64)
+        dw, db = host(dw), host(db)
+        assert rel_err(dx, xt.grad) < tol, f"dx, one_pass={one_pass}"
+        assert rel_err(dw, wt.grad) < 1e-5, f"dweight, one_pass={one_pass}"
+        assert rel_err(db, bt.grad) < 1e-5, f"dbias, one_pass={one_pass}"
+        grads.append((dw, db))
+    for (a, b), name in zip(zip(*grads), ("dweight", "dbias")):
+        assert np.array_equal(a.view(np.int32), b.view(np.int32)), f"{name}: the two paths' bits differ"

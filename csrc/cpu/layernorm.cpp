@@ -1,7 +1,10 @@
 // LayerNorm over the last dimension (eps 1e-5, biased variance, as torch.nn.LayerNorm), forward and backward.
 // Row statistics are accumulated in double: the CPU backend is the reference the CUDA kernels are judged against.
 // dweight/dbias sum over all rows; rows are cut into fixed chunks whose partial sums are added in chunk order,
-// so the result does not depend on the thread count. Storage may be 16-bit (S); every sum is in float or double.
+// so the result does not depend on the thread count. A chunk's partial is itself the sum, in order, of its parts'
+// (kRowsPerPart rows each, summed in order): the order the CUDA kernel's warps can keep (cuda/layernorm.cu), so that
+// both sum the same floats the same way. Storage may be 16-bit (S); every sum is in float or double.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -11,7 +14,8 @@ namespace fastgpt::cpu {
 
 namespace {
 constexpr float kEps = 1e-5f;
-constexpr int64_t kRowsPerChunk = 64;
+constexpr int64_t kRowsPerChunk = 64;  // cuda/layernorm.cu cuts its rows the same way: keep the two equal
+constexpr int64_t kRowsPerPart = 8;
 }  // namespace
 
 template <typename S>
@@ -42,37 +46,47 @@ template <typename S>
 void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
                         const float* mean, const float* rstd, int64_t N, int C) {
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-  // Per chunk: dweight (C) | dbias (C). Kept per calling thread and grown only, so a training step allocates nothing.
+  // Per chunk: dweight (C) | dbias (C) | the part's dweight (C) | its dbias (C). Kept per calling thread and grown
+  // only, so a training step allocates nothing.
   thread_local std::vector<float> partial;
-  if (partial.size() < (size_t)nchunks * 2 * C) partial.resize((size_t)nchunks * 2 * C);
+  if (partial.size() < (size_t)nchunks * 4 * C) partial.resize((size_t)nchunks * 4 * C);
   float* part = partial.data();  // the OpenMP workers must use this thread's buffer, not their own thread_local
 #pragma omp parallel for schedule(static)
   for (int64_t ch = 0; ch < nchunks; ch++) {
-    float* pw = part + ch * 2 * C;
+    float* pw = part + ch * 4 * C;
     float* pb = pw + C;
-    for (int c = 0; c < C; c++) pw[c] = pb[c] = 0.f;
+    float* qw = pb + C;
+    float* qb = qw + C;
     const int64_t n1 = (ch + 1) * kRowsPerChunk < N ? (ch + 1) * kRowsPerChunk : N;
-    for (int64_t n = ch * kRowsPerChunk; n < n1; n++) {
-      const S* x = inp + n * C;
-      const S* dy = dout + n * C;
-      const float m = mean[n], r = rstd[n];
-      // dx = r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w
-      double sd = 0.0, sdn = 0.0;
+    for (int64_t p0 = ch * kRowsPerChunk; p0 < n1; p0 += kRowsPerPart) {
+      for (int c = 0; c < C; c++) qw[c] = qb[c] = 0.f;
+      for (int64_t n = p0; n < std::min(p0 + kRowsPerPart, n1); n++) {
+        const S* x = inp + n * C;
+        const S* dy = dout + n * C;
+        const float m = mean[n], r = rstd[n];
+        // dx = r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w
+        double sd = 0.0, sdn = 0.0;
 #pragma omp simd reduction(+ : sd, sdn)
-      for (int c = 0; c < C; c++) {
-        const float norm = (to_float(x[c]) - m) * r;
-        const float dn = to_float(dy[c]) * to_float(weight[c]);
-        sd += dn;
-        sdn += dn * norm;
-      }
-      const float md = (float)(sd / C), mdn = (float)(sdn / C);
-      S* dx = dinp + n * C;
+        for (int c = 0; c < C; c++) {
+          const float norm = (to_float(x[c]) - m) * r;
+          const float dn = to_float(dy[c]) * to_float(weight[c]);
+          sd += dn;
+          sdn += dn * norm;
+        }
+        const float md = (float)(sd / C), mdn = (float)(sdn / C);
+        S* dx = dinp + n * C;
 #pragma omp simd
+        for (int c = 0; c < C; c++) {
+          const float norm = (to_float(x[c]) - m) * r, g = to_float(dy[c]);
+          dx[c] = from_float<S>(to_float(dx[c]) + (g * to_float(weight[c]) - md - norm * mdn) * r);
+          qw[c] += g * norm;
+          qb[c] += g;
+        }
+      }
+      const bool first = p0 == ch * kRowsPerChunk;
       for (int c = 0; c < C; c++) {
-        const float norm = (to_float(x[c]) - m) * r, g = to_float(dy[c]);
-        dx[c] = from_float<S>(to_float(dx[c]) + (g * to_float(weight[c]) - md - norm * mdn) * r);
-        pw[c] += g * norm;
-        pb[c] += g;
+        pw[c] = first ? qw[c] : pw[c] + qw[c];
+        pb[c] = first ? qb[c] : pb[c] + qb[c];
       }
     }
   }
@@ -80,8 +94,8 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
   for (int c = 0; c < C; c++) {
     double w = 0.0, b = 0.0;
     for (int64_t ch = 0; ch < nchunks; ch++) {
-      w += part[ch * 2 * C + c];
-      b += part[ch * 2 * C + C + c];
+      w += part[ch * 4 * C + c];
+      b += part[ch * 4 * C + C + c];
     }
     dweight[c] += (float)w;
     dbias[c] += (float)b;

@@ -2,25 +2,41 @@
 // csrc/cpu/layernorm.cpp. One warp per row for everything that reduces across a row (two-pass mean then variance in
 // float, warp-shuffle sums; the forward's row is in cuda/layernorm.cuh, shared with residual_layernorm.cu). dinp
 // accumulates (+=), as on the CPU: the residual stream sums into it.
-// dweight/dbias sum over all rows without atomics: partial sums over fixed chunks of kRowsPerChunk rows (the CPU's
-// chunking: each partial is the same in-order float sum) go to a scratch buffer, then one thread per channel adds
-// the chunks in order in double, as the CPU does. The result never depends on launch configuration or timing.
+// dweight/dbias sum over all rows without atomics: each chunk of kRowsPerChunk rows gets a partial sum in a scratch
+// buffer, then one thread per channel adds the chunks in order in double, as the CPU does. A chunk's partial is the
+// CPU's: the in-order float sum of its parts' sums, a part being kRowsPerPart rows summed in order. The result never
+// depends on launch configuration or timing.
+// The backward reads each row once (llm.c's layernorm_backward does the same): a block takes a chunk, each of its
+// warps one part, and a lane keeps its columns of the row (16-byte packs) in registers from the row's two sums to
+// its dinp, and its columns' part sums beside them; the warps then add their part sums into the chunk's partial in
+// turn, through shared memory. The two-pass form it replaces (one kernel for dinp, a second that reads dout and inp
+// again for the partials: half as much traffic again) is kept for rows it cannot take (C not a whole number of
+// packs, over kMaxCols, unaligned views) and, by set_layernorm_one_pass(false), for benchmarks and tests; both give
+// the same dweight/dbias bits (fmaf in both).
 // Templates over the storage type S (float, bf16, f16): inputs are widened to float as they are loaded, every sum
 // is in float (or double for the chunk combine), out is rounded once to S, mean/rstd and dweight/dbias are float,
 // and dinp += is read as S, added in float and rounded once.
+#include <atomic>
 #include <cmath>
 
 #include "cuda/check.h"
 #include "cuda/layernorm.cuh"
 #include "cuda/ops.h"
 #include "cuda/scratch.h"
+#include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
 
 namespace {
-constexpr int kRowsPerChunk = 64;  // must stay equal to the CPU's for the partial sums to match it
+constexpr int kRowsPerChunk = 64;  // these two must stay equal to the CPU's for the partial sums to match it
+constexpr int kRowsPerPart = 8;
+constexpr int kParts = kRowsPerChunk / kRowsPerPart;  // the one-pass kernel's warps per block
 constexpr int kWarpsPerBlock = 8;
 constexpr int kColThreads = 128;
+constexpr int kMaxCols = 1024;  // the one-pass kernel's widest row: 32 columns per lane (64 sums in registers)
+
+// Read by every layernorm_backward (set_layernorm_one_pass).
+std::atomic<bool> g_one_pass{true};
 
 template <typename S>
 __global__ void layernorm_forward_kernel(S* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
@@ -62,8 +78,8 @@ __global__ void layernorm_backward_dinp_kernel(S* __restrict__ dinp, const S* __
   }
 }
 
-// grid: (nchunks, ceil(C / kColThreads)); one thread per (chunk, channel), rows of the chunk in order.
-// partial layout per chunk: dweight (C) | dbias (C).
+// grid: (nchunks, ceil(C / kColThreads)); one thread per (chunk, channel), the chunk's parts in order and each
+// part's rows in order. partial layout per chunk: dweight (C) | dbias (C).
 template <typename S>
 __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, const S* __restrict__ dout,
                                                   const S* __restrict__ inp, const float* __restrict__ mean,
@@ -73,15 +89,106 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
   if (c >= C) return;
   const int64_t n0 = ch * kRowsPerChunk;
   const int64_t n1 = n0 + kRowsPerChunk < N ? n0 + kRowsPerChunk : N;
-  float pw = 0.f, pb = 0.f;
-  for (int64_t n = n0; n < n1; n++) {
-    const float dy = to_float(dout[n * C + c]);
-    const float norm = (to_float(inp[n * C + c]) - mean[n]) * rstd[n];
-    pw += dy * norm;
-    pb += dy;
+  float sw = 0.f, sb = 0.f;
+  for (int64_t p0 = n0; p0 < n1; p0 += kRowsPerPart) {
+    float pw = 0.f, pb = 0.f;
+    for (int64_t n = p0; n < p0 + kRowsPerPart && n < n1; n++) {
+      const float dy = to_float(dout[n * C + c]);
+      const float norm = (to_float(inp[n * C + c]) - mean[n]) * rstd[n];
+      pw = fmaf(dy, norm, pw);
+      pb += dy;
+    }
+    sw = p0 == n0 ? pw : sw + pw;
+    sb = p0 == n0 ? pb : sb + pb;
   }
-  partial[ch * 2 * C + c] = pw;
-  partial[ch * 2 * C + C + c] = pb;
+  partial[ch * 2 * C + c] = sw;
+  partial[ch * 2 * C + C + c] = sb;
+}
+
+// One block per chunk, one warp per part (grid: nchunks; kParts warps). Lane l's columns are the K packs
+// (32 k + l) * P .. + P - 1 (P = Pack<S>::N): each warp-wide load is 512 contiguous bytes. Needs C a multiple of P
+// (a pack is in the row or out of it), C <= 32 K P <= kMaxCols and 16-byte aligned rows (one_pass_fits).
+template <typename S, int K>
+__global__ void __launch_bounds__(32 * kParts)
+    layernorm_backward_one_pass_kernel(S* __restrict__ dinp, float* __restrict__ partial, const S* __restrict__ dout,
+                                       const S* __restrict__ inp, const S* __restrict__ weight,
+                                       const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
+                                       int C) {
+  constexpr int P = Pack<S>::N;
+  __shared__ float sums[2 * kMaxCols];  // (2, C): dweight | dbias, the chunk's parts added so far
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t p0 = (int64_t)blockIdx.x * kRowsPerChunk + warp * kRowsPerPart;
+  const int64_t p1 = p0 + kRowsPerPart < N ? p0 + kRowsPerPart : N;
+  float pw[K][P], pb[K][P];  // this part's sums, by column
+  Pack<S> w[K];
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const int c = (32 * k + lane) * P;
+#pragma unroll
+    for (int e = 0; e < P; e++) pw[k][e] = pb[k][e] = 0.f;
+    if (c < C) w[k] = load_pack(weight + c);
+  }
+  for (int64_t n = p0; n < p1; n++) {  // a warp past N has no rows: it only takes its turns below
+    const S* x = inp + n * C;
+    const S* dy = dout + n * C;
+    Pack<S> xv[K], gv[K];  // the row, read once
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int c = (32 * k + lane) * P;
+      if (c < C) {
+        xv[k] = load_pack(x + c);
+        gv[k] = load_pack(dy + c);
+      }
+    }
+    const float m = mean[n], r = rstd[n];
+    float sd = 0.f, sdn = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; k++)
+      if ((32 * k + lane) * P < C) {
+#pragma unroll
+        for (int e = 0; e < P; e++) {
+          const float norm = (to_float(xv[k].v[e]) - m) * r;
+          const float dn = to_float(gv[k].v[e]) * to_float(w[k].v[e]);
+          sd += dn;
+          sdn += dn * norm;
+        }
+      }
+    const float md = warp_sum(sd) / C, mdn = warp_sum(sdn) / C;
+    S* dx = dinp + n * C;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const int c = (32 * k + lane) * P;
+      if (c < C) {
+        Pack<S> d = load_pack(dx + c);
+#pragma unroll
+        for (int e = 0; e < P; e++) {
+          const float norm = (to_float(xv[k].v[e]) - m) * r, g = to_float(gv[k].v[e]);
+          d.v[e] = from_float<S>(to_float(d.v[e]) + (g * to_float(w[k].v[e]) - md - norm * mdn) * r);
+          pw[k][e] = fmaf(g, norm, pw[k][e]);
+          pb[k][e] += g;
+        }
+        store_pack(dx + c, d);
+      }
+    }
+  }
+  // The parts' sums into the chunk's, part 0 first: the partial kernel's order, one warp at a time.
+  for (int t = 0; t < kParts; t++) {
+    if (warp == t && p0 < N) {
+#pragma unroll
+      for (int k = 0; k < K; k++) {
+        const int c = (32 * k + lane) * P;
+        if (c < C) {
+#pragma unroll
+          for (int e = 0; e < P; e++) {
+            sums[c + e] = t == 0 ? pw[k][e] : sums[c + e] + pw[k][e];
+            sums[C + c + e] = t == 0 ? pb[k][e] : sums[C + c + e] + pb[k][e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) partial[(int64_t)blockIdx.x * 2 * C + i] = sums[i];
 }
 
 __global__ void layernorm_backward_combine_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
@@ -96,6 +203,14 @@ __global__ void layernorm_backward_combine_kernel(float* __restrict__ dweight, f
   dweight[c] += (float)w;
   dbias[c] += (float)b;
 }
+
+template <typename S, int K>
+void launch_one_pass(S* dinp, float* partial, const S* dout, const S* inp, const S* weight, const float* mean,
+                     const float* rstd, int64_t N, int C, int64_t nchunks, Stream stream) {
+  auto* kernel = layernorm_backward_one_pass_kernel<S, K>;  // one-line launch: the warp emulator rewrites it
+  kernel<<<(unsigned)nchunks, 32 * kParts, 0, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
+  FASTGPT_CUDA_CHECK_LAUNCH();
+}
 }  // namespace
 
 template <typename S>
@@ -109,23 +224,41 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
 }
 
 template <typename S>
+bool layernorm_one_pass_fits(const S* dinp, const S* dout, const S* inp, const S* weight, int C) {
+  return C > 0 && C % Pack<S>::N == 0 && C <= kMaxCols && aligned16(dinp) && aligned16(dout) && aligned16(inp) &&
+         aligned16(weight);
+}
+
+bool layernorm_one_pass() { return g_one_pass.load(); }
+bool set_layernorm_one_pass(bool on) { return g_one_pass.exchange(on); }
+
+template <typename S>
 void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
                         const float* mean, const float* rstd, int64_t N, int C, Stream stream) {
   if (N <= 0 || C <= 0) return;
-  const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  auto* dinp_kernel = layernorm_backward_dinp_kernel<S>;
-  dinp_kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
-  FASTGPT_CUDA_CHECK_LAUNCH();
-
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   const unsigned col_blocks = (unsigned)((C + kColThreads - 1) / kColThreads);
   // Scratch until the combine kernel has been queued: no sync.
   Scratch scratch((size_t)nchunks * 2 * C, stream);
   float* partial = scratch.ptr;
-  const dim3 grid((unsigned)nchunks, col_blocks);
-  auto* partial_kernel = layernorm_backward_partial_kernel<S>;
-  partial_kernel<<<grid, kColThreads, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
-  FASTGPT_CUDA_CHECK_LAUNCH();
+  if (g_one_pass.load() && layernorm_one_pass_fits(dinp, dout, inp, weight, C)) {
+    // Packs per lane, rounded up to a multiple of u: four instances per type, the same widths (256 to 1024
+    // columns) for float, whose packs hold 4 values, as for the 16-bit types (8).
+    constexpr int P = Pack<S>::N, u = 8 / P;
+    const int k = ((C + 32 * P - 1) / (32 * P) + u - 1) / u;
+    auto* launch = k == 1 ? launch_one_pass<S, u> : k == 2 ? launch_one_pass<S, 2 * u>
+                 : k == 3 ? launch_one_pass<S, 3 * u> : launch_one_pass<S, 4 * u>;
+    launch(dinp, partial, dout, inp, weight, mean, rstd, N, C, nchunks, stream);
+  } else {
+    const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    auto* dinp_kernel = layernorm_backward_dinp_kernel<S>;
+    dinp_kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
+    FASTGPT_CUDA_CHECK_LAUNCH();
+    const dim3 grid((unsigned)nchunks, col_blocks);
+    auto* partial_kernel = layernorm_backward_partial_kernel<S>;
+    partial_kernel<<<grid, kColThreads, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
+    FASTGPT_CUDA_CHECK_LAUNCH();
+  }
   layernorm_backward_combine_kernel<<<col_blocks, kColThreads, 0, stream>>>(dweight, dbias, partial, nchunks, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
@@ -133,7 +266,8 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
 #define FASTGPT_INSTANTIATE(S)                                                                               \
   template void layernorm_forward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int, Stream); \
   template void layernorm_backward<S>(S*, float*, float*, const S*, const S*, const S*, const float*,         \
-                                      const float*, int64_t, int, Stream);
+                                      const float*, int64_t, int, Stream);                                    \
+  template bool layernorm_one_pass_fits<S>(const S*, const S*, const S*, const S*, int);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

@@ -29,6 +29,14 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
 template <typename S>
 void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
                         const float* mean, const float* rstd, int64_t N, int C, Stream stream);
+// layernorm_backward reads each row once (true, the default) where layernorm_one_pass_fits says it can (C a multiple
+// of 8 16-bit or 4 float values, at most 1024; 16-byte aligned rows), else in two passes (dinp, then the partial
+// sums). Both give the same dweight/dbias. Process-wide, read by every call (a CUDA graph keeps what it recorded);
+// set by benchmarks and tests to compare the two. set_ returns the previous choice.
+bool layernorm_one_pass();
+bool set_layernorm_one_pass(bool on);
+template <typename S>
+bool layernorm_one_pass_fits(const S* dinp, const S* dout, const S* inp, const S* weight, int C);
 
 // tf32: fp32 operands multiplied on TF32 tensor cores (cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32); float only.
 // 16-bit S: 16-bit A/B with fp32 accumulation (CUBLAS_COMPUTE_32F), bias epilogue in the same type.

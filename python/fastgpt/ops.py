@@ -222,6 +222,19 @@ def layernorm_backward(dout, x, weight, mean, rstd):
     return dx, dw, db
 
 
+def layernorm_backward_one_pass(enabled=None):
+    """How layernorm_backward (and the model's backward) runs on a GPU: True (the default) reads each row of dout
+    and x once, for dx and for the weight and bias gradients' partial sums; False in two passes (dx, then a second
+    read of dout and x for the partial sums). Rows the one-pass kernel cannot take (width not a multiple of 8
+    16-bit or 4 float values, or over 1024; views not 16-byte aligned) always take two. Both give the same weight
+    and bias gradients, bit for bit. Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a
+    training step keeps the path it was recorded with. None leaves it. -> the previous setting. Needs a build with
+    CUDA."""
+    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"layernorm_backward_one_pass: enabled must be True, False or None, got {enabled!r}")
+    return bool(_ops.layernorm_backward_one_pass(None if enabled is None else bool(enabled)))
+
+
 def matmul_forward(x, weight, bias=None):
     """nn.Linear: x (..., in) @ weight (out, in)^T + bias (out) -> (..., out)."""
     d = _where(x, weight, bias)

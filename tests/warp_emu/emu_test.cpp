@@ -627,12 +627,112 @@ void run_residual_layernorm(int N, int C, double tol, unsigned seed) {
   fflush(stdout);
 }
 
+// The LayerNorm backward's two paths (layernorm.cu): rows read once (warps of a block take the parts of a chunk and
+// add their sums in turn) and the two-pass kernels. They must give the same dweight/dbias bits (the same parts in
+// the same order, fmaf in both), each within tol of float64 for dinp (added onto values already there) and 1e-5 for
+// dweight/dbias (also added onto values). `offset` elements shift every row view off 16-byte alignment; `fits` is
+// whether the one-pass kernel must take the shape (else both calls run the two passes).
+template <typename S>
+void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  const size_t n = (size_t)N * C + offset;
+  auto fill = [&](size_t k, float scale, float shift) {
+    std::vector<S> v(k);
+    for (auto& x : v) x = from_float<S>(shift + scale * nd(rng));
+    return v;
+  };
+  const std::vector<S> x = fill(n, 2.f, 0.5f), dy = fill(n, 1.f, 0.f), dinp0 = fill(n, 1.f, 0.f),
+                       w = fill(C + offset, 1.f, 0.f), bias = fill(C + offset, 1.f, 0.f);
+  std::vector<float> dw0(C), db0(C);
+  for (int c = 0; c < C; c++) dw0[c] = nd(rng), db0[c] = nd(rng);
+  std::vector<S> out(n);
+  std::vector<float> mean(N), rstd(N);
+  cuda::layernorm_forward(out.data() + offset, mean.data(), rstd.data(), x.data() + offset, w.data() + offset,
+                          bias.data() + offset, N, C, nullptr);
+  std::vector<double> rdx(n), rdw(C), rdb(C);
+  for (int c = 0; c < C; c++) rdw[c] = dw0[c], rdb[c] = db0[c];
+  for (int r = 0; r < N; r++) {
+    const S* xr = x.data() + offset + (size_t)r * C;
+    const S* gr = dy.data() + offset + (size_t)r * C;
+    const S* wr = w.data() + offset;
+    double m = 0, v = 0, sd = 0, sdn = 0;
+    for (int c = 0; c < C; c++) m += to_float(xr[c]);
+    m /= C;
+    for (int c = 0; c < C; c++) v += (to_float(xr[c]) - m) * (to_float(xr[c]) - m);
+    const double rs = 1.0 / std::sqrt(v / C + 1e-5);
+    for (int c = 0; c < C; c++) {
+      const double norm = (to_float(xr[c]) - m) * rs, g = to_float(gr[c]);
+      sd += g * to_float(wr[c]);
+      sdn += g * to_float(wr[c]) * norm;
+      rdw[c] += g * norm;
+      rdb[c] += g;
+    }
+    for (int c = 0; c < C; c++) {
+      const size_t i = offset + (size_t)r * C + c;
+      const double norm = (to_float(xr[c]) - m) * rs, g = to_float(gr[c]);
+      rdx[i] = to_float(dinp0[i]) + (g * to_float(wr[c]) - sd / C - norm * sdn / C) * rs;
+    }
+  }
+  const auto wide = [offset](const auto& v) {
+    std::vector<double> o(v.size() - offset);
+    for (size_t i = 0; i < o.size(); i++) o[i] = to_float(v[i + offset]);
+    return o;
+  };
+  const std::vector<double> rdx_view(rdx.begin() + offset, rdx.end());
+  bool ok = cuda::layernorm_one_pass_fits(dinp0.data() + offset, dy.data() + offset, x.data() + offset,
+                                          w.data() + offset, C) == fits;
+  std::vector<float> dws[2], dbs[2];
+  double ex[2], ew[2], eb[2];
+  for (int one_pass : {1, 0}) {
+    const bool before = cuda::set_layernorm_one_pass(one_pass);
+    std::vector<S> dinp = dinp0;
+    std::vector<float> dw = dw0, db = db0;
+    cuda::layernorm_backward(dinp.data() + offset, dw.data(), db.data(), dy.data() + offset, x.data() + offset,
+                             w.data() + offset, mean.data(), rstd.data(), N, C, nullptr);
+    cuda::set_layernorm_one_pass(before);
+    ok = ok && memcmp(dinp.data(), dinp0.data(), offset * sizeof(S)) == 0;  // nothing before the view is written
+    std::vector<double> wdw(dw.begin(), dw.end()), wdb(db.begin(), db.end());
+    ex[one_pass] = relerr(wide(dinp), rdx_view);
+    ew[one_pass] = relerr(wdw, rdw);
+    eb[one_pass] = relerr(wdb, rdb);
+    ok = ok && ex[one_pass] < tol && ew[one_pass] < 1e-5 && eb[one_pass] < 1e-5;
+    dws[one_pass] = dw, dbs[one_pass] = db;
+  }
+  const bool same =
+      memcmp(dws[0].data(), dws[1].data(), C * 4) == 0 && memcmp(dbs[0].data(), dbs[1].data(), C * 4) == 0;
+  ok = ok && same;
+  if (!ok) failures++;
+  const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
+  printf("%s layernorm_backward %s N=%d C=%d offset %d (%s): dweight/dbias %s; one pass: dinp %.2e, dweight %.2e, "
+         "dbias %.2e; two: %.2e, %.2e, %.2e\n", ok ? "ok  " : "FAIL", type, N, C, offset,
+         fits ? "one pass" : "two passes only", same ? "same bits" : "DIFFER", ex[1], ew[1], eb[1], ex[0], ew[0],
+         eb[0]);
+  fflush(stdout);
+}
+
 void run_layernorm_cases(unsigned& seed) {
   run_residual_layernorm<float>(13, 96, 1e-5, seed++);  // rows not a multiple of the block's 8 warps
   run_residual_layernorm<float>(9, 7, 1e-5, seed++);    // fewer columns than lanes
   run_residual_layernorm<float>(130, 40, 1e-5, seed++); // three row chunks for dweight/dbias
   run_residual_layernorm<bf16>(11, 64, 1e-2, seed++);
   run_residual_layernorm<f16>(11, 80, 2e-3, seed++);
+  // The backward's two paths. Widths: one pack per lane (8 columns of bf16, 4 of fp32) and lanes with none; each of
+  // the four instances (up to 256, 512, 768, 1024 columns); a partly filled last stripe. Rows: chunks cut short,
+  // parts cut short, warps with no rows, one row.
+  run_layernorm_paths<bf16>(70, 768, 0, true, 1e-2, seed++);
+  run_layernorm_paths<bf16>(9, 1024, 0, true, 1e-2, seed++);
+  run_layernorm_paths<bf16>(131, 40, 0, true, 1e-2, seed++);
+  run_layernorm_paths<f16>(17, 520, 0, true, 2e-3, seed++);
+  run_layernorm_paths<f16>(1, 264, 0, true, 2e-3, seed++);
+  run_layernorm_paths<float>(66, 132, 0, true, 1e-5, seed++);
+  run_layernorm_paths<float>(8, 1020, 0, true, 1e-5, seed++);
+  run_layernorm_paths<float>(65, 384, 0, true, 1e-5, seed++);
+  // The two passes only: too wide, not whole packs, views off 16-byte alignment.
+  run_layernorm_paths<bf16>(5, 1032, 0, false, 1e-2, seed++);
+  run_layernorm_paths<bf16>(12, 100, 0, false, 1e-2, seed++);
+  run_layernorm_paths<float>(70, 64, 1, false, 1e-5, seed++);
+  run_layernorm_paths<bf16>(9, 64, 3, false, 1e-2, seed++);
 }
 
 // The embedding's kernels (encoder.cu) against the CPU reference (cpu/encoder.cpp, compiled in beside them): the

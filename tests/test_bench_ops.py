@@ -1,0 +1,38 @@
+"""bench/bench_ops.py's LayerNorm cases: the options it refuses, and on each device a short run whose rows compare
+the same computation on both sides (its max|diff| column; the timings are not judged: benchmarks are not tests).
+On a GPU the backward also gets the two-pass row ("bwd2") that the one-pass kernel is measured against."""
+import pathlib
+import sys
+
+import pytest
+
+from devices import needs_cuda
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import bench_ops  # noqa: E402
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device", "cuda", "--case", "matmul"], "--device cuda runs --case layernorm or residual_layernorm"),
+    (["--device", "cuda"], "--device cuda runs --case"),
+    (["--dtype", "bf16"], "--dtype bf16/fp16 needs --device cuda"),
+])
+def test_refused_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_ops.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", "fp32", 1e-3),
+                                              pytest.param("cuda", "bf16", 0.5, marks=needs_cuda)])
+@pytest.mark.parametrize("case", ["layernorm", "residual_layernorm"])
+def test_layernorm_rows(device, dtype, tol, case, capsys):
+    args = bench_ops.parse_args(["--device", device, "--dtype", dtype, "--case", case, "--B", "2", "--T", "33",
+                                 "--C", "256", "--warmup", "1", "--repeats", "2", "--seed", "7"])
+    rows = bench_ops.run_cases(args)
+    want = ["fwd", "bwd"] + (["bwd2"] if device == "cuda" else [])
+    assert [r["pass"] for r in rows] == want and all(r["op"] == case for r in rows)
+    for r in rows:
+        assert r["fastgpt_ms"] > 0 and r["torch_ms"] > 0
+        # bf16: torch rounds its dweight/dbias (sums over 66 rows) to bf16, fastgpt keeps them in fp32
+        assert r["max_abs_diff"] < tol, r
