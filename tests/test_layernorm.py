@@ -65,7 +65,8 @@ def test_layernorm_backward_one_pass_setting():
 
 
 # On a GPU the backward reads each row once where it can (C a whole number of 16-byte packs, <= 1024: GPT-2 124M's
-# 768 and a short row) and in two passes otherwise (1032: too wide; 100 bf16 values: not whole packs), or when told.
+# 768 and a short row) and in two passes otherwise (1032: too wide; 100: not whole packs of 8 bf16 or fp16 values,
+# whole packs of 4 fp32 ones), or when told.
 # Both paths must give the same dweight/dbias bits (the same parts summed in the same order) and match float64.
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)],
