@@ -51,7 +51,14 @@ __global__ void layernorm_forward_kernel(S* __restrict__ out, float* __restrict_
   layernorm_row(out + n * C, mean + n, rstd + n, x, weight, bias, C, lane, s);
 }
 
-// dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w. One warp per row.
+// One element of dinp += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w, rounded once to S;
+// md and mdn are the row's two means. Both backward kernels' update.
+template <typename S>
+__device__ __forceinline__ S dinp_add(S dx, float dy, float w, float norm, float md, float mdn, float r) {
+  return from_float<S>(to_float(dx) + (dy * w - md - norm * mdn) * r);
+}
+
+// The two-pass form's dinp: one warp per row.
 template <typename S>
 __global__ void layernorm_backward_dinp_kernel(S* __restrict__ dinp, const S* __restrict__ dout,
                                                const S* __restrict__ inp, const S* __restrict__ weight,
@@ -74,7 +81,7 @@ __global__ void layernorm_backward_dinp_kernel(S* __restrict__ dinp, const S* __
   S* dx = dinp + n * C;
   for (int c = lane; c < C; c += 32) {
     const float norm = (to_float(x[c]) - m) * r;
-    dx[c] = from_float<S>(to_float(dx[c]) + (to_float(dy[c]) * to_float(weight[c]) - md - norm * mdn) * r);
+    dx[c] = dinp_add(dx[c], to_float(dy[c]), to_float(weight[c]), norm, md, mdn, r);
   }
 }
 
@@ -163,7 +170,7 @@ __global__ void __launch_bounds__(32 * kParts)
 #pragma unroll
         for (int e = 0; e < P; e++) {
           const float norm = (to_float(xv[k].v[e]) - m) * r, g = to_float(gv[k].v[e]);
-          d.v[e] = from_float<S>(to_float(d.v[e]) + (g * to_float(w[k].v[e]) - md - norm * mdn) * r);
+          d.v[e] = dinp_add(d.v[e], g, to_float(w[k].v[e]), norm, md, mdn, r);
           pw[k][e] = fmaf(g, norm, pw[k][e]);
           pb[k][e] += g;
         }
