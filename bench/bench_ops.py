@@ -12,8 +12,9 @@ the max |fastgpt - torch| column is only there to show both sides computed the s
 
 On a GPU (--device cuda, with --dtype) the LayerNorm cases run; the other ops have their GPU benchmarks in
 bench_gpu_train.py (--profile: each kernel's time in the training step) and bench_flash_attention.py. There the
-backward gets a second row, "bwd2": fastgpt's two-pass form (ops.layernorm_backward_one_pass(False)) against the
-same torch call, so one run shows what reading each row once saves.
+forward and backward get second rows, "fwd2" and "bwd2": fastgpt's older kernels, which read a row again for each
+pass (ops.layernorm_one_pass(False)), against the same torch calls, so one run shows what reading each row once
+saves.
 """
 import argparse
 import os
@@ -170,13 +171,13 @@ def run_cases(args):
               th_fwd,
               lambda: torch.autograd.grad(th_out, (wte_t, wpe_t), dout_t, retain_graph=True))
 
-    def two_pass(fn):  # on a GPU: fastgpt's LayerNorm backward in two passes, for the "bwd2" row
+    def rereading(fn):  # on a GPU: fastgpt's LayerNorm kernels that read a row again, for the "fwd2"/"bwd2" rows
         def run():
-            before = ops.layernorm_backward_one_pass(False)
+            before = ops.layernorm_one_pass(False)
             try:
                 return fn()
             finally:
-                ops.layernorm_backward_one_pass(before)
+                ops.layernorm_one_pass(before)
         return run
 
     if "layernorm" in selected:
@@ -189,9 +190,11 @@ def run_cases(args):
         th_out = th_fwd()
         fg_bwd = lambda: ops.layernorm_backward(dout, x, w, mean, rstd)
         th_bwd = lambda: torch.autograd.grad(th_out, (x_t, w_t, b_t), dout_t, retain_graph=True)
-        bench("layernorm", f"x({B},{T},{C})", lambda: ops.layernorm_forward(x, w, b)[0], fg_bwd, th_fwd, th_bwd)
+        fg_fwd = lambda: ops.layernorm_forward(x, w, b)[0]
+        bench("layernorm", f"x({B},{T},{C})", fg_fwd, fg_bwd, th_fwd, th_bwd)
         if gpu:
-            bench("layernorm", f"x({B},{T},{C})", None, two_pass(fg_bwd), None, th_bwd, passes=("fwd", "bwd2"))
+            bench("layernorm", f"x({B},{T},{C})", rereading(fg_fwd), rereading(fg_bwd), th_fwd, th_bwd,
+                  passes=("fwd2", "bwd2"))
 
     if "residual_layernorm" in selected:  # the fused model's skip connection: the add and the LayerNorm after it
         a, b, w, bias, dout = randn(B, T, C), randn(B, T, C), randn(C), randn(C), randn(B, T, C)
@@ -203,11 +206,11 @@ def run_cases(args):
         th_out = th_fwd()
         fg_bwd = lambda: ops.layernorm_backward(dout, res, w, mean, rstd)  # the fused op's backward
         th_bwd = lambda: torch.autograd.grad(th_out, (a_t, w_t, bias_t), dout_t, retain_graph=True)  # b's = a's
-        bench("residual_layernorm", f"a,b({B},{T},{C})", lambda: ops.residual_layernorm_forward(a, b, w, bias)[1],
-              fg_bwd, th_fwd, th_bwd)
+        fg_fwd = lambda: ops.residual_layernorm_forward(a, b, w, bias)[1]
+        bench("residual_layernorm", f"a,b({B},{T},{C})", fg_fwd, fg_bwd, th_fwd, th_bwd)
         if gpu:
-            bench("residual_layernorm", f"a,b({B},{T},{C})", None, two_pass(fg_bwd), None, th_bwd,
-                  passes=("fwd", "bwd2"))
+            bench("residual_layernorm", f"a,b({B},{T},{C})", rereading(fg_fwd), rereading(fg_bwd), th_fwd, th_bwd,
+                  passes=("fwd2", "bwd2"))
 
     if "matmul" in selected:
         shapes = {"attn": (C, 3 * C, True), "attn_proj": (C, C, True), "fc": (C, 4 * C, True),

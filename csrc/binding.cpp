@@ -671,14 +671,13 @@ void bind_ops(py::module_& m) {
     return false;
 #endif
   }, py::arg("on") = py::none());
-  // layernorm_backward on the GPU: one read of each row, or the two-pass kernels (cuda/ops.h).
-  m.def("layernorm_backward_one_pass", [](std::optional<bool> on) {
+  // The LayerNorm kernels on the GPU: one read of each row, or the older kernels that read it again (cuda/ops.h).
+  m.def("layernorm_one_pass", [](std::optional<bool> on) {
 #ifdef FASTGPT_WITH_CUDA
     return on ? cuda::set_layernorm_one_pass(*on) : cuda::layernorm_one_pass();
 #else
     (void)on;
-    throw std::runtime_error("the one-pass LayerNorm backward chooses between CUDA paths; this build of fastgpt has "
-                             "no CUDA");
+    throw std::runtime_error("the one-pass LayerNorm chooses between CUDA paths; this build of fastgpt has no CUDA");
     return false;
 #endif
   }, py::arg("on") = py::none());

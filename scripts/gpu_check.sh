@@ -125,9 +125,13 @@ if [ $build = ok ] && has bench; then
   timeout 60 python3 bench/bench_flash_attention.py --dtype fp32 --d 64 --T 1024 --causal yes \
     --json "$out/bench_flash_attention_fp32.json" >> "$out/bench.log" 2>&1 || b=FAIL
   res[bench_flash]=$b
-  # The LayerNorm backward at GPT-2's rows (B 16): rows read once ("bwd") and in two passes ("bwd2") vs torch.
-  b=FAIL; timeout 40 python3 bench/bench_ops.py --device cuda --case layernorm --B 16 --T 1024 --C 768 \
-    --json "$out/bench_ops_layernorm.json" >> "$out/bench.log" 2>&1 && b=ok
+  # The LayerNorm kernels at GPT-2's rows (B 16), alone and fused with the residual add: rows read once ("fwd",
+  # "bwd") and the older kernels that read a row again ("fwd2", "bwd2"), each vs torch.
+  b=ok
+  for c in layernorm residual_layernorm; do
+    timeout 40 python3 bench/bench_ops.py --device cuda --case $c --B 16 --T 1024 --C 768 \
+      --json "$out/bench_ops_$c.json" >> "$out/bench.log" 2>&1 || b=FAIL
+  done
   res[bench_layernorm]=$b
   b=FAIL; timeout 40 python3 bench/bench_adamw.py --json "$out/bench_adamw.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_adamw]=$b
@@ -161,7 +165,7 @@ if has bench; then
   grep -E -A8 "^variant " "$out/bench.log"
   grep -E -A5 "^precision " "$out/bench.log"
   grep -E "vs fastest torch|^adamw|copy|AdamW" "$out/bench.log" | tail -18
-  grep -E "^layernorm " "$out/bench.log"
+  grep -E "^(residual_)?layernorm " "$out/bench.log"
 fi
 if has diagnose && [ -f "$out/diagnose.log" ]; then grep "^== " "$out/diagnose.log"; fi
 if has ncu && [ -f "$out/ncu.log" ]; then cut -c1-230 "$out/ncu.log"; fi

@@ -1,6 +1,7 @@
 """bench/bench_ops.py's LayerNorm cases: the options it refuses, and on each device a short run whose rows compare
 the same computation on both sides (its max|diff| column; the timings are not judged: benchmarks are not tests).
-On a GPU the backward also gets the two-pass row ("bwd2") that the one-pass kernel is measured against."""
+On a GPU the forward and backward also get the rows of the older kernels ("fwd2", "bwd2") that the one-pass ones
+are measured against."""
 import pathlib
 import sys
 
@@ -30,7 +31,7 @@ def test_layernorm_rows(device, dtype, tol, case, capsys):
     args = bench_ops.parse_args(["--device", device, "--dtype", dtype, "--case", case, "--B", "2", "--T", "33",
                                  "--C", "256", "--warmup", "1", "--repeats", "2", "--seed", "7"])
     rows = bench_ops.run_cases(args)
-    want = ["fwd", "bwd"] + (["bwd2"] if device == "cuda" else [])
+    want = ["fwd", "bwd"] + (["fwd2", "bwd2"] if device == "cuda" else [])
     assert [r["pass"] for r in rows] == want and all(r["op"] == case for r in rows)
     for r in rows:
         assert r["fastgpt_ms"] > 0 and r["torch_ms"] > 0

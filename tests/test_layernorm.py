@@ -48,20 +48,52 @@ def test_layernorm_deterministic(rng, device):
         assert np.array_equal(host(a), host(c))
 
 
-def test_layernorm_backward_one_pass_setting():
+def test_layernorm_one_pass_setting():
     if not ops._C.built_with_cuda:
         with pytest.raises(RuntimeError, match="no CUDA"):
-            ops.layernorm_backward_one_pass()
+            ops.layernorm_one_pass()
         return
-    before = ops.layernorm_backward_one_pass()
+    before = ops.layernorm_one_pass()
     try:
-        assert ops.layernorm_backward_one_pass(not before) == before
-        assert ops.layernorm_backward_one_pass() == (not before)
+        assert ops.layernorm_one_pass(not before) == before
+        assert ops.layernorm_one_pass() == (not before)
         with pytest.raises(TypeError, match="enabled must be True, False or None"):
-            ops.layernorm_backward_one_pass(1)
-        assert ops.layernorm_backward_one_pass() == (not before)  # a refused value changes nothing
+            ops.layernorm_one_pass(1)
+        assert ops.layernorm_one_pass() == (not before)  # a refused value changes nothing
     finally:
-        ops.layernorm_backward_one_pass(before)
+        ops.layernorm_one_pass(before)
+
+
+# On a GPU the forward keeps a row in registers where its width is a whole number of 16-byte packs, up to 1024
+# (GPT-2 124M's 768, the widest 1024, a short row of 40), and reads it for each pass otherwise (1032: too wide; 100:
+# not whole packs of 8 bf16 or fp16 values, whole packs of 4 fp32 ones), or when told. Both paths must match float64,
+# and the fused residual + LayerNorm must give layernorm_forward's bits on its sum under either.
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(8, 1024, 768), (2, 33, 1024), (3, 67, 40), (3, 50, 1032), (2, 70, 100)])
+def test_cuda_layernorm_forward_paths(rng, dtype, tol, shape):
+    C = shape[-1]
+    make = lambda s, scale=1.0, shift=0.0: torch.tensor(rng.standard_normal(s) * scale + shift).to(dtype).cuda()
+    a, b, w, bias = make(shape, 2.0, 0.5), make(shape), make(C), make(C)
+    res = (a.float() + b.float()).to(dtype)
+    xt = res.double().cpu()
+    ref = F.layer_norm(xt, (C,), w.double().cpu(), bias.double().cpu(), eps=1e-5)
+    ref_mean = xt.mean(-1).reshape(-1)
+    ref_rstd = (xt.var(-1, unbiased=False) + 1e-5).rsqrt().reshape(-1)
+    for one_pass in (True, False):
+        before = ops.layernorm_one_pass(one_pass)
+        try:
+            out, mean, rstd = ops.layernorm_forward(res, w, bias)
+            fused = ops.residual_layernorm_forward(a, b, w, bias)
+        finally:
+            ops.layernorm_one_pass(before)
+        assert rel_err(out.double().cpu(), ref) < tol, f"out, one_pass={one_pass}"
+        assert rel_err(host(mean), ref_mean) < 1e-5 and rel_err(host(rstd), ref_rstd) < 1e-5, f"one_pass={one_pass}"
+        for got, want, name in zip(fused, (res, out, mean, rstd), ("res", "out", "mean", "rstd")):
+            assert torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32),
+                               want.view(torch.int16 if want.element_size() == 2 else torch.int32)), \
+                f"fused {name} differs from the unfused pair's, one_pass={one_pass}"
 
 
 # On a GPU the backward reads each row once where it can (C a whole number of 16-byte packs, <= 1024: GPT-2 124M's
@@ -81,11 +113,11 @@ def test_cuda_layernorm_backward_paths(rng, dtype, tol, shape):
     F.layer_norm(xt, (C,), wt, bt, eps=1e-5).backward(dout.double().cpu())
     grads = []
     for one_pass in (True, False):
-        before = ops.layernorm_backward_one_pass(one_pass)
+        before = ops.layernorm_one_pass(one_pass)
         try:
             dx, dw, db = ops.layernorm_backward(dout, x, w, mean, rstd)
         finally:
-            ops.layernorm_backward_one_pass(before)
+            ops.layernorm_one_pass(before)
         # dx as float64 (numpy has no bfloat16); dweight and dbias are float32.
         dx = dx.detach().double().cpu() if isinstance(dx, torch.Tensor) else np.asarray(dx, dtype=np.float64)
         dw, db = host(dw), host(db)

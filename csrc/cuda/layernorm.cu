@@ -2,6 +2,9 @@
 // csrc/cpu/layernorm.cpp. One warp per row for everything that reduces across a row (two-pass mean then variance in
 // float, warp-shuffle sums; the forward's row is in cuda/layernorm.cuh, shared with residual_layernorm.cu). dinp
 // accumulates (+=), as on the CPU: the residual stream sums into it.
+// The forward keeps a row in registers (16-byte packs) from its load to its output where C fits
+// (layernorm_row_fits): one read of the row instead of three. The older forward, which reads it for each pass, takes
+// other widths and runs when set_layernorm_one_pass(false).
 // dweight/dbias sum over all rows without atomics: each chunk of kRowsPerChunk rows gets a partial sum in a scratch
 // buffer, then one thread per channel adds the chunks in order in double, as the CPU does. A chunk's partial is the
 // CPU's: the in-order float sum of its parts' sums, a part being kRowsPerPart rows summed in order. The result never
@@ -33,9 +36,9 @@ constexpr int kRowsPerPart = 8;
 constexpr int kParts = kRowsPerChunk / kRowsPerPart;  // the one-pass kernel's warps per block
 constexpr int kWarpsPerBlock = 8;
 constexpr int kColThreads = 128;
-constexpr int kMaxCols = 1024;  // the one-pass kernel's widest row: 32 columns per lane (64 sums in registers)
+constexpr int kMaxCols = kLayerNormMaxPackedCols;  // the one-pass backward's widest row (64 sums per lane)
 
-// Read by every layernorm_backward (set_layernorm_one_pass).
+// Read by every layernorm_forward, residual_layernorm_forward and layernorm_backward (set_layernorm_one_pass).
 std::atomic<bool> g_one_pass{true};
 
 template <typename S>
@@ -49,6 +52,31 @@ __global__ void layernorm_forward_kernel(S* __restrict__ out, float* __restrict_
   float s = 0.f;
   for (int c = lane; c < C; c += 32) s += to_float(x[c]);
   layernorm_row(out + n * C, mean + n, rstd + n, x, weight, bias, C, lane, s);
+}
+
+// The row read once: one warp per row, its packs in registers (layernorm_row_packs). C fits (layernorm_row_fits).
+template <typename S>
+__global__ void layernorm_forward_one_pass_kernel(S* __restrict__ out, float* __restrict__ mean,
+                                                  float* __restrict__ rstd, const S* __restrict__ inp,
+                                                  const S* __restrict__ weight, const S* __restrict__ bias, int64_t N,
+                                                  int C, RowPack<S> io) {
+  constexpr int P = RowPack<S>::P, K = RowPack<S>::K;
+  const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  if (n >= N) return;
+  const int lane = threadIdx.x % 32;
+  const S* x = inp + n * C;
+  Pack<S> xv[K];
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const int c = (32 * k + lane) * P;
+    if (c < C) {
+      xv[k] = io.load(x + c);
+#pragma unroll
+      for (int e = 0; e < P; e++) s += to_float(xv[k].v[e]);
+    }
+  }
+  layernorm_row_packs(out + n * C, mean + n, rstd + n, xv, weight, bias, C, lane, s, io);
 }
 
 // One element of dinp += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w, rounded once to S;
@@ -225,15 +253,20 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
                        int C, Stream stream) {
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  auto* kernel = layernorm_forward_kernel<S>;  // one-line launch: the warp emulator rewrites it
-  kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C);
+  if (g_one_pass.load() && layernorm_row_fits<S>(C)) {
+    const RowPack<S> io{aligned16(out) && aligned16(inp) && aligned16(weight) && aligned16(bias)};
+    auto* kernel = layernorm_forward_one_pass_kernel<S>;  // one-line launch: the warp emulator rewrites it
+    kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C, io);
+  } else {
+    auto* kernel = layernorm_forward_kernel<S>;
+    kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C);
+  }
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
 template <typename S>
 bool layernorm_one_pass_fits(const S* dinp, const S* dout, const S* inp, const S* weight, int C) {
-  return C > 0 && C % Pack<S>::N == 0 && C <= kMaxCols && aligned16(dinp) && aligned16(dout) && aligned16(inp) &&
-         aligned16(weight);
+  return layernorm_row_fits<S>(C) && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight);
 }
 
 bool layernorm_one_pass() { return g_one_pass.load(); }

@@ -29,10 +29,13 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
 template <typename S>
 void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
                         const float* mean, const float* rstd, int64_t N, int C, Stream stream);
-// layernorm_backward reads each row once (true, the default) where layernorm_one_pass_fits says it can (C a multiple
-// of 8 16-bit or 4 float values, at most 1024; 16-byte aligned rows), else in two passes (dinp, then the partial
-// sums). Both give the same dweight/dbias. Process-wide, read by every call (a CUDA graph keeps what it recorded);
-// set by benchmarks and tests to compare the two. set_ returns the previous choice.
+// The LayerNorm kernels read each row once (true, the default). layernorm_forward and residual_layernorm_forward
+// keep a row in registers where C is a multiple of 8 16-bit or 4 float values, at most 1024 (layernorm_row_fits in
+// layernorm.cuh), else read it for each pass; the two sum a row in different orders, the fused and unfused calls
+// in the same one. layernorm_backward reads each row once where layernorm_one_pass_fits says it can (those widths,
+// 16-byte aligned rows), else in two passes (dinp, then the partial sums); both give the same dweight/dbias.
+// Process-wide, read by every call (a CUDA graph keeps what it recorded); set by benchmarks and tests to compare
+// the paths. set_ returns the previous choice.
 bool layernorm_one_pass();
 bool set_layernorm_one_pass(bool on);
 template <typename S>

@@ -5,6 +5,9 @@
 // two and the sum never read back from another thread: each lane reads only the columns it wrote (from L1).
 // res may alias a or b (the engine adds the skip in place): each element is read, then written, by one lane, so no
 // __restrict__ on those three.
+// Where the row fits in registers (layernorm_row_fits, and layernorm_one_pass on, as layernorm_forward decides), a
+// lane keeps its packs of the sum from the add to the output (layernorm_row_packs): a and b are read once, res
+// written once and never read back.
 #include "cuda/check.h"
 #include "cuda/layernorm.cuh"
 #include "cuda/ops.h"
@@ -33,6 +36,34 @@ __global__ void residual_layernorm_forward_kernel(S* res, S* __restrict__ out, f
   }
   layernorm_row(out + n * C, mean + n, rstd + n, (const S*)x, weight, bias, C, lane, s);
 }
+
+template <typename S>
+__global__ void residual_layernorm_forward_one_pass_kernel(S* res, S* __restrict__ out, float* __restrict__ mean,
+                                                           float* __restrict__ rstd, const S* a, const S* b,
+                                                           const S* __restrict__ weight, const S* __restrict__ bias,
+                                                           int64_t N, int C, RowPack<S> io) {
+  constexpr int P = RowPack<S>::P, K = RowPack<S>::K;
+  const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  if (n >= N) return;
+  const int lane = threadIdx.x % 32;
+  Pack<S> xv[K];
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const int c = (32 * k + lane) * P;
+    if (c < C) {
+      const int64_t i = n * C + c;
+      const Pack<S> pa = io.load(a + i), pb = io.load(b + i);
+#pragma unroll
+      for (int e = 0; e < P; e++) {
+        xv[k].v[e] = from_float<S>(to_float(pa.v[e]) + to_float(pb.v[e]));
+        s += to_float(xv[k].v[e]);
+      }
+      io.store(res + i, xv[k]);
+    }
+  }
+  layernorm_row_packs(out + n * C, mean + n, rstd + n, xv, weight, bias, C, lane, s, io);
+}
 }  // namespace
 
 template <typename S>
@@ -40,8 +71,15 @@ void residual_layernorm_forward(S* res, S* out, float* mean, float* rstd, const 
                                 const S* bias, int64_t N, int C, Stream stream) {
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  auto* kernel = residual_layernorm_forward_kernel<S>;  // one-line launch: the warp emulator rewrites it
-  kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(res, out, mean, rstd, a, b, weight, bias, N, C);
+  if (layernorm_one_pass() && layernorm_row_fits<S>(C)) {
+    const RowPack<S> io{aligned16(res) && aligned16(out) && aligned16(a) && aligned16(b) && aligned16(weight) &&
+                        aligned16(bias)};
+    auto* kernel = residual_layernorm_forward_one_pass_kernel<S>;  // one-line launch: the warp emulator rewrites it
+    kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(res, out, mean, rstd, a, b, weight, bias, N, C, io);
+  } else {
+    auto* kernel = residual_layernorm_forward_kernel<S>;
+    kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(res, out, mean, rstd, a, b, weight, bias, N, C);
+  }
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 

@@ -22,14 +22,22 @@ struct Pack {
   };
 };
 
+// A 16-byte access of an address that is not 16-byte aligned faults on a GPU; the warp emulator (tests/warp_emu)
+// defines this check to stop there, as the host's own loads would not.
+#ifndef FASTGPT_ALIGN16_CHECK
+#define FASTGPT_ALIGN16_CHECK(p)
+#endif
+
 template <typename S>
 __device__ __forceinline__ Pack<S> load_pack(const S* p) {  // p 16-byte aligned
+  FASTGPT_ALIGN16_CHECK(p);
   Pack<S> r;
   r.raw = *reinterpret_cast<const uint4*>(p);
   return r;
 }
 template <typename S>
 __device__ __forceinline__ void store_pack(S* p, const Pack<S>& x) {  // p 16-byte aligned
+  FASTGPT_ALIGN16_CHECK(p);
   *reinterpret_cast<uint4*>(p) = x.raw;
 }
 

@@ -222,17 +222,19 @@ def layernorm_backward(dout, x, weight, mean, rstd):
     return dx, dw, db
 
 
-def layernorm_backward_one_pass(enabled=None):
-    """How layernorm_backward (and the model's backward) runs on a GPU: True (the default) reads each row of dout
-    and x once, for dx and for the weight and bias gradients' partial sums; False in two passes (dx, then a second
-    read of dout and x for the partial sums). Rows the one-pass kernel cannot take (width not a multiple of 8
-    16-bit or 4 float values, or over 1024; views not 16-byte aligned) always take two. Both give the same weight
-    and bias gradients, bit for bit. Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a
-    training step keeps the path it was recorded with. None leaves it. -> the previous setting. Needs a build with
-    CUDA."""
+def layernorm_one_pass(enabled=None):
+    """How the LayerNorm ops (and the model's LayerNorms) run on a GPU. True (the default): each row is read once.
+    The forward and the fused residual + LayerNorm keep a row in registers from its load to its output (widths
+    that are a multiple of 8 16-bit or 4 float values, up to 1024); the backward reads dout and x once for dx and
+    for the weight and bias gradients' partial sums (the same widths, views 16-byte aligned). False: the older
+    kernels, which read a row again for each pass (the backward in two kernels). Other widths always take those.
+    The backward's two paths give the same weight and bias gradients, bit for bit; the forward's differ in the
+    order a row is summed (rounding only), and the fused op gives the unfused pair's bits under either setting.
+    Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a training step keeps the path it
+    was recorded with. None leaves it. -> the previous setting. Needs a build with CUDA."""
     if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
-        raise TypeError(f"layernorm_backward_one_pass: enabled must be True, False or None, got {enabled!r}")
-    return bool(_ops.layernorm_backward_one_pass(None if enabled is None else bool(enabled)))
+        raise TypeError(f"layernorm_one_pass: enabled must be True, False or None, got {enabled!r}")
+    return bool(_ops.layernorm_one_pass(None if enabled is None else bool(enabled)))
 
 
 def matmul_forward(x, weight, bias=None):

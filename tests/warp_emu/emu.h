@@ -1069,6 +1069,10 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define gridDim emu::g_grid
 #define blockDim emu::g_block
 #define __syncthreads() emu::syncthreads()
+// storage.cuh's 16-byte loads and stores (load_pack, store_pack): a GPU faults on an unaligned one, the host does not.
+#define FASTGPT_ALIGN16_CHECK(p)                                                              \
+  (reinterpret_cast<uintptr_t>(p) % 16 ? emu::die("a 16-byte load or store of an address not 16-byte aligned") \
+                                       : (void)0)
 #define __fmul_rn(a, b) ((float)(a) * (float)(b))  // host float arithmetic rounds to nearest (SSE, no fast-math)
 #define __fsub_rn(a, b) ((float)(a) - (float)(b))
 #define __shfl_xor_sync emu::shfl_xor

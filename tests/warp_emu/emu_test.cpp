@@ -582,9 +582,12 @@ void layernorm_f64(const S* x, const S* w, const S* bias, const S* dy, const S* 
 // LayerNorm (layernorm.cu) and the residual add fused with it (residual_layernorm.cu) on rows stored as S. The fused
 // kernel must give the bits of the unfused pair: res = a + b rounded once (as residual.cu rounds it), then
 // layernorm_forward's out, mean and rstd on that res; also with res written over a (the engine's in-place add).
-// The LayerNorm itself and its backward (dinp +=, dweight, dbias over row chunks) against float64.
+// Both forward paths (layernorm_one_pass: the row kept in registers where C fits, else read for each pass) give
+// those bits and out within tol of float64. `offset` elements shift a and b off 16-byte alignment (res, out aligned):
+// the fused kernel then loads single elements where the unfused one loads packs, and must still agree with it.
+// The LayerNorm's backward (dinp +=, dweight, dbias over row chunks) against float64 too.
 template <typename S>
-void run_residual_layernorm(int N, int C, double tol, unsigned seed) {
+void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   const size_t n = (size_t)N * C;
@@ -593,48 +596,58 @@ void run_residual_layernorm(int N, int C, double tol, unsigned seed) {
     for (auto& x : v) x = from_float<S>(shift + scale * nd(rng));
     return v;
   };
-  const std::vector<S> a = fill(n, 2.f, 0.5f), b = fill(n, 1.f, 0.f), w = fill(C, 1.f, 0.f),
+  const std::vector<S> a = fill(n + offset, 2.f, 0.5f), b = fill(n + offset, 1.f, 0.f), w = fill(C, 1.f, 0.f),
                        bias = fill(C, 1.f, 0.f), dy = fill(n, 1.f, 0.f), dinp0 = fill(n, 1.f, 0.f);
   const S nan = from_float<S>(NAN);
-  std::vector<S> res(n, nan), out(n, nan), out2(n, nan), want(n);
-  std::vector<float> mean(N, NAN), rstd(N, NAN), mean2(N, NAN), rstd2(N, NAN);
-  for (size_t i = 0; i < n; i++) want[i] = from_float<S>(to_float(a[i]) + to_float(b[i]));
-  cuda::residual_layernorm_forward(res.data(), out.data(), mean.data(), rstd.data(), a.data(), b.data(), w.data(),
-                                   bias.data(), N, C, nullptr);
-  cuda::layernorm_forward(out2.data(), mean2.data(), rstd2.data(), want.data(), w.data(), bias.data(), N, C,
-                          nullptr);
-  std::vector<S> inplace = a, out3(n, nan);
-  std::vector<float> mean3(N, NAN), rstd3(N, NAN);
-  cuda::residual_layernorm_forward(inplace.data(), out3.data(), mean3.data(), rstd3.data(), inplace.data(), b.data(),
-                                   w.data(), bias.data(), N, C, nullptr);
+  std::vector<S> want(n);
+  for (size_t i = 0; i < n; i++) want[i] = from_float<S>(to_float(a[i + offset]) + to_float(b[i + offset]));
   const auto bytes_eq = [](const auto& x, const auto& y) {
     return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
   };
-  const bool same = bytes_eq(res, want) && bytes_eq(out, out2) && bytes_eq(mean, mean2) && bytes_eq(rstd, rstd2) &&
-                    bytes_eq(inplace, want) && bytes_eq(out3, out2) && bytes_eq(mean3, mean2) &&
-                    bytes_eq(rstd3, rstd2);
-
-  // float64 LayerNorm of the rounded sums, forward and backward (dinp accumulates onto dinp0).
-  std::vector<double> rout(n), rdx(n), rdw(C, 0.0), rdb(C, 0.0);
-  layernorm_f64(want.data(), w.data(), bias.data(), dy.data(), dinp0.data(), N, C, rout.data(), rdx.data(),
-                rdw.data(), rdb.data());
-  std::vector<S> dinp = dinp0;
-  std::vector<float> dw(C, 0.f), db(C, 0.f);
-  cuda::layernorm_backward(dinp.data(), dw.data(), db.data(), dy.data(), want.data(), w.data(), mean.data(),
-                           rstd.data(), N, C, nullptr);
   auto wide = [](const auto& v) {
     std::vector<double> o(v.size());
     for (size_t i = 0; i < v.size(); i++) o[i] = to_float(v[i]);
     return o;
   };
-  const double eo = relerr(wide(out), rout), ex = relerr(wide(dinp), rdx), ew = relerr(wide(dw), rdw),
-               eb = relerr(wide(db), rdb);
-  const bool ok = same && eo < tol && ex < tol && ew < 1e-5 && eb < 1e-5;
+  // float64 LayerNorm of the rounded sums, forward and backward (dinp accumulates onto dinp0).
+  std::vector<double> rout(n), rdx(n), rdw(C, 0.0), rdb(C, 0.0);
+  layernorm_f64(want.data(), w.data(), bias.data(), dy.data(), dinp0.data(), N, C, rout.data(), rdx.data(),
+                rdw.data(), rdb.data());
+  bool same = true;
+  double eo[2];
+  std::vector<float> mean, rstd;  // the default path's, for the backward
+  for (int one_pass : {0, 1}) {
+    const bool before = cuda::set_layernorm_one_pass(one_pass);
+    std::vector<S> res(n, nan), out(n, nan), out2(n, nan);
+    std::vector<float> mean1(N, NAN), rstd1(N, NAN), mean2(N, NAN), rstd2(N, NAN);
+    cuda::residual_layernorm_forward(res.data(), out.data(), mean1.data(), rstd1.data(), a.data() + offset,
+                                     b.data() + offset, w.data(), bias.data(), N, C, nullptr);
+    cuda::layernorm_forward(out2.data(), mean2.data(), rstd2.data(), want.data(), w.data(), bias.data(), N, C,
+                            nullptr);
+    std::vector<S> inplace = a, out3(n, nan);
+    std::vector<float> mean3(N, NAN), rstd3(N, NAN);
+    cuda::residual_layernorm_forward(inplace.data() + offset, out3.data(), mean3.data(), rstd3.data(),
+                                     inplace.data() + offset, b.data() + offset, w.data(), bias.data(), N, C,
+                                     nullptr);
+    cuda::set_layernorm_one_pass(before);
+    same = same && bytes_eq(res, want) && bytes_eq(out, out2) && bytes_eq(mean1, mean2) && bytes_eq(rstd1, rstd2) &&
+           memcmp(inplace.data(), a.data(), offset * sizeof(S)) == 0 &&
+           memcmp(inplace.data() + offset, want.data(), n * sizeof(S)) == 0 && bytes_eq(out3, out2) &&
+           bytes_eq(mean3, mean2) && bytes_eq(rstd3, rstd2);
+    eo[one_pass] = relerr(wide(out), rout);
+    if (one_pass) mean = mean1, rstd = rstd1;
+  }
+  std::vector<S> dinp = dinp0;
+  std::vector<float> dw(C, 0.f), db(C, 0.f);
+  cuda::layernorm_backward(dinp.data(), dw.data(), db.data(), dy.data(), want.data(), w.data(), mean.data(),
+                           rstd.data(), N, C, nullptr);
+  const double ex = relerr(wide(dinp), rdx), ew = relerr(wide(dw), rdw), eb = relerr(wide(db), rdb);
+  const bool ok = same && eo[0] < tol && eo[1] < tol && ex < tol && ew < 1e-5 && eb < 1e-5;
   if (!ok) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
-  printf("%s residual_layernorm %s N=%d C=%d: %s; out %.2e, dinp %.2e, dweight %.2e, dbias %.2e\n",
-         ok ? "ok  " : "FAIL", type, N, C, same ? "unfused bits" : "DIFFERS from the unfused pair", eo, ex, ew,
-         eb);
+  printf("%s residual_layernorm %s N=%d C=%d a,b offset %d: %s; out %.2e (rows read once), %.2e (again); dinp %.2e, "
+         "dweight %.2e, dbias %.2e\n", ok ? "ok  " : "FAIL", type, N, C, offset,
+         same ? "unfused bits" : "DIFFERS from the unfused pair", eo[1], eo[0], ex, ew, eb);
   fflush(stdout);
 }
 
@@ -670,8 +683,9 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
     for (size_t i = 0; i < o.size(); i++) o[i] = to_float(v[i + offset]);
     return o;
   };
+  const double eo = relerr(wide(out), rout);  // the forward on the same views (its packed rows where C fits)
   bool ok = cuda::layernorm_one_pass_fits(dinp0.data() + offset, dy.data() + offset, x.data() + offset,
-                                          w.data() + offset, C) == fits;
+                                          w.data() + offset, C) == fits && eo < tol;
   std::vector<float> dws[2], dbs[2];
   double ex[2], ew[2], eb[2];
   for (int one_pass : {1, 0}) {
@@ -695,18 +709,27 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
   if (!ok) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
   printf("%s layernorm_backward %s N=%d C=%d offset %d (%s): dweight/dbias %s; one pass: dinp %.2e, dweight %.2e, "
-         "dbias %.2e; two: %.2e, %.2e, %.2e\n", ok ? "ok  " : "FAIL", type, N, C, offset,
+         "dbias %.2e; two: %.2e, %.2e, %.2e; forward out %.2e\n", ok ? "ok  " : "FAIL", type, N, C, offset,
          fits ? "one pass" : "two passes only", same ? "same bits" : "DIFFER", ex[1], ew[1], eb[1], ex[0], ew[0],
-         eb[0]);
+         eb[0], eo);
   fflush(stdout);
 }
 
 void run_layernorm_cases(unsigned& seed) {
-  run_residual_layernorm<float>(13, 96, 1e-5, seed++);  // rows not a multiple of the block's 8 warps
-  run_residual_layernorm<float>(9, 7, 1e-5, seed++);    // fewer columns than lanes
-  run_residual_layernorm<float>(130, 40, 1e-5, seed++); // three row chunks for dweight/dbias
-  run_residual_layernorm<bf16>(11, 64, 1e-2, seed++);
-  run_residual_layernorm<f16>(11, 80, 2e-3, seed++);
+  run_residual_layernorm<float>(13, 96, 0, 1e-5, seed++);  // rows not a multiple of the block's 8 warps
+  run_residual_layernorm<float>(9, 7, 0, 1e-5, seed++);    // fewer columns than lanes, not whole packs
+  run_residual_layernorm<float>(130, 40, 0, 1e-5, seed++); // three row chunks for dweight/dbias
+  run_residual_layernorm<bf16>(11, 64, 0, 1e-2, seed++);
+  run_residual_layernorm<f16>(11, 80, 0, 2e-3, seed++);
+  // The forward's packed rows: GPT-2's width (three packs per lane), the widest, a part-filled last stripe; too
+  // wide and not whole packs (the forward that reads a row again either way); a and b off 16-byte alignment.
+  run_residual_layernorm<bf16>(10, 768, 0, 1e-2, seed++);
+  run_residual_layernorm<f16>(9, 1024, 0, 2e-3, seed++);
+  run_residual_layernorm<float>(9, 1020, 0, 1e-5, seed++);
+  run_residual_layernorm<bf16>(9, 1032, 0, 1e-2, seed++);
+  run_residual_layernorm<bf16>(9, 100, 0, 1e-2, seed++);
+  run_residual_layernorm<bf16>(10, 768, 3, 1e-2, seed++);
+  run_residual_layernorm<float>(11, 132, 1, 1e-5, seed++);
   // The backward's two paths. Widths: one pack per lane (8 columns of bf16, 4 of fp32) and lanes with none; each of
   // the four instances (up to 256, 512, 768, 1024 columns); a partly filled last stripe. Rows: chunks cut short,
   // parts cut short, warps with no rows, one row.
