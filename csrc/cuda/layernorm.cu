@@ -60,23 +60,11 @@ __global__ void layernorm_forward_one_pass_kernel(S* __restrict__ out, float* __
                                                   float* __restrict__ rstd, const S* __restrict__ inp,
                                                   const S* __restrict__ weight, const S* __restrict__ bias, int64_t N,
                                                   int C, RowPack<S> io) {
-  constexpr int P = RowPack<S>::P, K = RowPack<S>::K;
   const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   if (n >= N) return;
-  const int lane = threadIdx.x % 32;
   const S* x = inp + n * C;
-  Pack<S> xv[K];
-  float s = 0.f;
-#pragma unroll
-  for (int k = 0; k < K; k++) {
-    const int c = (32 * k + lane) * P;
-    if (c < C) {
-      xv[k] = io.load(x + c);
-#pragma unroll
-      for (int e = 0; e < P; e++) s += to_float(xv[k].v[e]);
-    }
-  }
-  layernorm_row_packs(out + n * C, mean + n, rstd + n, xv, weight, bias, C, lane, s, io);
+  layernorm_row_packs(out + n * C, mean + n, rstd + n, weight, bias, C, threadIdx.x % 32, io,
+                      [&](int c) { return io.load(x + c); });
 }
 
 // One element of dinp += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dy * w, rounded once to S;

@@ -69,14 +69,25 @@ struct RowPack {
   }
 };
 
-// The packed row: x holds lane `lane`'s packs (pack k valid where (32 k + lane) P < C) and s its sum of them, pack
-// by pack in order (the caller forms it as it loads or makes the row). Same arithmetic as layernorm_row, values
-// taken from registers. All 32 lanes must call.
-template <typename S>
-__device__ __forceinline__ void layernorm_row_packs(S* o, float* mean, float* rstd, const Pack<S> (&x)[RowPack<S>::K],
-                                                    const S* weight, const S* bias, int C, int lane, float s,
-                                                    RowPack<S> io) {
+// The packed row. make(c) gives the pack at column c, one of lane `lane`'s ((32 k + lane) P < C), in order: the
+// caller loads it, or forms it and writes it where it belongs. Each is summed as it comes and kept in registers for
+// the variance and the output, so every caller sums a row in the same order. Same arithmetic as layernorm_row,
+// values taken from registers. All 32 lanes must call.
+template <typename S, typename Make>
+__device__ __forceinline__ void layernorm_row_packs(S* o, float* mean, float* rstd, const S* weight, const S* bias,
+                                                    int C, int lane, RowPack<S> io, Make make) {
   constexpr int P = RowPack<S>::P, K = RowPack<S>::K;
+  Pack<S> x[K];
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const int c = (32 * k + lane) * P;
+    if (c < C) {
+      x[k] = make(c);
+#pragma unroll
+      for (int e = 0; e < P; e++) s += to_float(x[k].v[e]);
+    }
+  }
   const float m = warp_sum(s) / C;
   float v = 0.f;
 #pragma unroll

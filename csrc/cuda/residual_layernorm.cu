@@ -42,27 +42,18 @@ __global__ void residual_layernorm_forward_one_pass_kernel(S* res, S* __restrict
                                                            float* __restrict__ rstd, const S* a, const S* b,
                                                            const S* __restrict__ weight, const S* __restrict__ bias,
                                                            int64_t N, int C, RowPack<S> io) {
-  constexpr int P = RowPack<S>::P, K = RowPack<S>::K;
+  constexpr int P = RowPack<S>::P;
   const int64_t n = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   if (n >= N) return;
-  const int lane = threadIdx.x % 32;
-  Pack<S> xv[K];
-  float s = 0.f;
+  layernorm_row_packs(out + n * C, mean + n, rstd + n, weight, bias, C, threadIdx.x % 32, io, [&](int c) {
+    const int64_t i = n * C + c;
+    const Pack<S> pa = io.load(a + i), pb = io.load(b + i);
+    Pack<S> x;
 #pragma unroll
-  for (int k = 0; k < K; k++) {
-    const int c = (32 * k + lane) * P;
-    if (c < C) {
-      const int64_t i = n * C + c;
-      const Pack<S> pa = io.load(a + i), pb = io.load(b + i);
-#pragma unroll
-      for (int e = 0; e < P; e++) {
-        xv[k].v[e] = from_float<S>(to_float(pa.v[e]) + to_float(pb.v[e]));
-        s += to_float(xv[k].v[e]);
-      }
-      io.store(res + i, xv[k]);
-    }
-  }
-  layernorm_row_packs(out + n * C, mean + n, rstd + n, xv, weight, bias, C, lane, s, io);
+    for (int e = 0; e < P; e++) x.v[e] = from_float<S>(to_float(pa.v[e]) + to_float(pb.v[e]));
+    io.store(res + i, x);
+    return x;
+  });
 }
 }  // namespace
 
