@@ -10,11 +10,13 @@ the max |fastgpt - torch| column is only there to show both sides computed the s
     python3 bench/bench_ops.py --case matmul --json /tmp/ops.json
     python3 bench/bench_ops.py --device cuda --case layernorm --B 16 --T 1024 --C 768   # on a GPU, bf16
 
-On a GPU (--device cuda, with --dtype) the LayerNorm cases run; the other ops have their GPU benchmarks in
-bench_gpu_train.py (--profile: each kernel's time in the training step) and bench_flash_attention.py. There the
-forward and backward get second rows, "fwd2" and "bwd2": fastgpt's older kernels, which read a row again for each
-pass (ops.layernorm_one_pass(False)), against the same torch calls, so one run shows what reading each row once
-saves.
+On a GPU (--device cuda, with --dtype) the LayerNorm and cross-entropy cases run; the other ops have their GPU
+benchmarks in bench_gpu_train.py (--profile: each kernel's time in the training step) and bench_flash_attention.py.
+There the LayerNorm forward and backward get second rows, "fwd2" and "bwd2": fastgpt's older kernels, which read a
+row again for each pass (ops.layernorm_one_pass(False)), against the same torch calls, so one run shows what reading
+each row once saves. Cross-entropy gets an "fb" row: the training step's kernel (the loss and its gradient from two
+reads of the logits) against torch's forward and backward; its "fwd" and "fb" rows read the mean loss back on both
+sides (fastgpt's ops return it as a float: one host sync per call on each side).
 """
 import argparse
 import os
@@ -26,7 +28,7 @@ from _common import OtherLoad, default_threads, environment, report_other_load, 
 
 CASES = ("embedding", "layernorm", "residual_layernorm", "matmul", "matmul_gelu", "attention", "gelu", "cross_entropy",
          "adamw")
-GPU_CASES = ("layernorm", "residual_layernorm")
+GPU_CASES = ("layernorm", "residual_layernorm", "cross_entropy")
 LINEARS = ("attn", "attn_proj", "fc", "fc_proj", "lm_head")  # every distinct nn.Linear shape of GPT-2
 
 
@@ -49,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the LayerNorm cases on the GPU (timed with CUDA events)")
+                   help="cuda: the LayerNorm and cross-entropy cases on the GPU (timed with CUDA events)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="storage type of both sides (default: fp32 on the CPU, bf16 on a GPU; the CPU takes fp32 only)")
     args = p.parse_args(argv)
@@ -284,17 +286,28 @@ def run_cases(args):
 
     if "cross_entropy" in selected:
         logits, targets = randn(N, V), ids(N)
+        targets_t = torch.from_numpy(targets).to(args.device)
+        if gpu:
+            targets = targets_t
         _, _, lse = ops.cross_entropy_forward(logits, targets)
-        logits_t, targets_t = tt(logits), torch.from_numpy(targets)
+        logits_t = tt(logits)
 
         def th_fwd():
             return F.cross_entropy(logits_t, targets_t)
         th_out = th_fwd()
-        bench("cross_entropy", f"logits({N},{V}) mean",
+        shape = f"logits({N},{V}) mean"
+        bench("cross_entropy", shape,
               lambda: ops.cross_entropy_forward(logits, targets)[0],
               lambda: ops.cross_entropy_backward(logits, targets, lse),
-              th_fwd,
+              lambda: th_fwd().item(),
               lambda: torch.autograd.grad(th_out, logits_t, retain_graph=True)[0])
+        if gpu:  # the training step's classifier: loss and gradient together
+
+            def th_fb():
+                loss = F.cross_entropy(logits_t, targets_t)
+                return loss.item(), torch.autograd.grad(loss, logits_t)[0]
+            bench("cross_entropy", shape, lambda: ops.cross_entropy_forward_backward(logits, targets)[::2], None,
+                  th_fb, None, passes=("fb",))
 
     if "adamw" in selected:
         L = args.n_layer

@@ -133,6 +133,11 @@ if [ $build = ok ] && has bench; then
       --json "$out/bench_ops_$c.json" >> "$out/bench.log" 2>&1 || b=FAIL
   done
   res[bench_layernorm]=$b
+  # Cross-entropy over GPT-2's vocabulary (16384 rows of 50304 bf16 logits): forward, backward from lse, and the
+  # training step's forward_backward ("fb"), each vs torch.
+  b=FAIL; timeout 60 python3 bench/bench_ops.py --device cuda --case cross_entropy --B 16 --T 1024 \
+    --json "$out/bench_ops_cross_entropy.json" >> "$out/bench.log" 2>&1 && b=ok
+  res[bench_cross_entropy]=$b
   b=FAIL; timeout 40 python3 bench/bench_adamw.py --json "$out/bench_adamw.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_adamw]=$b
   b=FAIL; timeout 90 python3 bench/bench_generate.py --device cuda --precision bf16 --prompt-len 64 --new-tokens 128 \

@@ -1,7 +1,7 @@
-"""bench/bench_ops.py's LayerNorm cases: the options it refuses, and on each device a short run whose rows compare
-the same computation on both sides (its max|diff| column; the timings are not judged: benchmarks are not tests).
-On a GPU the forward and backward also get the rows of the older kernels ("fwd2", "bwd2") that the one-pass ones
-are measured against."""
+"""bench/bench_ops.py's LayerNorm and cross-entropy cases: the options it refuses, and on each device a short run
+whose rows compare the same computation on both sides (its max|diff| column; the timings are not judged: benchmarks
+are not tests). On a GPU the LayerNorm forward and backward also get the rows of the older kernels ("fwd2", "bwd2")
+that the one-pass ones are measured against, and cross-entropy the training step's kernel ("fb")."""
 import pathlib
 import sys
 
@@ -14,7 +14,8 @@ import bench_ops  # noqa: E402
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--device", "cuda", "--case", "matmul"], "--device cuda runs --case layernorm or residual_layernorm"),
+    (["--device", "cuda", "--case", "matmul"],
+     "--device cuda runs --case layernorm or residual_layernorm or cross_entropy"),
     (["--device", "cuda"], "--device cuda runs --case"),
     (["--dtype", "bf16"], "--dtype bf16/fp16 needs --device cuda"),
 ])
@@ -36,4 +37,18 @@ def test_layernorm_rows(device, dtype, tol, case, capsys):
     for r in rows:
         assert r["fastgpt_ms"] > 0 and r["torch_ms"] > 0
         # bf16: torch rounds its dweight/dbias (sums over 66 rows) to bf16, fastgpt keeps them in fp32
+        assert r["max_abs_diff"] < tol, r
+
+
+# bf16: torch's mean loss is a bf16 number (near 7, in steps of 1/32); the gradients (~1/(66 * 1000)) differ by
+# their bf16 rounding, ~1e-7
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", "fp32", 1e-6),
+                                              pytest.param("cuda", "bf16", 0.05, marks=needs_cuda)])
+def test_cross_entropy_rows(device, dtype, tol, capsys):
+    args = bench_ops.parse_args(["--device", device, "--dtype", dtype, "--case", "cross_entropy", "--B", "2", "--T",
+                                 "33", "--vocab", "1000", "--warmup", "1", "--repeats", "2", "--seed", "7"])
+    rows = bench_ops.run_cases(args)
+    assert [r["pass"] for r in rows] == ["fwd", "bwd"] + (["fb"] if device == "cuda" else [])
+    for r in rows:
+        assert r["op"] == "cross_entropy" and r["fastgpt_ms"] > 0 and r["torch_ms"] > 0
         assert r["max_abs_diff"] < tol, r

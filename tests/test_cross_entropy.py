@@ -1,13 +1,15 @@
 """cross_entropy: fastgpt.ops mean loss, per-row losses and logit gradient vs torch.nn.functional.cross_entropy in
-float64, including large-magnitude logits (the log-sum-exp must not overflow); forward_backward (the training
-step's one-pass kernel) against the same reference and against the two separate kernels."""
+float64, including large-magnitude logits (the log-sum-exp must not overflow) and -inf ones (masked: they add
+nothing); forward_backward (the training step's one-pass kernel) against the same reference and against the two
+separate kernels (the same bits). On a GPU: 16-bit logits, and views off 16-byte alignment, which take the same
+order of sums through single loads (the same bits)."""
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
-from devices import DEVICES, host, on
+from devices import DEVICES, host, needs_cuda, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -54,11 +56,65 @@ def test_cross_entropy_forward_backward_in_one_pass(rng, N, V, scale, device):
     loss, losses, dlogits = ops.cross_entropy_forward_backward(on(device, logits), on(device, targets), grad=grad)
     losses, dlogits = host(losses), host(dlogits)
     check_against_torch(logits, targets, grad, loss, losses, dlogits)
-    # The same function as the two kernels: on the CPU the same bits (one lse routine, one gradient routine); on a
-    # GPU the running (max, sum) is merged in another order.
+    # The same function as the two kernels, and the same bits: one lse routine (pass one of the GPU's kernels), one
+    # gradient routine.
     _, losses2, lse = ops.cross_entropy_forward(on(device, logits), on(device, targets))
     dlogits2 = host(ops.cross_entropy_backward(on(device, logits), on(device, targets), lse, grad=grad))
-    if device == "cpu":
-        assert np.array_equal(losses, losses2) and np.array_equal(dlogits, dlogits2)
-    else:
-        assert rel_err(losses, host(losses2)) < 1e-6 and rel_err(dlogits, dlogits2) < 1e-6
+    assert np.array_equal(losses, host(losses2)) and np.array_equal(dlogits, dlogits2)
+
+
+@pytest.mark.parametrize("N,V", [(5, 5000), (4, 50257)])
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_inf_and_nan_logits(rng, N, V, device):
+    """-inf logits (a causal or vocabulary mask) add nothing, even where a whole stretch of a row is -inf (the
+    running max of the GPU's threads starts at -inf); a NaN logit makes its row's loss and gradient NaN, and only
+    its row's."""
+    logits, targets, grad = case(rng, N, V, 2.0)
+    logits[0, :4096] = -np.inf
+    logits[1:, ::7] = -np.inf
+    logits[np.arange(N), targets] = rng.standard_normal(N)  # a finite loss
+    logits[N - 1, 3] = np.nan
+    loss, losses, dlogits = ops.cross_entropy_forward_backward(on(device, logits), on(device, targets), grad=grad)
+    losses, dlogits = host(losses), host(dlogits)
+    assert np.isnan(loss) and np.isnan(losses[-1]) and np.isnan(dlogits[-1]).all()
+    lt = torch.tensor(logits[:-1], dtype=torch.float64, requires_grad=True)
+    tt = torch.tensor(targets[:-1])
+    ref = F.cross_entropy(lt, tt, reduction="none")
+    (ref.sum() * grad / N).backward()
+    assert rel_err(losses[:-1], ref.detach()) < TOL and rel_err(dlogits[:-1], lt.grad) < TOL
+    assert (dlogits[:-1][np.isneginf(logits[:-1])] == 0).all()
+
+
+# The GPU kernels walk a row in 16-byte units where V is a whole number of them and the rows are aligned, else in
+# single loads in the same order: a view off alignment (or V = 50257) must give the aligned call's bits.
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, TOL)],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("N,V", [(64, 50304), (17, 50257), (8, 1000)])
+def test_cuda_cross_entropy_any_alignment(rng, dtype, tol, N, V):
+    def bits(a):  # a result as integers of its width: equal bits, NaN or not, 16-bit or not
+        a = torch.as_tensor(a)
+        return a.view({2: torch.int16, 4: torch.int32}[a.element_size()]).cpu()
+
+    logits, targets, grad = case(rng, N, V, 3.0)
+    x = torch.tensor(logits).to(dtype).cuda()
+    t = torch.tensor(targets).cuda()
+    buf = torch.empty(N * V + 1, dtype=dtype, device="cuda")
+    off = buf[1:].view(N, V)  # 2 or 4 bytes past a 16-byte boundary
+    off.copy_(x)
+    assert off.data_ptr() % 16 != 0
+    (_, losses, dlogits), (_, losses2, lse) = (ops.cross_entropy_forward_backward(x, t, grad=grad),
+                                               ops.cross_entropy_forward(x, t))
+    _, losses_off, dlogits_off = ops.cross_entropy_forward_backward(off, t, grad=grad)
+    _, losses2_off, lse_off = ops.cross_entropy_forward(off, t)
+    assert torch.equal(bits(losses), bits(losses2)), "forward's losses differ from forward_backward's"
+    for a, b, name in ((losses, losses_off, "losses"), (dlogits, dlogits_off, "dlogits"),
+                       (losses2, losses2_off, "forward's losses"), (lse, lse_off, "lse")):
+        assert torch.equal(bits(a), bits(b)), f"{name} differ on the unaligned view"
+    dl = ops.cross_entropy_backward(off, t, lse, grad=grad)
+    assert torch.equal(bits(dl), bits(dlogits)), "backward from forward's lse differs from forward_backward's gradient"
+    xt = torch.as_tensor(x).double().cpu().requires_grad_(True)
+    ref = F.cross_entropy(xt, t.cpu())
+    (ref * grad).backward()
+    assert rel_err(host(losses), F.cross_entropy(xt.detach(), t.cpu(), reduction="none")) < 1e-5
+    assert rel_err(torch.as_tensor(dlogits).double().cpu(), xt.grad) < tol

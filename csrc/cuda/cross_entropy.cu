@@ -1,90 +1,58 @@
 // Softmax cross-entropy over the vocabulary, forward and backward, never storing the probabilities; CUDA twin of
-// csrc/cpu/cross_entropy.cpp. Forward: one block per row, a max then a sum-of-exp block reduction, keeping only
-// lse = max + log(sum) for backward. Backward: one block per row rebuilds each probability from lse.
-// dlogits may alias logits (written in place), so no __restrict__ there: each element is read, then written, by one
-// thread, and the target element's one-hot is applied by that same thread (no second pass over it).
+// csrc/cpu/cross_entropy.cpp. One block per row, in two passes over it. Pass one (row_lse) keeps a running
+// (max, sum of exp) per thread, merged across the block into lse = max + log(sum): the forward keeps lse for the
+// backward. Pass two (row_grad) rebuilds each probability from lse and writes the gradient. forward_backward (the
+// training step's chunked classifier) runs both passes in one kernel: two reads of the logits, not three.
+// Memory-bound, so a row is walked in units of one 16-byte pack (N = 8 16-bit logits or 4 float), the V % N logits
+// past the last whole pack a unit each: thread i takes units i, i + blockDim.x, ... in both passes. Where V is a whole
+// number of packs and the rows are 16-byte aligned the units move as 128-bit loads and stores; otherwise as single
+// elements, in the same order (PackIO), so every result depends on V alone, never on alignment. forward and
+// forward_backward share pass one, so their losses are the same bits, and backward from forward's lse gives
+// forward_backward's gradient bits.
+// dlogits may alias logits (written in place), so no __restrict__ there: a thread writes only the units it read.
 // Templates over the storage type S (float, bf16, f16) of the logits: widened as loaded, all arithmetic in float,
 // losses and lse float. The gradient is (p - onehot) * dloss rounded once to S, as the CPU writes it: in 16 bits
-// p - 1 at the target is formed before rounding (not p rounded, then - 1). forward_backward (the training step's
-// chunked classifier) does both in one kernel: one read of the row keeps a running (max, sum of exp) per thread,
-// merged across the block, and a second read writes the gradient: two reads of the logits instead of three.
+// p - 1 at the target is formed before rounding (not p rounded, then - 1).
 #include <cmath>
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
+#include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
 
 namespace {
-constexpr int kThreads = 512;  // a multiple of 32: the block reduction assumes full warps
+constexpr int kThreads = 512;  // a multiple of 32 (the block reduction assumes full warps), at least a pack
 
-struct Max {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-struct Sum {
-  __device__ float operator()(float a, float b) const { return a + b; }
-};
-
-// Every thread of the block gets the result. Must be reached by all threads of the block.
-template <class Op>
-__device__ float block_reduce(float v, Op op, float identity) {
-  __shared__ float per_warp[32];
-  for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-  __syncthreads();  // a previous call's readers are done with per_warp
-  if (lane == 0) per_warp[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? per_warp[lane] : identity;  // each warp reduces the per-warp values itself: no broadcast step
-  for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-
-template <typename S>
-__global__ void cross_entropy_forward_kernel(float* __restrict__ losses, float* __restrict__ lse,
-                                             const S* __restrict__ logits, const int32_t* __restrict__ targets,
-                                             int V) {
-  const int64_t n = blockIdx.x;
-  const S* x = logits + n * V;
-  float mx = -INFINITY;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, to_float(x[j]));
-  mx = block_reduce(mx, Max(), -INFINITY);
-  float s = 0.f;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_float(x[j]) - mx);
-  s = block_reduce(s, Sum(), 0.f);
-  if (threadIdx.x == 0) {
-    const float l = mx + logf(s);
-    lse[n] = l;
-    losses[n] = l - to_float(x[targets[n]]);
-  }
-}
-
-template <typename S>
-__global__ void cross_entropy_backward_kernel(S* dlogits, const S* logits, const float* __restrict__ lse,
-                                              const int32_t* __restrict__ targets, float dloss,
-                                              const float* __restrict__ dloss_scale, int V) {
-  if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
-  const int64_t n = blockIdx.x;
-  const S* x = logits + n * V;
-  S* dx = dlogits + n * V;
-  const float l = lse[n];
-  const int t = targets[n];
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {
-    // (p - onehot) * dloss, as the CPU: the subtraction first, one multiply, one rounding to S.
-    const float p = expf(to_float(x[j]) - l);
-    dx[j] = from_float<S>(__fmul_rn(j == t ? __fsub_rn(p, 1.f) : p, dloss));
-  }
-}
-// (max, sum of exp(x - max)) over a part of a row; an empty part is (-inf, 0).
+// (max, sum of exp(x - max)) over a part of a row; an empty part, or one of -inf logits only, is (-inf, 0).
 struct MaxSum {
   float m, s;
 };
+
+// Adds W logits: one rescale for all of them (by their max), then their exps in order. While every logit seen is
+// -inf, the exps are taken against 0 instead of the max (exp(-inf - -inf) is NaN): each adds 0, and a NaN still
+// adds NaN (fmaxf passes over a NaN, so the max alone would drop it).
+template <int W>
+__device__ __forceinline__ void add(MaxSum& a, const float (&v)[W]) {
+  float m = v[0];
+#pragma unroll
+  for (int k = 1; k < W; k++) m = fmaxf(m, v[k]);
+  if (m > a.m) {
+    a.s *= expf(a.m - m);
+    a.m = m;
+  }
+  const float ref = a.m == -INFINITY ? 0.f : a.m;
+#pragma unroll
+  for (int k = 0; k < W; k++) a.s += expf(v[k] - ref);
+}
+
 __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   const float m = fmaxf(a.m, b.m);
-  if (m == -INFINITY) return {m, 0.f};  // both empty: exp(-inf - -inf) would be NaN
+  if (m == -INFINITY) return {m, a.s + b.s};  // both sums are 0 (or NaN): exp(-inf - -inf) would be NaN
   return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};  // a + b == b + a: every lane ends with the same bits
 }
 
-// Every thread of the block gets the row's (max, sum). Must be reached by all threads of the block.
+// Every thread of the block gets the row's (max, sum). Must be reached by all threads of the block, once a kernel.
 __device__ MaxSum block_reduce(MaxSum v) {
   __shared__ float pm[32];
   __shared__ float ps[32];
@@ -102,34 +70,112 @@ __device__ MaxSum block_reduce(MaxSum v) {
   return v;
 }
 
+// Widened values of one unit.
+template <typename S>
+__device__ __forceinline__ void widen(float (&v)[Pack<S>::N], const Pack<S>& p) {
+#pragma unroll
+  for (int k = 0; k < Pack<S>::N; k++) v[k] = to_float(p.v[k]);
+}
+
+// Pass one: the row's lse (every thread gets it).
+template <typename S>
+__device__ float row_lse(const S* x, int V, PackIO<S> io) {
+  constexpr int N = Pack<S>::N;
+  const int units = V / N;
+  MaxSum a{-INFINITY, 0.f};
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    float v[N];
+    widen(v, io.load(x + u * N));
+    add(a, v);
+  }
+  for (int j = units * N + threadIdx.x; j < V; j += blockDim.x) {
+    const float v[1] = {to_float(x[j])};
+    add(a, v);
+  }
+  a = block_reduce(a);
+  return a.m + logf(a.s);
+}
+
+// g = (exp(v - l) - onehot) * dloss for one unit; kt: the target's place in it (anything outside [0, W) for none).
+// The loss, where wanted, by the thread that holds the target, from its own read (dx may be x).
+template <int W>
+__device__ __forceinline__ void unit_grad(float (&g)[W], const float (&v)[W], float l, int kt, float dloss,
+                                          float* loss) {
+  if ((unsigned)kt < (unsigned)W) {  // one unit of the row: its selects stay out of the other units' loop
+#pragma unroll
+    for (int k = 0; k < W; k++) {
+      const float p = expf(v[k] - l);
+      g[k] = __fmul_rn(k == kt ? __fsub_rn(p, 1.f) : p, dloss);
+      if (k == kt && loss) *loss = l - v[k];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < W; k++) g[k] = __fmul_rn(expf(v[k] - l), dloss);
+  }
+}
+
+// Pass two: this thread's units of dx from x and lse, the tail first and then the packs from the last down: the
+// units pass one read last are the likeliest to be still in L2. (The order cannot change a bit: each element is
+// its own.)
+template <typename S>
+__device__ void row_grad(S* dx, const S* x, float l, int t, float dloss, int V, PackIO<S> io, float* loss) {
+  constexpr int N = Pack<S>::N;
+  const int units = V / N;
+  for (int j = units * N + threadIdx.x; j < V; j += blockDim.x) {
+    const float v[1] = {to_float(x[j])};
+    float g[1];
+    unit_grad(g, v, l, t - j, dloss, loss);
+    dx[j] = from_float<S>(g[0]);
+  }
+  if ((int)threadIdx.x >= units) return;
+  for (int u = threadIdx.x + (units - 1 - threadIdx.x) / blockDim.x * blockDim.x; u >= 0; u -= blockDim.x) {
+    float v[N], g[N];
+    widen(v, io.load(x + u * N));
+    unit_grad(g, v, l, t - u * N, dloss, loss);
+    Pack<S> o;
+#pragma unroll
+    for (int k = 0; k < N; k++) o.v[k] = from_float<S>(g[k]);
+    io.store(dx + u * N, o);
+  }
+}
+
+template <typename S>
+__global__ void cross_entropy_forward_kernel(float* __restrict__ losses, float* __restrict__ lse,
+                                             const S* __restrict__ logits, const int32_t* __restrict__ targets,
+                                             int V, PackIO<S> io) {
+  const int64_t n = blockIdx.x;
+  const S* x = logits + n * V;
+  const float l = row_lse(x, V, io);
+  if (threadIdx.x == 0) {
+    lse[n] = l;
+    losses[n] = l - to_float(x[targets[n]]);
+  }
+}
+
+template <typename S>
+__global__ void cross_entropy_backward_kernel(S* dlogits, const S* logits, const float* __restrict__ lse,
+                                              const int32_t* __restrict__ targets, float dloss,
+                                              const float* __restrict__ dloss_scale, int V, PackIO<S> io) {
+  if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
+  const int64_t n = blockIdx.x;
+  row_grad(dlogits + n * V, logits + n * V, lse[n], targets[n], dloss, V, io, (float*)nullptr);
+}
+
 template <typename S>
 __global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
                                                       const int32_t* __restrict__ targets, float dloss,
-                                                      const float* __restrict__ dloss_scale, int V) {
+                                                      const float* __restrict__ dloss_scale, int V, PackIO<S> io) {
   if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
   const int64_t n = blockIdx.x;
   const S* x = logits + n * V;
-  S* dx = dlogits + n * V;
-  MaxSum a{-INFINITY, 0.f};
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {  // online: rescale the sum when the max grows
-    const float v = to_float(x[j]);
-    if (v > a.m) {
-      a.s = a.s * expf(a.m - v) + 1.f;
-      a.m = v;
-    } else {
-      a.s += expf(v - a.m);
-    }
-  }
-  a = block_reduce(a);
-  const float l = a.m + logf(a.s);
-  const int t = targets[n];
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {
-    const float v = to_float(x[j]);
-    const float p = expf(v - l);
-    // The loss by the thread that owns the target, from its own read: in place, no other thread writes x[t].
-    if (j == t) losses[n] = l - v;
-    dx[j] = from_float<S>(__fmul_rn(j == t ? __fsub_rn(p, 1.f) : p, dloss));
-  }
+  const float l = row_lse(x, V, io);
+  row_grad(dlogits + n * V, x, l, targets[n], dloss, V, io, losses + n);
+}
+
+// 16-byte units: V a whole number of packs, so every row starts where the first does, and both bases aligned.
+template <typename S>
+PackIO<S> units_of(int V, const S* logits, const void* dlogits) {
+  return PackIO<S>{V % Pack<S>::N == 0 && aligned16(logits) && aligned16(dlogits)};
 }
 }  // namespace
 
@@ -137,7 +183,9 @@ template <typename S>
 void cross_entropy_forward(float* losses, float* lse, const S* logits, const int32_t* targets, int64_t N, int V,
                            Stream stream) {
   if (N <= 0 || V <= 0) return;
-  cross_entropy_forward_kernel<S><<<(unsigned)N, kThreads, 0, stream>>>(losses, lse, logits, targets, V);
+  const PackIO<S> io = units_of(V, logits, nullptr);
+  auto* kernel = cross_entropy_forward_kernel<S>;  // (a launch on one line: tests/warp_emu rewrites it)
+  kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, lse, logits, targets, V, io);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
@@ -145,8 +193,9 @@ template <typename S>
 void cross_entropy_backward(S* dlogits, const S* logits, const float* lse, const int32_t* targets, float dloss,
                             const float* dloss_scale, int64_t N, int V, Stream stream) {
   if (N <= 0 || V <= 0) return;
+  const PackIO<S> io = units_of(V, logits, dlogits);
   auto* kernel = cross_entropy_backward_kernel<S>;  // (a launch on one line: tests/warp_emu rewrites it)
-  kernel<<<(unsigned)N, kThreads, 0, stream>>>(dlogits, logits, lse, targets, dloss, dloss_scale, V);
+  kernel<<<(unsigned)N, kThreads, 0, stream>>>(dlogits, logits, lse, targets, dloss, dloss_scale, V, io);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
@@ -154,8 +203,9 @@ template <typename S>
 void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, const int32_t* targets, float dloss,
                                     const float* dloss_scale, int64_t N, int V, Stream stream) {
   if (N <= 0 || V <= 0) return;
+  const PackIO<S> io = units_of(V, logits, dlogits);
   auto* kernel = cross_entropy_forward_backward_kernel<S>;  // (a launch on one line: tests/warp_emu rewrites it)
-  kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, dloss_scale, V);
+  kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, dloss_scale, V, io);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 

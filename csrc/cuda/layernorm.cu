@@ -242,7 +242,7 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (g_one_pass.load() && layernorm_row_fits<S>(C)) {
-    const RowPack<S> io{aligned16(out) && aligned16(inp) && aligned16(weight) && aligned16(bias)};
+    const RowPack<S> io{{aligned16(out) && aligned16(inp) && aligned16(weight) && aligned16(bias)}};
     auto* kernel = layernorm_forward_one_pass_kernel<S>;  // one-line launch: the warp emulator rewrites it
     kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C, io);
   } else {

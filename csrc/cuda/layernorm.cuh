@@ -45,28 +45,12 @@ __device__ __forceinline__ void layernorm_row(S* o, float* mean, float* rstd, co
   }
 }
 
-// Packs of a row in the packed order: 16-byte loads and stores where every view the kernel touches is 16-byte
-// aligned (vec), else P single elements each, the same values in the same registers.
+// Packs of a row in the packed order, through PackIO (16-byte accesses where every view is aligned, else single
+// elements into the same registers).
 template <typename S>
-struct RowPack {
+struct RowPack : PackIO<S> {
   static constexpr int P = Pack<S>::N;
   static constexpr int K = kLayerNormMaxPackedCols / (32 * P);  // packs per lane at most: 4 (16-bit), 8 (float)
-  bool vec;
-  __device__ __forceinline__ Pack<S> load(const S* p) const {
-    if (vec) return load_pack(p);
-    Pack<S> r;
-#pragma unroll
-    for (int e = 0; e < P; e++) r.v[e] = p[e];
-    return r;
-  }
-  __device__ __forceinline__ void store(S* p, const Pack<S>& x) const {
-    if (vec) {
-      store_pack(p, x);
-    } else {
-#pragma unroll
-      for (int e = 0; e < P; e++) p[e] = x.v[e];
-    }
-  }
 };
 
 // The packed row. make(c) gives the pack at column c, one of lane `lane`'s ((32 k + lane) P < C), in order: the

@@ -63,8 +63,8 @@ void residual_layernorm_forward(S* res, S* out, float* mean, float* rstd, const 
   if (N <= 0 || C <= 0) return;
   const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (layernorm_one_pass() && layernorm_row_fits<S>(C)) {
-    const RowPack<S> io{aligned16(res) && aligned16(out) && aligned16(a) && aligned16(b) && aligned16(weight) &&
-                        aligned16(bias)};
+    const RowPack<S> io{{aligned16(res) && aligned16(out) && aligned16(a) && aligned16(b) && aligned16(weight) &&
+                         aligned16(bias)}};
     auto* kernel = residual_layernorm_forward_one_pass_kernel<S>;  // one-line launch: the warp emulator rewrites it
     kernel<<<(unsigned)blocks, kWarpsPerBlock * 32, 0, stream>>>(res, out, mean, rstd, a, b, weight, bias, N, C, io);
   } else {

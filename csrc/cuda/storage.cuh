@@ -41,6 +41,29 @@ __device__ __forceinline__ void store_pack(S* p, const Pack<S>& x) {  // p 16-by
   *reinterpret_cast<uint4*>(p) = x.raw;
 }
 
+// A pack's worth of S by 16-byte loads and stores where every view a kernel touches is 16-byte aligned (vec),
+// else by N single-element accesses: the same values in the same registers either way, so a kernel that walks its
+// data in packs does its arithmetic in one order whatever the alignment (LayerNorm's rows, cross-entropy's).
+template <typename S>
+struct PackIO {
+  bool vec;
+  __device__ __forceinline__ Pack<S> load(const S* p) const {
+    if (vec) return load_pack(p);
+    Pack<S> r;
+#pragma unroll
+    for (int e = 0; e < Pack<S>::N; e++) r.v[e] = p[e];
+    return r;
+  }
+  __device__ __forceinline__ void store(S* p, const Pack<S>& x) const {
+    if (vec) {
+      store_pack(p, x);
+    } else {
+#pragma unroll
+      for (int e = 0; e < Pack<S>::N; e++) p[e] = x.v[e];
+    }
+  }
+};
+
 inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Threads per block and blocks of the elementwise kernels: nvec packs, then `tail` single elements, each thread

@@ -489,23 +489,77 @@ void run_sm75_cases(unsigned& seed) {
 
 // Cross-entropy (cross_entropy.cu) on rows of logits stored as S: forward + backward, and forward_backward both
 // into a separate gradient and in place (the engine's classifier writes it over the logits), against float64 from
-// the same stored values. The in-place and separate results must be the same bits.
+// the same stored values. forward and forward_backward share the kernels' pass one, so their losses must be the same
+// bits, and backward from forward's lse must give forward_backward's gradient bits; in place or not, dloss given or
+// read from memory: the same bits too. offset: every buffer starts that many elements in (the 16-byte units become
+// single loads), and every result must be the offset-0 run's bits. special: -inf logits (row 0's first unit, and
+// every unit of threads 1 and 17, so one thread's (max, sum) starts from -inf and others' stay there; every 97th
+// logit of the middle rows) and a NaN in the last row among thread 1's -inf (the warp's first merge is of two -inf
+// maxima): that row's loss and gradient must be NaN.
+struct CrossEntropyRun {
+  std::vector<float> l1, lse, l2, l3;
+  std::vector<double> g1, g2, g3, g4;  // the gradients, widened
+};
+
 template <typename S>
-void run_cross_entropy(int N, int V, float amp, double tol, unsigned seed) {
+CrossEntropyRun cross_entropy_calls(const std::vector<S>& x, const std::vector<int32_t>& tgt, int N, int V, float dloss,
+                                    int off) {
+  const size_t n = (size_t)N * V;
+  const S unset = from_float<S>(-7.f);  // not NaN: the NaN row must be written, not left
+  std::vector<S> xs(n + off, unset), g1(n + off, unset), g2(n + off, unset), g3(n + off, unset), g4(n + off, unset);
+  std::copy(x.begin(), x.end(), xs.begin() + off);
+  std::copy(x.begin(), x.end(), g3.begin() + off);
+  CrossEntropyRun r{std::vector<float>(N, -7.f), std::vector<float>(N, -7.f), std::vector<float>(N, -7.f),
+                    std::vector<float>(N, -7.f)};
+  // g3 and g4 take dloss as fp16's loss scaling does, a power of two read from memory times the rest: the same bits.
+  const float scale = 8.f;
+  const S* xp = xs.data() + off;
+  cuda::cross_entropy_forward(r.l1.data(), r.lse.data(), xp, tgt.data(), N, V, nullptr);
+  cuda::cross_entropy_backward(g1.data() + off, xp, r.lse.data(), tgt.data(), dloss, nullptr, N, V, nullptr);
+  cuda::cross_entropy_backward(g4.data() + off, xp, r.lse.data(), tgt.data(), dloss / scale, &scale, N, V, nullptr);
+  cuda::cross_entropy_forward_backward(r.l2.data(), g2.data() + off, xp, tgt.data(), dloss, nullptr, N, V, nullptr);
+  cuda::cross_entropy_forward_backward(r.l3.data(), g3.data() + off, g3.data() + off, tgt.data(), dloss / scale,
+                                       &scale, N, V, nullptr);
+  auto wide = [&](const std::vector<S>& a) {
+    std::vector<double> o(n);
+    for (size_t i = 0; i < n; i++) o[i] = to_float(a[i + off]);
+    return o;
+  };
+  r.g1 = wide(g1), r.g2 = wide(g2), r.g3 = wide(g3), r.g4 = wide(g4);
+  return r;
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+template <typename S>
+void run_cross_entropy(int N, int V, float amp, double tol, unsigned seed, int offset = 0, bool special = false) {
+  constexpr int kThreads = 512, P = 16 / (int)sizeof(S);  // cross_entropy.cu's block and unit
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   std::vector<S> x(N * (size_t)V);
-  std::vector<double> xd(x.size());
   std::vector<int32_t> tgt(N);
-  for (size_t i = 0; i < x.size(); i++) {
-    x[i] = from_float<S>(amp * nd(rng));
-    xd[i] = to_float(x[i]);
-  }
+  for (auto& v : x) v = from_float<S>(amp * nd(rng));
   for (int n = 0; n < N; n++) tgt[n] = (int32_t)(rng() % V);
+  if (special) {
+    for (int n = 0; n < N; n++)
+      for (int j = 0; j < V; j++) {
+        const int u = j / P, thread = u % kThreads;
+        const bool first = n == 0 || n == N - 1;
+        if ((first && (thread == 1 || thread == 17)) || (n == 0 && u == 0) || (!first && j % 97 == 5))
+          x[(size_t)n * V + j] = from_float<S>(-INFINITY);
+      }
+    for (int n = 0; n < N; n++) x[(size_t)n * V + tgt[n]] = from_float<S>(amp * nd(rng));  // a finite loss
+    x[(size_t)(N - 1) * V + P + 1] = from_float<S>(NAN);  // thread 1's: its (-inf, NaN) meets thread 17's (-inf, 0)
+  }
+  const int rows = special ? N - 1 : N;  // the rows the float64 reference is compared with
   const float dloss = 0.37f;
-  std::vector<double> rloss(N), rgrad(x.size());
-  for (int n = 0; n < N; n++) {
-    const double* r = &xd[(size_t)n * V];
+  std::vector<double> rloss(rows), rgrad((size_t)rows * V);
+  for (int n = 0; n < rows; n++) {
+    std::vector<double> r(V);
+    for (int j = 0; j < V; j++) r[j] = to_float(x[(size_t)n * V + j]);
     double mx = -INFINITY, sum = 0;
     for (int j = 0; j < V; j++) mx = std::max(mx, r[j]);
     for (int j = 0; j < V; j++) sum += std::exp(r[j] - mx);
@@ -513,40 +567,44 @@ void run_cross_entropy(int N, int V, float amp, double tol, unsigned seed) {
     rloss[n] = l - r[tgt[n]];
     for (int j = 0; j < V; j++) rgrad[(size_t)n * V + j] = (std::exp(r[j] - l) - (j == tgt[n])) * dloss;
   }
-  auto wide = [](const std::vector<S>& a) {
-    std::vector<double> o(a.size());
-    for (size_t i = 0; i < a.size(); i++) o[i] = to_float(a[i]);
-    return o;
-  };
-  std::vector<float> l1(N, NAN), lse(N, NAN), l2(N, NAN), l3(N, NAN);
-  std::vector<S> g1(x.size(), from_float<S>(NAN)), g2(x.size(), from_float<S>(NAN)), g3 = x,
-      g4(x.size(), from_float<S>(NAN));
-  // g3 and g4 take dloss as fp16's loss scaling does, a power of two read from memory times the rest: the same bits.
-  const float scale = 8.f;
-  cuda::cross_entropy_forward(l1.data(), lse.data(), x.data(), tgt.data(), N, V, nullptr);
-  cuda::cross_entropy_backward(g1.data(), x.data(), lse.data(), tgt.data(), dloss, nullptr, N, V, nullptr);
-  cuda::cross_entropy_backward(g4.data(), x.data(), lse.data(), tgt.data(), dloss / scale, &scale, N, V, nullptr);
-  cuda::cross_entropy_forward_backward(l2.data(), g2.data(), x.data(), tgt.data(), dloss, nullptr, N, V, nullptr);
-  cuda::cross_entropy_forward_backward(l3.data(), g3.data(), g3.data(), tgt.data(), dloss / scale, &scale, N, V,
-                                       nullptr);
-  auto dbl = [](const std::vector<float>& a) { return std::vector<double>(a.begin(), a.end()); };
-  const double e1 = relerr(dbl(l1), rloss), e2 = relerr(dbl(l2), rloss), d1 = relerr(wide(g1), rgrad),
-               d2 = relerr(wide(g2), rgrad);
-  const bool same = l2 == l3 && memcmp(g2.data(), g3.data(), g2.size() * sizeof(S)) == 0 &&
-                    memcmp(g1.data(), g4.data(), g1.size() * sizeof(S)) == 0;
-  const bool ok = e1 < 1e-5 && e2 < 1e-5 && d1 < tol && d2 < tol && same;
+  const CrossEntropyRun a = cross_entropy_calls(x, tgt, N, V, dloss, 0);
+  auto head = [&](const auto& v, size_t k) { return std::vector<double>(v.begin(), v.begin() + k); };
+  const size_t ng = (size_t)rows * V;
+  const double e1 = relerr(head(a.l1, rows), rloss), e2 = relerr(head(a.l2, rows), rloss),
+               d1 = relerr(head(a.g1, ng), rgrad), d2 = relerr(head(a.g2, ng), rgrad);
+  const bool same = same_bits(a.l1, a.l2) && same_bits(a.l2, a.l3) && same_bits(a.g1, a.g2) &&
+                    same_bits(a.g2, a.g3) && same_bits(a.g1, a.g4);
+  bool nan_row = true, aligned = true;
+  if (special) {
+    for (const auto* l : {&a.l1, &a.l2, &a.l3}) nan_row = nan_row && std::isnan((*l)[N - 1]);
+    for (size_t i = ng; i < x.size(); i++) nan_row = nan_row && std::isnan(a.g1[i]) && std::isnan(a.g2[i]);
+  }
+  if (offset) {
+    const CrossEntropyRun b = cross_entropy_calls(x, tgt, N, V, dloss, offset);
+    aligned = same_bits(a.l1, b.l1) && same_bits(a.lse, b.lse) && same_bits(a.l2, b.l2) && same_bits(a.l3, b.l3) &&
+              same_bits(a.g1, b.g1) && same_bits(a.g2, b.g2) && same_bits(a.g3, b.g3) && same_bits(a.g4, b.g4);
+  }
+  const bool ok = e1 < 1e-5 && e2 < 1e-5 && d1 < tol && d2 < tol && same && nan_row && aligned;
   if (!ok) failures++;
-  printf("%s cross_entropy %zu-byte N=%d V=%d amp=%g: loss %.2e / %.2e, dlogits %.2e / %.2e, in place %s\n",
-         ok ? "ok  " : "FAIL", sizeof(S), N, V, amp, e1, e2, d1, d2, same ? "same bits" : "DIFFERS");
+  printf("%s cross_entropy %zu-byte N=%d V=%d amp=%g offset %d%s: loss %.2e / %.2e, dlogits %.2e / %.2e, "
+         "one pass one / backward / in place %s%s%s\n",
+         ok ? "ok  " : "FAIL", sizeof(S), N, V, amp, offset, special ? " -inf+NaN" : "", e1, e2, d1, d2,
+         same ? "same bits" : "DIFFER", special ? (nan_row ? ", NaN row NaN" : ", NaN row NOT NaN") : "",
+         offset ? (aligned ? ", offset same bits" : ", offset DIFFERS") : "");
   fflush(stdout);
 }
 
 void run_cross_entropy_cases(unsigned& seed) {
   run_cross_entropy<float>(3, 1000, 1.f, 1e-5, seed++);
   run_cross_entropy<float>(2, 2, 1.f, 1e-5, seed++);          // fewer columns than threads
-  run_cross_entropy<float>(2, 1537, 30.f, 1e-5, seed++);      // peaky rows: the running max moves a lot
+  run_cross_entropy<float>(2, 1537, 30.f, 1e-5, seed++, 1);   // peaky rows: the running max moves a lot; a tail
   run_cross_entropy<bf16>(2, 777, 3.f, 8e-3, seed++);         // gradients rounded to 8 bits
-  run_cross_entropy<f16>(2, 600, 3.f, 1e-3, seed++);
+  run_cross_entropy<f16>(2, 600, 3.f, 1e-3, seed++, 2);
+  run_cross_entropy<bf16>(3, 5000, 3.f, 8e-3, seed++, 3, true);  // more units than threads; off by 6 bytes
+  run_cross_entropy<float>(3, 2500, 3.f, 1e-5, seed++, 1, true);
+  run_cross_entropy<f16>(3, 4099, 3.f, 1e-3, seed++, 0, true);   // a tail of 3
+  run_cross_entropy<bf16>(2, 50304, 1.f, 8e-3, seed++, 1);       // GPT-2's padded vocabulary
+  run_cross_entropy<bf16>(2, 50257, 1.f, 8e-3, seed++);          // and its own: single loads, a tail of 1
 }
 
 // float64 LayerNorm of N rows x (C, stored as S), forward (out) and backward: dx = dinp0 + the row's gradient, and
