@@ -81,14 +81,14 @@ __device__ __forceinline__ void widen(float (&v)[Pack<S>::N], const Pack<S>& p) 
 template <typename S>
 __device__ float row_lse(const S* x, int V, PackIO<S> io) {
   constexpr int N = Pack<S>::N;
-  const int units = V / N;
+  const int units = V / N, tid = threadIdx.x, threads = blockDim.x;
   MaxSum a{-INFINITY, 0.f};
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+  for (int u = tid; u < units; u += threads) {
     float v[N];
     widen(v, io.load(x + u * N));
     add(a, v);
   }
-  for (int j = units * N + threadIdx.x; j < V; j += blockDim.x) {
+  for (int j = units * N + tid; j < V; j += threads) {
     const float v[1] = {to_float(x[j])};
     add(a, v);
   }
@@ -120,15 +120,15 @@ __device__ __forceinline__ void unit_grad(float (&g)[W], const float (&v)[W], fl
 template <typename S>
 __device__ void row_grad(S* dx, const S* x, float l, int t, float dloss, int V, PackIO<S> io, float* loss) {
   constexpr int N = Pack<S>::N;
-  const int units = V / N;
-  for (int j = units * N + threadIdx.x; j < V; j += blockDim.x) {
+  const int units = V / N, tid = threadIdx.x, threads = blockDim.x;
+  for (int j = units * N + tid; j < V; j += threads) {
     const float v[1] = {to_float(x[j])};
     float g[1];
     unit_grad(g, v, l, t - j, dloss, loss);
     dx[j] = from_float<S>(g[0]);
   }
-  if ((int)threadIdx.x >= units) return;
-  for (int u = threadIdx.x + (units - 1 - threadIdx.x) / blockDim.x * blockDim.x; u >= 0; u -= blockDim.x) {
+  if (tid >= units) return;
+  for (int u = tid + (units - 1 - tid) / threads * threads; u >= 0; u -= threads) {  // the thread's last unit, down
     float v[N], g[N];
     widen(v, io.load(x + u * N));
     unit_grad(g, v, l, t - u * N, dloss, loss);
