@@ -28,3 +28,14 @@ def host(a):
     if a is None or isinstance(a, np.ndarray):
         return a
     return a.detach().cpu().numpy()
+
+
+def bits(x):
+    """The raw bits of a float32/bfloat16/float16 result, a NumPy array or a torch tensor on any device, as unsigned
+    integers of its width: equal arrays of them are the same bits, NaN or not."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        return x.view(torch.int16 if x.element_size() == 2 else torch.int32).numpy().view(
+            np.uint16 if x.element_size() == 2 else np.uint32)
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)

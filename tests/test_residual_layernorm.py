@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
-from devices import DEVICES, host, on
+from devices import DEVICES, bits, host, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -42,16 +42,6 @@ def test_residual_layernorm_forward_backward(rng, shape, device):
     assert rel_err(da, at.grad) < TOL and rel_err(da, bt.grad) < TOL
     assert rel_err(dw, wt.grad) < TOL
     assert rel_err(db, biast.grad) < TOL
-
-
-def bits(x):
-    """The raw bits of a float32/bfloat16/float16 result, a NumPy array or a torch tensor on any device."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu()
-        return x.view(torch.int16 if x.element_size() == 2 else torch.int32).numpy().view(
-            np.uint16 if x.element_size() == 2 else np.uint32)
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 @pytest.mark.parametrize("device", DEVICES)

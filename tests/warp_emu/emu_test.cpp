@@ -659,9 +659,6 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
   const S nan = from_float<S>(NAN);
   std::vector<S> want(n);
   for (size_t i = 0; i < n; i++) want[i] = from_float<S>(to_float(a[i + offset]) + to_float(b[i + offset]));
-  const auto bytes_eq = [](const auto& x, const auto& y) {
-    return x.size() == y.size() && memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
-  };
   auto wide = [](const auto& v) {
     std::vector<double> o(v.size());
     for (size_t i = 0; i < v.size(); i++) o[i] = to_float(v[i]);
@@ -688,10 +685,11 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
                                      inplace.data() + offset, b.data() + offset, w.data(), bias.data(), N, C,
                                      nullptr);
     cuda::set_layernorm_one_pass(before);
-    same = same && bytes_eq(res, want) && bytes_eq(out, out2) && bytes_eq(mean1, mean2) && bytes_eq(rstd1, rstd2) &&
+    same = same && same_bits(res, want) && same_bits(out, out2) && same_bits(mean1, mean2) &&
+           same_bits(rstd1, rstd2) &&
            memcmp(inplace.data(), a.data(), offset * sizeof(S)) == 0 &&
-           memcmp(inplace.data() + offset, want.data(), n * sizeof(S)) == 0 && bytes_eq(out3, out2) &&
-           bytes_eq(mean3, mean2) && bytes_eq(rstd3, rstd2);
+           memcmp(inplace.data() + offset, want.data(), n * sizeof(S)) == 0 && same_bits(out3, out2) &&
+           same_bits(mean3, mean2) && same_bits(rstd3, rstd2);
     eo[one_pass] = relerr(wide(out), rout);
     if (one_pass) mean = mean1, rstd = rstd1;
   }
