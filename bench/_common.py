@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: the thread count both libraries get, the machine description recorded with
-every result, and a measure of how much CPU other processes took during a run (timings on a shared machine are
-only trustworthy when that is near zero).
+every result, a measure of how much CPU other processes took during a run (timings on a shared machine are
+only trustworthy when that is near zero), and the summary of matmul autotune's decisions in a run.
 """
 import datetime
 import json
@@ -98,3 +98,16 @@ def write_json(path, payload, quiet=False):
             os.remove(tmp)
     if not quiet:
         print(f"wrote {path}")
+
+
+def autotune_summary(records):
+    """fastgpt.ops.matmul_autotune_report()'s records of one run in a few numbers: how many problems were met, how
+    many timed (not skipped), how many left the heuristic's choice, and, over the timed ones, the sum of one run of
+    the heuristic's algorithm against one of the chosen (ms): what the tuning saves per call of every product once,
+    an upper bound on a step's saving only where each product runs once per step. The records go along whole."""
+    timed = [r for r in records if not r["skipped"] and r["ms"] and r["ms"][0] > 0 and r["ms"][r["chosen"]] > 0]
+    heuristic = sum(r["ms"][0] for r in timed)
+    chosen = sum(r["ms"][r["chosen"]] for r in timed)
+    return {"problems": len(records), "timed": len(timed), "changed": sum(r["chosen"] != 0 for r in timed),
+            "heuristic_ms": heuristic, "chosen_ms": chosen,
+            "saved": (1 - chosen / heuristic) if heuristic > 0 else 0.0, "records": list(records)}

@@ -9,7 +9,9 @@ forward_backward, clip_grad_norm, step. The fused model recomputes GELU in backw
 memory of each setting. "fastgpt bf16 graph sm90" is the graph step with Hopper's wgmma flash attention kernels
 (--sm90-tiles; H100/H200 only); "fastgpt bf16 graph bias-kernel" the graph step with the linear layers' bias
 gradients from the column-sum kernel instead of cuBLASLt's epilogue (fastgpt.ops.matmul_bias_grad_epilogue(False)):
-which of the two to keep as the default.
+which of the two to keep as the default; "fastgpt bf16 graph tuned" the graph step with every product's cuBLASLt
+algorithm timed at its first run (fastgpt.ops.matmul_autotune(True); its results carry the decisions and the sum of
+the chosen algorithms' times against the heuristic's): whether that becomes the default.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -36,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from _common import environment, write_json
+from _common import autotune_summary, environment, write_json
 from _profile import print_breakdown, profile_steps
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -45,6 +47,7 @@ LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 # "... graph sm90" runs last: its kernels have never run on a GPU, and a trap (their 60 s wait limit) or a fault
 # would leave the CUDA context unusable for every variant after it.
 VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-kernel",
+            "fastgpt bf16 graph tuned",
             "fastgpt bf16 recompute=0", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32",
             "torch eager tf32", "torch compiled bf16", "fastgpt bf16 graph sm90")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
@@ -208,6 +211,7 @@ def main(argv=None):
         model.load_state_dict(weights)
         opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         free_min = [torch.cuda.mem_get_info(dev)[0]]
+        tuned0 = len(ops.matmul_autotune_report())  # "... tuned": this attempt's decisions come after these
 
         def step(i):
             x, y = (a[:b] for a in np_batches[i])  # leading rows of a C-contiguous array: contiguous
@@ -222,8 +226,15 @@ def main(argv=None):
         times, losses = run_steps(step, after=lambda: free_min.append(min(free_min[-1],
                                                                           torch.cuda.mem_get_info(dev)[0])))
         prof = profiled(name, step)
+        tuned = {}
+        if ops.matmul_autotune():
+            tuned = {"matmul_autotune": autotune_summary(ops.matmul_autotune_report()[tuned0:])}
+            t = tuned["matmul_autotune"]
+            print(f" [matmul autotune: {t['problems']} problems, {t['timed']} timed, {t['changed']} changed; one run "
+                  f"of each: heuristic {t['heuristic_ms']:.2f} ms, chosen {t['chosen_ms']:.2f} ms "
+                  f"({100 * t['saved']:.1f}% less)]", end="", flush=True)
         return times, losses, {"peak_mem_bytes": free0 - free_min[-1], "peak_driver_bytes": free0 - free_min[-1],
-                               **prof,
+                               **prof, **tuned,
                                "engine_bytes": model.memory()["total"],
                                "activation_bytes": model.memory()["activations"],
                                "classifier_rows": model.classifier_rows if model.fused else None,
@@ -285,13 +296,17 @@ def main(argv=None):
     @contextlib.contextmanager
     def variant_settings(name):
         """The "... sm90" variant runs with --sm90-tiles chosen (a ValueError off sm_90: the variant fails, saying
-        why), "... bias-kernel" with the bias-gradient kernel; the previous settings come back after it."""
+        why), "... bias-kernel" with the bias-gradient kernel, "... tuned" with matmul autotune; the previous settings
+        come back after it."""
         if name.endswith("sm90"):
             before = ops.flash_attention_tiles(**dict(zip(("fwd", "dkdv", "dq"), args.sm90_tiles)))
             restore = lambda: ops.flash_attention_tiles(**before)
         elif name.endswith("bias-kernel"):
             before_bias = ops.matmul_bias_grad_epilogue(False)
             restore = lambda: ops.matmul_bias_grad_epilogue(before_bias)
+        elif name.endswith("tuned"):
+            before_tune = ops.matmul_autotune(True)
+            restore = lambda: ops.matmul_autotune(before_tune)
         else:
             yield
             return

@@ -10,13 +10,16 @@ the max |fastgpt - torch| column is only there to show both sides computed the s
     python3 bench/bench_ops.py --case matmul --json /tmp/ops.json
     python3 bench/bench_ops.py --device cuda --case layernorm --B 16 --T 1024 --C 768   # on a GPU, bf16
 
-On a GPU (--device cuda, with --dtype) the LayerNorm and cross-entropy cases run; the other ops have their GPU
+On a GPU (--device cuda, with --dtype) the LayerNorm, matmul and cross-entropy cases run; the other ops have their GPU
 benchmarks in bench_gpu_train.py (--profile: each kernel's time in the training step) and bench_flash_attention.py.
 There the LayerNorm forward and backward get second rows, "fwd2" and "bwd2": fastgpt's older kernels, which read a
 row again for each pass (ops.layernorm_one_pass(False)), against the same torch calls, so one run shows what reading
 each row once saves. Cross-entropy gets an "fb" row: the training step's kernel (the loss and its gradient from two
 reads of the logits) against torch's forward and backward; its "fwd" and "fb" rows read the mean loss back on both
-sides (fastgpt's ops return it as a float: one host sync per call on each side).
+sides (fastgpt's ops return it as a float: one host sync per call on each side). The matmul case (GPT-2's linear
+layers; --linears picks them) gets "fwd tuned" and "bwd tuned" rows: fastgpt with each product's cuBLASLt algorithm
+timed at its first run (ops.matmul_autotune(True); the first call, before the timing, makes the decisions), and a
+line summing the chosen algorithms' times against the heuristic's.
 """
 import argparse
 import os
@@ -24,11 +27,11 @@ import statistics
 import sys
 import time
 
-from _common import OtherLoad, default_threads, environment, report_other_load, write_json
+from _common import OtherLoad, autotune_summary, default_threads, environment, report_other_load, write_json
 
 CASES = ("embedding", "layernorm", "residual_layernorm", "matmul", "matmul_gelu", "attention", "gelu", "cross_entropy",
          "adamw")
-GPU_CASES = ("layernorm", "residual_layernorm", "cross_entropy")
+GPU_CASES = ("layernorm", "residual_layernorm", "matmul", "cross_entropy")
 LINEARS = ("attn", "attn_proj", "fc", "fc_proj", "lm_head")  # every distinct nn.Linear shape of GPT-2
 
 
@@ -51,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the LayerNorm and cross-entropy cases on the GPU (timed with CUDA events)")
+                   help="cuda: the LayerNorm, matmul and cross-entropy cases on the GPU (timed with CUDA events)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="storage type of both sides (default: fp32 on the CPU, bf16 on a GPU; the CPU takes fp32 only)")
     args = p.parse_args(argv)
@@ -173,14 +176,19 @@ def run_cases(args):
               th_fwd,
               lambda: torch.autograd.grad(th_out, (wte_t, wpe_t), dout_t, retain_graph=True))
 
-    def rereading(fn):  # on a GPU: fastgpt's LayerNorm kernels that read a row again, for the "fwd2"/"bwd2" rows
-        def run():
-            before = ops.layernorm_one_pass(False)
-            try:
-                return fn()
-            finally:
-                ops.layernorm_one_pass(before)
-        return run
+    def switched(setting, value):  # fn with one of fastgpt.ops' process-wide GPU switches set, then put back
+        def wrap(fn):
+            def run():
+                before = setting(value)
+                try:
+                    return fn()
+                finally:
+                    setting(before)
+            return run
+        return wrap
+    # On a GPU: fastgpt's LayerNorm kernels that read a row again ("fwd2"/"bwd2" rows), and its products with
+    # matmul autotune ("fwd tuned"/"bwd tuned").
+    rereading, tuned = switched(ops.layernorm_one_pass, False), switched(ops.matmul_autotune, True)
 
     if "layernorm" in selected:
         x, w, b, dout = randn(B, T, C), randn(C), randn(C), randn(B, T, C)
@@ -217,25 +225,34 @@ def run_cases(args):
     if "matmul" in selected:
         shapes = {"attn": (C, 3 * C, True), "attn_proj": (C, C, True), "fc": (C, 4 * C, True),
                   "fc_proj": (4 * C, C, True), "lm_head": (C, V, False)}
+        tuned0 = len(ops.matmul_autotune_report()) if gpu else 0
         for name in args.linears:
             cin, cout, has_bias = shapes[name]
             x, w = randn(B, T, cin), randn(cout, cin, scale=0.02)
             bias = randn(cout, scale=0.02) if has_bias else None
             dout = randn(B, T, cout)
-            x_t, w_t, dout_t = tt(x), tt(w), torch.from_numpy(dout)
+            x_t, w_t, dout_t = tt(x), tt(w), dt(dout)
             b_t = tt(bias) if has_bias else None
             inputs_t = (x_t, w_t, b_t) if has_bias else (x_t, w_t)
 
             def th_fwd(x_t=x_t, w_t=w_t, b_t=b_t):
                 return F.linear(x_t, w_t, b_t)
             th_out = th_fwd()
-            bench("matmul", f"{name}: ({N},{cin})@({cout},{cin})^T" + ("+b" if has_bias else ""),
-                  lambda x=x, w=w, bias=bias: ops.matmul_forward(x, w, bias),
-                  lambda dout=dout, x=x, w=w, hb=has_bias: [g for g in ops.matmul_backward(dout, x, w, hb)
-                                                            if g is not None],
-                  th_fwd,
-                  lambda th_out=th_out, inputs_t=inputs_t, dout_t=dout_t:
-                      torch.autograd.grad(th_out, inputs_t, dout_t, retain_graph=True))
+            shape = f"{name}: ({N},{cin})@({cout},{cin})^T" + ("+b" if has_bias else "")
+            fg_fwd = lambda x=x, w=w, bias=bias: ops.matmul_forward(x, w, bias)
+            fg_bwd = lambda dout=dout, x=x, w=w, hb=has_bias: [g for g in ops.matmul_backward(dout, x, w, hb)
+                                                               if g is not None]
+            th_bwd = lambda th_out=th_out, inputs_t=inputs_t, dout_t=dout_t: torch.autograd.grad(
+                th_out, inputs_t, dout_t, retain_graph=True)
+            bench("matmul", shape, fg_fwd, fg_bwd, th_fwd, th_bwd)
+            if gpu:
+                bench("matmul", shape, tuned(fg_fwd), tuned(fg_bwd), th_fwd, th_bwd, passes=("fwd tuned", "bwd tuned"))
+        if gpu:
+            t = autotune_summary(ops.matmul_autotune_report()[tuned0:])
+            print(f"matmul autotune: {t['problems']} problems, {t['timed']} timed, {t['changed']} changed; one run of "
+                  f"each: heuristic {t['heuristic_ms']:.3f} ms, chosen {t['chosen_ms']:.3f} ms "
+                  f"({100 * t['saved']:.1f}% less)", flush=True)
+            rows[-1]["matmul_autotune"] = t  # the decisions, with the case's last row
 
     if "attention" in selected:
         qkv, dout = randn(B, T, 3 * C), randn(B, T, C)
@@ -334,7 +351,7 @@ def run_cases(args):
     return rows
 
 
-HEADER = (f"{'op':<18} {'pass':<5} {'shape':<42} {'fastgpt ms':>11} {'torch ms':>10} {'torch/fastgpt':>14} "
+HEADER = (f"{'op':<18} {'pass':<9} {'shape':<42} {'fastgpt ms':>11} {'torch ms':>10} {'torch/fastgpt':>14} "
           f"{'max|diff|':>10}")
 
 
@@ -344,7 +361,7 @@ def print_header():
 
 
 def print_row(r, flush=False):
-    print(f"{r['op']:<18} {r['pass']:<5} {r['shape']:<42} {r['fastgpt_ms']:>11.3f} {r['torch_ms']:>10.3f} "
+    print(f"{r['op']:<18} {r['pass']:<9} {r['shape']:<42} {r['fastgpt_ms']:>11.3f} {r['torch_ms']:>10.3f} "
           f"{r['ratio']:>13.2f}x {r['max_abs_diff']:>10.2e}", flush=flush)
 
 

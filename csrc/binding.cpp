@@ -671,6 +671,35 @@ void bind_ops(py::module_& m) {
     return false;
 #endif
   }, py::arg("on") = py::none());
+  // How the GPU's products pick cuBLASLt's algorithm: its heuristic's first, or the fastest of its candidates timed
+  // at each problem's first run (cuda/ops.h), and the decisions made so far.
+  m.def("matmul_autotune", [](std::optional<bool> on) {
+#ifdef FASTGPT_WITH_CUDA
+    return on ? cuda::set_matmul_autotune(*on) : cuda::matmul_autotune();
+#else
+    (void)on;
+    throw std::runtime_error("matmul autotune chooses between cuBLASLt's algorithms; this build of fastgpt has no "
+                             "CUDA");
+    return false;
+#endif
+  }, py::arg("on") = py::none());
+  m.def("matmul_autotune_report", []() {
+    py::list out;
+#ifdef FASTGPT_WITH_CUDA
+    for (const cuda::MatmulTuneRecord& r : cuda::matmul_autotune_report()) {
+      py::dict d;
+      d["M"] = r.M, d["N"] = r.N, d["K"] = r.K, d["trans_a"] = r.trans_a, d["trans_b"] = r.trans_b;
+      d["batch"] = r.batch, d["epilogue"] = r.epilogue, d["ab_type"] = r.ab_type, d["c_type"] = r.c_type;
+      d["compute"] = r.compute, d["candidates"] = r.candidates, d["chosen"] = r.chosen, d["reps"] = r.reps;
+      d["ms"] = r.ms, d["skipped"] = r.skipped;
+      out.append(d);
+    }
+#else
+    throw std::runtime_error("matmul autotune chooses between cuBLASLt's algorithms; this build of fastgpt has no "
+                             "CUDA");
+#endif
+    return out;
+  });
   // The LayerNorm kernels on the GPU: one read of each row, or the older kernels that read it again (cuda/ops.h).
   m.def("layernorm_one_pass", [](std::optional<bool> on) {
 #ifdef FASTGPT_WITH_CUDA

@@ -3,7 +3,8 @@
 # tests sanitize bench), and print a short table last (the device tool returns only the tail of the output).
 #   tests     every test file on its own (a fault in one cannot poison the others), GPU cases on; NCCL line
 #   sanitize  compute-sanitizer memcheck/racecheck/initcheck/synccheck on every flash variant and a 3-step training
-#   bench     GPT-2 124M training, precision table, flash attention, LayerNorm backward, AdamW bandwidth, generation
+#   bench     GPT-2 124M training, precision table, flash attention, LayerNorm, matmul (autotune), cross-entropy,
+#             AdamW bandwidth, generation
 #   accuracy  scripts/flash_accuracy.py: half-precision flash error beside every SDPA backend and an emulation
 #   diagnose  scripts/flash_diagnose.py: each flash kernel choice against float64 on small shapes, each in its own
 #             process; for a wrong output, which rows, columns and heads, and a map (where to look first)
@@ -133,6 +134,15 @@ if [ $build = ok ] && has bench; then
       --json "$out/bench_ops_$c.json" >> "$out/bench.log" 2>&1 || b=FAIL
   done
   res[bench_layernorm]=$b
+  # GPT-2's linear layers, forward and backward, with cuBLASLt's heuristic algorithm and with matmul autotune
+  # ("fwd tuned", "bwd tuned"; a line sums the chosen algorithms' times against the heuristic's), each vs torch: the
+  # block's four at B 16, lm_head at one chunk of the engine's classifier (4096 rows).
+  b=ok
+  timeout 60 python3 bench/bench_ops.py --device cuda --case matmul --B 16 --T 1024 --C 768 \
+    --linears attn,attn_proj,fc,fc_proj --json "$out/bench_ops_matmul.json" >> "$out/bench.log" 2>&1 || b=FAIL
+  timeout 40 python3 bench/bench_ops.py --device cuda --case matmul --B 4 --T 1024 --C 768 --linears lm_head \
+    --json "$out/bench_ops_matmul_lm_head.json" >> "$out/bench.log" 2>&1 || b=FAIL
+  res[bench_matmul]=$b
   # Cross-entropy over GPT-2's vocabulary, one chunk of the engine's classifier (4096 rows of 50304 bf16 logits):
   # forward, backward from lse, and the training step's forward_backward ("fb"), each vs torch.
   b=FAIL; timeout 40 python3 bench/bench_ops.py --device cuda --case cross_entropy --B 4 --T 1024 \
@@ -170,7 +180,7 @@ if has bench; then
   grep -E -A8 "^variant " "$out/bench.log"
   grep -E -A5 "^precision " "$out/bench.log"
   grep -E "vs fastest torch|^adamw|copy|AdamW" "$out/bench.log" | tail -18
-  grep -E "^(residual_)?layernorm " "$out/bench.log"
+  grep -E "^(residual_)?layernorm |^matmul " "$out/bench.log"
 fi
 if has diagnose && [ -f "$out/diagnose.log" ]; then grep "^== " "$out/diagnose.log"; fi
 if has ncu && [ -f "$out/ncu.log" ]; then cut -c1-230 "$out/ncu.log"; fi

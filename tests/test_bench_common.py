@@ -1,5 +1,6 @@
 """bench/_common.py's write_json, which every benchmark's --json goes through (and bench_gpu_train.py after each of
-its variants, so that a device call cut short keeps what was measured): the file is replaced whole or not at all."""
+its variants, so that a device call cut short keeps what was measured): the file is replaced whole or not at all.
+And autotune_summary, the few numbers bench_gpu_train.py and bench_ops.py print of matmul autotune's decisions."""
 import json
 import pathlib
 import sys
@@ -27,3 +28,20 @@ def test_write_json_replaces_the_file_whole_or_not_at_all(tmp_path, rng, capsys)
     _common.write_json(str(path), second, quiet=True)
     assert json.loads(path.read_text()) == second
     assert capsys.readouterr().out == ""
+
+
+def test_autotune_summary_counts_the_timed_decisions(rng):
+    def record(ms, chosen, skipped=""):
+        return {"M": 8, "N": 8, "K": 8, "epilogue": "none", "candidates": len(ms), "chosen": chosen, "ms": ms,
+                "reps": 0 if skipped else 3, "skipped": skipped}
+    a, b, c = (float(v) for v in rng.uniform(0.1, 1.0, 3))
+    records = [record([a, 0.5 * a, a], 1),            # changed: the second candidate, half the time
+               record([b, 1.01 * b], 0),              # kept
+               record([-1.0, c, 0.9 * c], 2),         # the heuristic's could not run: no baseline, left out
+               record([-1.0, -1.0], 0, "first run recorded into a CUDA graph")]
+    s = _common.autotune_summary(records)
+    assert (s["problems"], s["timed"], s["changed"]) == (4, 2, 1)
+    assert s["heuristic_ms"] == pytest.approx(a + b) and s["chosen_ms"] == pytest.approx(0.5 * a + b)
+    assert s["saved"] == pytest.approx(0.5 * a / (a + b))
+    assert s["records"] == records and s["records"] is not records
+    assert _common.autotune_summary([])["saved"] == 0.0

@@ -1,7 +1,8 @@
-"""bench/bench_ops.py's LayerNorm and cross-entropy cases: the options it refuses, and on each device a short run
-whose rows compare the same computation on both sides (its max|diff| column; the timings are not judged: benchmarks
-are not tests). On a GPU the LayerNorm forward and backward also get the rows of the older kernels ("fwd2", "bwd2")
-that the one-pass ones are measured against, and cross-entropy the training step's kernel ("fb")."""
+"""bench/bench_ops.py's LayerNorm, matmul and cross-entropy cases: the options it refuses, and on each device a short
+run whose rows compare the same computation on both sides (its max|diff| column; the timings are not judged:
+benchmarks are not tests). On a GPU the LayerNorm forward and backward also get the rows of the older kernels
+("fwd2", "bwd2") that the one-pass ones are measured against, matmul the rows with autotune ("fwd tuned", "bwd
+tuned") and its decisions, and cross-entropy the training step's kernel ("fb")."""
 import pathlib
 import sys
 
@@ -14,8 +15,8 @@ import bench_ops  # noqa: E402
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--device", "cuda", "--case", "matmul"],
-     "--device cuda runs --case layernorm or residual_layernorm or cross_entropy"),
+    (["--device", "cuda", "--case", "attention"],
+     "--device cuda runs --case layernorm or residual_layernorm or matmul or cross_entropy"),
     (["--device", "cuda"], "--device cuda runs --case"),
     (["--dtype", "bf16"], "--dtype bf16/fp16 needs --device cuda"),
 ])
@@ -52,3 +53,25 @@ def test_cross_entropy_rows(device, dtype, tol, capsys):
     for r in rows:
         assert r["op"] == "cross_entropy" and r["fastgpt_ms"] > 0 and r["torch_ms"] > 0
         assert r["max_abs_diff"] < tol, r
+
+
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", "fp32", 1e-3),
+                                              pytest.param("cuda", "bf16", 0.5, marks=needs_cuda)])
+def test_matmul_rows(device, dtype, tol, capsys):
+    # attn_proj at C 96 over 2 x 33 rows; on a GPU the tuned rows come after, and the case's last row carries the
+    # decisions: its three products (forward with the bias epilogue, dx, dW with the bias gradient's), each timed.
+    args = bench_ops.parse_args(["--device", device, "--dtype", dtype, "--case", "matmul", "--linears", "attn_proj",
+                                 "--B", "2", "--T", "33", "--C", "96", "--n-head", "2", "--warmup", "1",
+                                 "--repeats", "2", "--seed", "7"])
+    rows = bench_ops.run_cases(args)
+    want = ["fwd", "bwd"] + (["fwd tuned", "bwd tuned"] if device == "cuda" else [])
+    assert [r["pass"] for r in rows] == want
+    for r in rows:
+        assert r["op"] == "matmul" and r["fastgpt_ms"] > 0 and r["torch_ms"] > 0
+        assert r["max_abs_diff"] < tol, r
+    if device == "cuda":
+        t = rows[-1]["matmul_autotune"]
+        assert t["problems"] == t["timed"] == 3 and 0 < t["chosen_ms"] <= t["heuristic_ms"], t
+        assert "matmul autotune: 3 problems, 3 timed" in capsys.readouterr().out
+    else:
+        assert all("matmul_autotune" not in r for r in rows)

@@ -1,13 +1,17 @@
 """matmul (nn.Linear): fastgpt.ops forward and backward vs torch in float64, with and without bias, including
 shapes that are not multiples of any block size (the GEMM's edge tiles), and the few-row shapes of generation
 (up to 4 rows: the CPU forward's matrix-vector path; 5 rows: the GEMM again)."""
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
-from devices import DEVICES, host, on
+from devices import DEVICES, bits, host, needs_cuda, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -107,3 +111,76 @@ def test_matmul_gelu_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="pre must have the same dtype as x"):
         ops.matmul_backward_dgelu(np.ones((4, 8), np.float32), h, np.ones((8, 16), np.float32),
                                   pre.astype(np.float16))
+
+
+# ---- matmul_autotune: cuBLASLt's candidate algorithms timed at each problem's first run on a GPU, the fastest kept
+# by csrc/cuda/matmul_tune.h's rules.
+
+def test_autotune_rules(tmp_path):
+    # The rules against a fake clock (tests/cpp/matmul_tune_test.cpp; no GPU): a clear winner is taken, a 1% one is
+    # not, failing candidates and slow outliers, the repeat count and the order of the timings.
+    gxx = shutil.which("g++")
+    if not gxx:
+        pytest.skip("needs g++")
+    root = Path(__file__).resolve().parent.parent
+    exe = tmp_path / "matmul_tune_test"
+    build = subprocess.run([gxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{root / 'csrc'}",
+                            str(root / "tests" / "cpp" / "matmul_tune_test.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "failures 0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_matmul_autotune_setting():
+    if not ops._C.built_with_cuda:
+        for fn in (ops.matmul_autotune, ops.matmul_autotune_report):
+            with pytest.raises(RuntimeError, match="no CUDA"):
+                fn()
+        return
+    before = ops.matmul_autotune()
+    assert before is False, "off by default: the heuristic's choice, as PyTorch"
+    try:
+        assert ops.matmul_autotune(True) is False
+        assert ops.matmul_autotune() is True
+        with pytest.raises(TypeError, match="enabled must be True, False or None"):
+            ops.matmul_autotune(1)
+        assert ops.matmul_autotune() is True  # a refused value changes nothing
+    finally:
+        ops.matmul_autotune(before)
+    assert isinstance(ops.matmul_autotune_report(), list)
+
+
+@needs_cuda
+def test_cuda_matmul_autotune_times_each_problem_once_and_writes_only_the_real_run(rng):
+    # A bf16 linear layer at a shape no other test uses, so its three products are new problems: the forward (bias
+    # epilogue), dx, and dW accumulated into fp32 with beta = 1 and the bias gradient's epilogue (BGRADB). Each is
+    # timed at its first run with its outputs in scratch: dW, which starts at zero, must be the product added once
+    # (a timing run into it would add it again), and the outputs must be those of the float64 product of the same
+    # bf16 inputs within bf16 rounding. A second call makes no new decision and gives the same bits.
+    N, C, OC = 1000, 192, 320
+    x, w, b, dy = (torch.tensor(rng.standard_normal(s) * sc, dtype=torch.float32).to("cuda", torch.bfloat16)
+                   for s, sc in (((N, C), 1.0), ((OC, C), 0.1), ((OC,), 0.1), ((N, OC), 1.0)))
+    before = ops.matmul_autotune(True)
+    try:
+        n0 = len(ops.matmul_autotune_report())
+        first = (ops.matmul_forward(x, w, b), *ops.matmul_backward(dy, x, w))
+        n1 = len(ops.matmul_autotune_report())
+        second = (ops.matmul_forward(x, w, b), *ops.matmul_backward(dy, x, w))
+        report = ops.matmul_autotune_report()
+    finally:
+        ops.matmul_autotune(before)
+    assert len(report) == n1, "a problem was timed twice"
+    new = {(r["M"], r["N"], r["K"], r["epilogue"]): r for r in report[n0:n1]}
+    assert set(new) == {(N, OC, C, "bias"), (N, C, OC, "none"), (OC, C, N, "bgradb")}, list(new)
+    for r in new.values():
+        assert r["skipped"] == "" and r["reps"] >= 1 and 0 <= r["chosen"] < r["candidates"] <= 8, r
+        assert 0 < r["ms"][r["chosen"]] <= r["ms"][0] or r["ms"][0] < 0, r  # never slower than the heuristic's
+    for a, b2 in zip(first, second):
+        assert np.array_equal(bits(a), bits(b2))
+    x64, w64, b64, dy64 = (t.double() for t in (x, w, b, dy))
+    out, dx, dw, db = first
+    assert rel_err(out, x64 @ w64.T + b64) < 1e-2
+    assert rel_err(dx, dy64 @ w64) < 1e-2
+    assert rel_err(dw, dy64.T @ x64) < 1e-5, "dW: the product added once, in fp32"
+    assert rel_err(db, dy64.sum(0)) < 1e-5, "dbias"

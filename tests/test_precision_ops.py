@@ -108,7 +108,7 @@ def test_matmul(rng, prec, bias, device):
 # (N, C, OC): a small shape, one whose sizes are no multiple of 8 (cuBLASLt's edge tiles), and on a GPU fc's of
 # GPT-2 at B*T 4096 (the tiles, and perhaps the split of K, that the training step's product takes).
 ACCUMULATE_CASES = [pytest.param(d, e, s, marks=m, id=f"{d}-{e}-{s[0]}x{s[1]}x{s[2]}")
-                    for d, m, paths in (("cpu", (), (None,)), ("cuda", needs_cuda, ("epilogue", "kernel")))
+                    for d, m, paths in (("cpu", (), (None,)), ("cuda", needs_cuda, ("epilogue", "kernel", "tuned")))
                     for e in paths
                     for s in ((256, 64, 192), (77, 40, 50)) + (((4096, 768, 3072),) if d == "cuda" else ())]
 
@@ -118,7 +118,8 @@ ACCUMULATE_CASES = [pytest.param(d, e, s, marks=m, id=f"{d}-{e}-{s[0]}x{s[1]}x{s
 def test_matmul_backward_accumulates(rng, prec, device, path, shape):
     # The engine's contract (cuda/ops.h): dweight and dbias accumulate in fp32 over micro-steps. On a GPU in 16-bit
     # the bias gradient is cuBLASLt's epilogue of the weight gradient's product, which writes its sum (fastgpt adds
-    # it), or the column-sum kernel (matmul_bias_grad_epilogue(False)). Two micro-steps into buffers already
+    # it), or the column-sum kernel (matmul_bias_grad_epilogue(False)); "tuned": the epilogue with matmul_autotune,
+    # whose timing runs (the first call) must not add to dweight or dbias. Two micro-steps into buffers already
     # holding values: each increment must be the float64 one of the same 16-bit inputs within fp32 accumulation
     # error, a bound that a lost increment, an overwrite or a gradient rounded to 16 bits (~1e-3) would break.
     N, C, OC = shape
@@ -128,7 +129,8 @@ def test_matmul_backward_accumulates(rng, prec, device, path, shape):
     dw0, db0 = (torch.tensor(rng.standard_normal(s), dtype=torch.float32) for s in ((OC, C), (OC,)))
     dw, db = (t.clone().to(device) if device == "cuda" else t.numpy().copy() for t in (dw0, db0))
     dx = torch.empty_like(x)
-    before = ops.matmul_bias_grad_epilogue(path == "epilogue") if path else None
+    before = ops.matmul_bias_grad_epilogue(path != "kernel") if path else None
+    tune_before = ops.matmul_autotune(path == "tuned") if path else None
     try:
         for dy in dys:
             d = ops._where(*(to_ours(t) for t in (dy, x, w)))
@@ -137,6 +139,7 @@ def test_matmul_backward_accumulates(rng, prec, device, path, shape):
     finally:
         if path:
             ops.matmul_bias_grad_epilogue(before)
+            ops.matmul_autotune(tune_before)
     dy64 = sum(f64(dy) for dy in dys)
     rel = lambda a, a0, ref: rel_err(f64(a) - f64(a0), ref)  # the increment, against float64's
     assert rel(dw, dw0, dy64.T @ f64(x)) <= 2e-5, "dweight"

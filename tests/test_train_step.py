@@ -282,6 +282,33 @@ def test_train_step_on_the_gpu_is_the_loop(rng, precision, graph):
     # On the GPU the bias corrections come from the device's pow (one double rounding apart from the host's at
     # worst) and the loss from a tree sum: the loop's values within float rounding, the weights within 1e-6. With
     # graph=True the step is recorded as a CUDA graph on the second step and launched from it after.
+    gpu_step_is_the_loop(rng, precision, graph)
+
+
+@needs_cuda
+def test_autotuned_gpu_step_is_the_loop_and_its_graph_runs_the_timed_choices(rng):
+    # fastgpt.ops.matmul_autotune(True): every product of the model is a new problem (the setting is part of the plan
+    # cache's key), timed at its first run. That is the first step, which runs eagerly: no problem may first be met
+    # while the second step is being recorded (it would keep the heuristic's choice, "skipped"). The train step and
+    # the loop then share each problem's one choice, so they agree as they do untuned.
+    before = fastgpt.ops.matmul_autotune(True)
+    try:
+        n0 = len(fastgpt.ops.matmul_autotune_report())
+        gpu_step_is_the_loop(rng, "bf16", True)
+        new = fastgpt.ops.matmul_autotune_report()[n0:]
+    finally:
+        fastgpt.ops.matmul_autotune(before)
+    assert new, "no product was timed"
+    assert [r for r in new if r["skipped"]] == []
+    # The model's forward products (qkv, attention projection, fc, fc_proj, lm_head) and their backward ones: at
+    # least a dozen problems (which epilogues cuBLASLt accepts at this size is test_precision_ops.py's to check).
+    assert len(new) >= 12 and "none" in {r["epilogue"] for r in new}, [(r["M"], r["N"], r["K"]) for r in new]
+    for r in new:
+        assert 0 <= r["chosen"] < r["candidates"] and r["reps"] >= 1, r
+        assert 0 < r["ms"][r["chosen"]] <= r["ms"][0] or r["ms"][0] < 0, r  # never slower than the heuristic's
+
+
+def gpu_step_is_the_loop(rng, precision, graph):
     seed = int(rng.integers(1 << 31))
     models = [fastgpt.GPT(CONFIG, device="cuda", precision=precision, seed=seed) for _ in range(2)]
     opts = [fastgpt.AdamW(m, lr=2e-3) for m in models]

@@ -10,20 +10,27 @@
 // pre-activation written beside the output for backward) and backward (DGELU on the product that makes its input's
 // gradient); the bias gradient rides in the weight gradient's product (gemm_bias_grad: BGRADB sums the loaded dout
 // tiles). A plan cuBLASLt refuses is remembered, and the caller falls back to its kernels.
+// Autotune (set_matmul_autotune, off by default): a plan asks the heuristic for up to tune::kMaxCandidates
+// algorithms instead of one, and its first run times them on that call's operands and keeps the fastest by
+// matmul_tune.h's rules (the heuristic's own unless another beats it by 2%), once per plan and process.
 // Mixed precision: the layouts carry each operand's cudaDataType_t, the descriptor the compute type with an fp32
 // scale type, and the bias epilogue the bias type. When the epilogue cannot be used, a kernel adds the bias; for a
 // 16-bit C the product then goes to fp32 scratch first, so that alpha * AB + beta * C + bias is rounded once, as the
 // epilogue (and the CPU) would.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/cublaslt.h"
+#include "cuda/matmul_tune.h"
+#include "cuda/ops.h"
 #include "cuda/runtime.h"
 #include "cuda/scratch.h"
 #include "cuda/storage.cuh"
@@ -38,6 +45,11 @@ struct DeviceState {
   cublasLtHandle_t handle = nullptr;
 };
 
+struct Candidate {
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace = 0;
+};
+
 // Everything cuBLASLt needs for one problem, built once. use_epilogue is false when the bias epilogue was asked
 // for but is not usable (misaligned bias, batched call, or no algorithm): the bias is then added by a kernel.
 struct Plan {
@@ -46,9 +58,14 @@ struct Plan {
   cublasLtMatmulAlgo_t algo;
   size_t workspace = 0;
   bool use_epilogue = false;
+  // Autotune: the heuristic's ranked candidates until the first run has timed them (empty after, or when off).
+  std::vector<Candidate> candidates;
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;  // the one the plan uses
+  size_t d_bytes = 0, aux_bytes = 0, bias_bytes = 0;   // extents of D, aux and the bias vector: the timing's scratch
+  MatmulTuneRecord record;                             // the problem, for the report; the timing fills in the rest
 };
 
-using Key = std::array<int64_t, 25>;
+using Key = std::array<int64_t, 26>;
 struct KeyHash {
   size_t operator()(const Key& k) const {
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
@@ -65,6 +82,8 @@ struct KeyHash {
 std::mutex g_mutex;
 std::unordered_map<int, DeviceState> g_devices;
 std::unordered_map<Key, Plan, KeyHash> g_plans;
+std::atomic<bool> g_autotune{false};
+std::vector<MatmulTuneRecord> g_tune_records;  // every plan that met its first run with autotune on
 
 // Handle of the current device, created on first use and never freed: it lives as long as the process, and
 // destroying it from a static destructor could run after the CUDA context is gone. The workspace is not kept here:
@@ -147,7 +166,9 @@ cublasLtMatmulDesc_t make_desc(const GemmTypes& t, cublasOperation_t op_a, cubla
 // Best algorithm for the plan's descriptor and layouts; false if cuBLASLt has none (not an error for the
 // epilogue attempt, which then falls back to the plain product). optional: any refusal of the heuristic means
 // "none" (the GELU epilogues, whose fallback then reports what the plain product meets).
-bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, uint32_t al_c, bool optional = false) {
+// autotune: ask for up to tune::kMaxCandidates, ranked, into p.candidates (p.algo is the first all the same).
+bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, uint32_t al_c, bool autotune,
+               bool optional = false) {
   cublasLtMatmulPreference_t pref = nullptr;
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   uint64_t ws = kWorkspaceBytes;
@@ -162,16 +183,19 @@ bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, u
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
   FASTGPT_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
-  cublasLtMatmulHeuristicResult_t result;
-  std::memset(&result, 0, sizeof(result));
+  cublasLtMatmulHeuristicResult_t results[tune::kMaxCandidates];
+  std::memset(results, 0, sizeof(results));
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref,
+                                                           autotune ? tune::kMaxCandidates : 1, results, &found);
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
   if (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0 || (optional && st != CUBLAS_STATUS_SUCCESS)) return false;
   FASTGPT_CUBLAS_CHECK(st);
-  p.algo = result.algo;
-  p.workspace = result.workspaceSize;
+  p.algo = results[0].algo;
+  p.workspace = results[0].workspaceSize;
+  p.candidates.clear();
+  for (int i = 0; autotune && i < found; i++)
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) p.candidates.push_back({results[i].algo, results[i].workspaceSize});
   return true;
 }
 
@@ -186,16 +210,137 @@ void make_layouts(Plan& p, const GemmTypes& types, bool trans_a, bool trans_b, i
   p.c = make_layout(types.c, N, M, ldc, batch, stride_c);  // C^T: column-major (N, M)
 }
 
-// Runs a cached plan under g_mutex: this call's bias and aux pointers on its descriptor (the plan was made with
-// representative ones; null leaves an attribute alone), a workspace from the stream's pool, then the product.
-void run_plan(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const void* B, float beta, void* C,
-              const void* bias, const void* aux, cudaStream_t stream) {
+// A call's bias and aux pointers on its plan's descriptor (made with representative ones); null leaves one alone.
+void set_pointers(cublasLtMatmulDesc_t desc, const void* bias, const void* aux) {
   if (bias)
-    FASTGPT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   if (aux)
     FASTGPT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+}
+
+const char* epilogue_name(cublasLtEpilogue_t e) {
+  switch (e) {
+    case CUBLASLT_EPILOGUE_DEFAULT: return "none";
+    case CUBLASLT_EPILOGUE_BIAS: return "bias";
+    case CUBLASLT_EPILOGUE_GELU_AUX: return "gelu_aux";
+    case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: return "gelu_aux_bias";
+    case CUBLASLT_EPILOGUE_DGELU: return "dgelu";
+    case CUBLASLT_EPILOGUE_BGRADB: return "bgradb";
+    default: return "other";
+  }
+}
+
+const char* type_name(cudaDataType_t t) {
+  return t == CUDA_R_32F ? "fp32" : t == CUDA_R_16BF ? "bf16" : t == CUDA_R_16F ? "fp16" : "other";
+}
+
+// The plan's problem for the report, and the extents of the outputs a timing writes (row-major C (M, N) with row
+// stride ldc per batch entry, aux (M, N) with row stride ldaux in C's type, the bias vector: M for BGRADB's sums).
+void describe(Plan& p, cublasLtEpilogue_t epi, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+              int64_t ldc, int batch, int64_t stride_c, int64_t ldaux, const GemmTypes& t) {
+  p.epi = epi;
+  const size_t es_c = type_size(t.c);
+  p.d_bytes = ((size_t)(batch - 1) * stride_c + (size_t)(M - 1) * ldc + N) * es_c;
+  p.aux_bytes = ldaux > 0 ? ((size_t)(M - 1) * ldaux + N) * es_c : 0;
+  p.bias_bytes = (size_t)M * type_size(t.bias);
+  MatmulTuneRecord& r = p.record;
+  r.M = M, r.N = N, r.K = K, r.trans_a = trans_a, r.trans_b = trans_b, r.batch = batch;
+  r.epilogue = epilogue_name(epi);
+  r.ab_type = type_name(t.a), r.c_type = type_name(t.c);
+  r.compute = t.compute == CUBLAS_COMPUTE_32F_FAST_TF32 ? "tf32" : "fp32";
+}
+
+// Device memory for one timing: taken and given back with cudaMalloc/cudaFree, outside the stream-ordered pool and
+// the engine's workspace (neither should grow, nor keep, what only the first run needs). A refusal (no memory)
+// leaves ok false and the error cleared: the plan then keeps the heuristic's choice.
+struct TuneBuffer {
+  void* ptr = nullptr;
+  bool ok = true;
+  explicit TuneBuffer(size_t bytes) {
+    if (bytes == 0) return;
+    if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+      ptr = nullptr;
+      ok = false;
+      (void)cudaGetLastError();  // cudaErrorMemoryAllocation is not sticky: clear it for the calls after
+    }
+  }
+  void release() {
+    if (ptr) FASTGPT_CUDA_CHECK(cudaFree(ptr));
+    ptr = nullptr;
+  }
+  ~TuneBuffer() {
+    if (ptr) (void)cudaFree(ptr);  // only when an exception left early: it is already being reported
+  }
+  TuneBuffer(const TuneBuffer&) = delete;
+  TuneBuffer& operator=(const TuneBuffer&) = delete;
+};
+
+// Autotune, at a plan's first run (under g_mutex): times its candidates on this call's operands and keeps the
+// winner (tune::choose). D goes to scratch, and so do the epilogue's other outputs (BGRADB's bias sums, GELU_AUX's
+// pre-activation): with beta != 0 the real C must be added to once, and no timing may write what the caller has
+// (nor an input that aliases an output). Not while the stream is being recorded into a CUDA graph (no
+// synchronisation is allowed there): the heuristic's choice then stays for good, so a graph and the eager calls
+// after it run the same algorithm. Each decision, timed or not, goes to g_tune_records.
+void decide(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const void* B, float beta, const void* C,
+            const void* bias, const void* aux, cudaStream_t stream) {
+  std::vector<Candidate> cands;
+  cands.swap(p.candidates);  // decided once, whatever happens below
+  MatmulTuneRecord rec = p.record;
+  rec.candidates = (int)cands.size();
+  rec.ms.assign(cands.size(), -1.0);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FASTGPT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    rec.skipped = "first run recorded into a CUDA graph";
+    g_tune_records.push_back(rec);
+    return;
+  }
+  const bool bias_out = p.epi == CUBLASLT_EPILOGUE_BGRADB;
+  const bool aux_out = p.epi == CUBLASLT_EPILOGUE_GELU_AUX || p.epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  size_t ws_bytes = 0;
+  for (const Candidate& c : cands) ws_bytes = std::max(ws_bytes, c.workspace);
+  TuneBuffer d(p.d_bytes), ws(ws_bytes), bias_s(bias_out ? p.bias_bytes : 0), aux_s(aux_out ? p.aux_bytes : 0);
+  if (!d.ok || !ws.ok || !bias_s.ok || !aux_s.ok) {
+    rec.skipped = "no device memory for the timing's outputs";
+    g_tune_records.push_back(rec);
+    return;
+  }
+  set_pointers(p.desc, bias_out ? bias_s.ptr : bias, aux_out ? aux_s.ptr : aux);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  FASTGPT_CUDA_CHECK(cudaEventCreate(&start));
+  FASTGPT_CUDA_CHECK(cudaEventCreate(&stop));
+  const auto time = [&](int c, int reps) -> double {
+    FASTGPT_CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int r = 0; r < reps; r++)
+      if (cublasLtMatmul(handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, d.ptr, p.c, &cands[c].algo, ws.ptr,
+                         cands[c].workspace, stream) != CUBLAS_STATUS_SUCCESS)
+        return -1.0;  // this candidate cannot run here: out (tune::choose)
+    FASTGPT_CUDA_CHECK(cudaEventRecord(stop, stream));
+    FASTGPT_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.f;
+    FASTGPT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return ms;
+  };
+  const tune::Choice ch = tune::choose((int)cands.size(), time);
+  FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream));  // a candidate that failed part-way left products queued
+  FASTGPT_CUDA_CHECK(cudaEventDestroy(start));
+  FASTGPT_CUDA_CHECK(cudaEventDestroy(stop));
+  for (TuneBuffer* b : {&d, &ws, &bias_s, &aux_s}) b->release();
+  p.algo = cands[ch.chosen].algo;
+  p.workspace = cands[ch.chosen].workspace;
+  rec.chosen = ch.chosen, rec.reps = ch.reps, rec.ms = ch.ms;
+  if (ch.reps == 0) rec.skipped = "no candidate ran";
+  g_tune_records.push_back(rec);
+}
+
+// Runs a cached plan under g_mutex: this call's bias and aux pointers on its descriptor (set_pointers), a workspace
+// from the stream's pool, then the product.
+// With autotune, its first run times its candidates first (decide).
+void run_plan(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const void* B, float beta, void* C,
+              const void* bias, const void* aux, cudaStream_t stream) {
+  if (!p.candidates.empty()) decide(handle, p, alpha, A, B, beta, C, bias, aux, stream);
+  set_pointers(p.desc, bias, aux);
   Scratch workspace((p.workspace + sizeof(float) - 1) / sizeof(float), stream);
   FASTGPT_CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
                                       workspace.ptr, p.workspace, stream));
@@ -253,9 +398,10 @@ bool optional_epilogue(cublasLtEpilogue_t epi, bool trans_a, bool trans_b, int64
   const uint32_t al_a = alignment(A, 0, 1, type_size(types.a)), al_b = alignment(B, 0, 1, type_size(types.b)),
                  al_c = alignment(C, 0, 1, es_c), al_aux = aux ? alignment(aux, 0, 1, es_c) : 0,
                  al_bias = bias ? alignment(bias, 0, 1, type_size(types.bias)) : 0;
+  const bool autotune = g_autotune.load();
   const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, 1, 0, 0, 0, (int64_t)types.compute,
                    (int64_t)types.a, (int64_t)types.b, (int64_t)types.c, bias ? (int64_t)types.bias : -1, al_a, al_b,
-                   al_c, al_bias, epi, al_aux, aux ? ldaux : 0};
+                   al_c, al_bias, epi, al_aux, aux ? ldaux : 0, autotune};
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceState& dev = device_state(device);
   auto it = g_plans.find(key);
@@ -269,7 +415,8 @@ bool optional_epilogue(cublasLtEpilogue_t epi, bool trans_a, bool trans_b, int64
       FASTGPT_CUBLAS_CHECK(
           cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ldaux, sizeof(ldaux)));
     }
-    p.use_epilogue = pick_algo(dev.handle, p, al_a, al_b, al_c, true);
+    p.use_epilogue = pick_algo(dev.handle, p, al_a, al_b, al_c, autotune, true);
+    describe(p, epi, trans_a, trans_b, M, N, K, ldc, 1, 0, aux ? ldaux : 0, types);
     if (!p.use_epilogue) {  // remembered as a refusal
       FASTGPT_CUBLAS_CHECK(cublasLtMatmulDescDestroy(p.desc));
       for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c}) FASTGPT_CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(l));
@@ -302,9 +449,11 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   const size_t es_bias = bias ? type_size(types.bias) : 4;
   const bool want_epilogue = bias != nullptr && batch == 1 && alignment(bias, 0, 1, es_bias) >= 16;
   const uint32_t al_bias = want_epilogue ? alignment(bias, 0, 1, es_bias) : 0;
+  const bool autotune = g_autotune.load();
   const Key key = {device, trans_a, trans_b, M, N, K, lda, ldb, ldc, batch, stride_a, stride_b, stride_c,
                    (int64_t)types.compute, (int64_t)types.a, (int64_t)types.b, (int64_t)types.c,
-                   bias ? (int64_t)types.bias : -1, al_a, al_b, al_c, al_bias, CUBLASLT_EPILOGUE_DEFAULT, 0, 0};
+                   bias ? (int64_t)types.bias : -1, al_a, al_b, al_c, al_bias, CUBLASLT_EPILOGUE_DEFAULT, 0, 0,
+                   autotune};
 
   // A 16-bit C whose bias the epilogue cannot add: the product goes to fp32 scratch, then one kernel rounds
   // acc + beta * C + bias once (adding the bias to an already rounded C would round twice).
@@ -341,7 +490,7 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
       bool ok = false;
       if (want_epilogue) {
         p.desc = make_desc(types, op_a, op_b, bias);
-        ok = pick_algo(dev.handle, p, al_a, al_b, al_c);
+        ok = pick_algo(dev.handle, p, al_a, al_b, al_c, autotune);
         if (ok) {
           p.use_epilogue = true;
         } else {
@@ -351,13 +500,15 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
       }
       if (!ok) {
         p.desc = make_desc(types, op_a, op_b, nullptr);
-        if (!pick_algo(dev.handle, p, al_a, al_b, al_c))
+        if (!pick_algo(dev.handle, p, al_a, al_b, al_c, autotune))
           fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for M=" + std::to_string(M) +
                    " N=" + std::to_string(N) + " K=" + std::to_string(K) + " batch=" + std::to_string(batch) +
                    " types A/B/C " + std::to_string((int)types.a) + "/" + std::to_string((int)types.b) + "/" +
                    std::to_string((int)types.c) + " compute " + std::to_string((int)types.compute),
                __FILE__, __LINE__);
       }
+      describe(p, p.use_epilogue ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT, trans_a, trans_b, M, N, K, ldc,
+               batch, stride_c, 0, types);
       it = g_plans.emplace(key, p).first;
     }
     Plan& p = it->second;
@@ -393,6 +544,14 @@ bool gemm_bias_grad(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
   // as long as D's columns, our M.
   return optional_epilogue(CUBLASLT_EPILOGUE_BGRADB, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc,
                            dbias, nullptr, 0, stream, types);
+}
+
+bool matmul_autotune() { return g_autotune.load(); }
+bool set_matmul_autotune(bool on) { return g_autotune.exchange(on); }
+
+std::vector<MatmulTuneRecord> matmul_autotune_report() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_tune_records;
 }
 
 }  // namespace fastgpt::cuda

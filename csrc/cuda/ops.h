@@ -56,6 +56,26 @@ void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const
 bool bias_grad_epilogue();
 bool set_bias_grad_epilogue(bool on);
 
+// Every product's cuBLASLt algorithm: the heuristic's first choice (false, the default, as PyTorch), or (true) the
+// fastest of up to 8 of its candidates, timed at the first run of each problem (shape, strides, alignments, types,
+// epilogue) on that run's operands, the heuristic's own kept unless another is more than 2% faster
+// (cuda/matmul_tune.h). Chosen once per problem and process, never while the stream is being recorded into a
+// graph. Process-wide, read when a problem is first met (plans made before a change keep their algorithm; the
+// setting is part of the plan cache's key). set_ returns the previous choice. matmul_autotune_report lists every
+// decision so far: the problem, each candidate's median time, the one chosen, or why none was timed.
+struct MatmulTuneRecord {
+  int64_t M = 0, N = 0, K = 0;  // row-major C (M, N) = op(A) (M, K) op(B) (K, N), cublaslt.h's convention
+  bool trans_a = false, trans_b = false;
+  int batch = 1;
+  std::string epilogue, ab_type, c_type, compute;  // e.g. "gelu_aux_bias", "bf16", "fp32", "fp32" or "tf32"
+  int candidates = 0, chosen = 0, reps = 0;        // reps: products per timing (0: none timed)
+  std::vector<double> ms;                          // per candidate: median ms of one product, -1 where it failed
+  std::string skipped;                             // why nothing was timed, or empty
+};
+bool matmul_autotune();
+bool set_matmul_autotune(bool on);
+std::vector<MatmulTuneRecord> matmul_autotune_report();
+
 // The MLP's GELU fused into the products around it (cuBLASLt epilogues in 16-bit storage, else the kernels):
 // forward: pre = inp @ weight^T + bias, out = gelu(pre); backward of a linear whose input was gelu(pre):
 // dpre = (dout @ weight) * gelu'(pre), dweight/dbias as matmul_backward.

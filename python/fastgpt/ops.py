@@ -270,6 +270,29 @@ def matmul_bias_grad_epilogue(enabled=None):
     return bool(_ops.matmul_bias_grad_epilogue(None if enabled is None else bool(enabled)))
 
 
+def matmul_autotune(enabled=None):
+    """How every product on a GPU (matmul ops, the model's linear layers and classifier) picks cuBLASLt's
+    algorithm. False (the default): its heuristic's first choice, as PyTorch does. True: each problem's first run
+    (its shape, strides, alignments, types and epilogue) times up to 8 of the heuristic's candidates on its own
+    operands, outputs to scratch, and keeps the fastest; the heuristic's own stays unless another is more than 2%
+    faster. Like torch.backends.cudnn.benchmark: a few milliseconds once per problem, and the choice rests on timings,
+    so results can differ in rounding from untuned runs and between processes; within a process each problem keeps
+    its algorithm (a CUDA graph recorded before its first eager run keeps the heuristic's). Process-wide; problems met
+    before a change keep theirs. None leaves it. -> the previous setting. Needs a build with CUDA."""
+    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"matmul_autotune: enabled must be True, False or None, got {enabled!r}")
+    return bool(_ops.matmul_autotune(None if enabled is None else bool(enabled)))
+
+
+def matmul_autotune_report():
+    """The decisions matmul_autotune has made in this process, one dict per problem, in the order they were met:
+    M, N, K, trans_a, trans_b, batch (the row-major product C (M, N) = op(A) op(B)), epilogue ("none", "bias",
+    "gelu_aux", "gelu_aux_bias", "dgelu", "bgradb"), ab_type, c_type, compute, candidates, ms (each candidate's
+    median milliseconds per product, -1 where it could not run), chosen (the index kept; 0 is the heuristic's),
+    reps (products per timing) and skipped (why nothing was timed, else ""). Needs a build with CUDA."""
+    return list(_ops.matmul_autotune_report())
+
+
 def matmul_forward_gelu(x, weight, bias=None):
     """nn.Linear then GELU (tanh), the fused model's MLP up-projection: -> (out = gelu(pre), pre = x @ weight^T +
     bias), pre kept for matmul_backward_dgelu. On a GPU in 16-bit storage the GELU is the product's cuBLASLt epilogue
