@@ -4,6 +4,8 @@ forward(return_logits=False) keeps none either and backward() recomputes them ch
 build-nanogpt's model in float64 (loss and every gradient within 1e-5) for chunk sizes that do and do not divide
 B*T, against the unfused model (GPT(fused=False), the full logits kept) in every precision, for the memory it
 saves, and for the errors it raises."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -142,11 +144,19 @@ def test_accumulation_and_fp16_loss_scale(rng):
 def test_training_steps_match_torch(rng):
     # Three AdamW steps through forward_backward on a chunked classifier, against build-nanogpt's training in
     # float32 (clip 1.0, decay on 2-D weights): losses within 1e-5, as test_train_steps asks of the two-call step.
+    # As there, the norm is judged against the float64 norm of torch's gradients (torch's own fp32 norm was up to
+    # 1e-5 off it here: 3.3M squares of wte summed in float32), and eps is 1e-5, not 1e-8: with 1e-8 Adam turned
+    # gradients of rounding-noise size into lr-sized steps of either sign, so the two runs' later norms drifted apart
+    # (2026-11-25, 40 seeds: up to 4.2e-5 from float64 at step 2, and 1.2e-4 from torch's norm in one CI run; at 1e-5
+    # up to 5e-6, step 0 7e-8).
+    eps = 1e-5
     model = fastgpt.GPT(SMALL, seed=int(rng.integers(1 << 31)))
     model.classifier_rows = 48
-    opt = fastgpt.AdamW(model, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = fastgpt.AdamW(model, lr=3e-3, betas=(0.9, 0.95), eps=eps, weight_decay=0.1)
     ref = ref_from_fastgpt(model, torch.float32)
     ref_opt = ref.configure_optimizers(weight_decay=0.1, learning_rate=3e-3)
+    for group in ref_opt.param_groups:
+        group["eps"] = eps
     x, y = batch(rng, 4, 32, SMALL.vocab_size)
     for step in range(3):
         model.zero_grad()
@@ -156,10 +166,11 @@ def test_training_steps_match_torch(rng):
         ref_opt.zero_grad()
         _, ref_loss = ref(torch.tensor(x), torch.tensor(y))
         ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+        ref_norm = math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in ref.parameters()))
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
         assert abs(loss - ref_loss.item()) <= TOL * ref_loss.item(), step
-        assert abs(norm - ref_norm) <= 1e-4 * ref_norm, step
+        assert abs(norm - ref_norm) <= (1e-6 if step == 0 else 1e-4) * ref_norm, step
     assert loss < 10.5  # it learned from the repeated batch (ln 50304 = 10.83)
 
 

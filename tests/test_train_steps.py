@@ -124,9 +124,12 @@ def test_clip_grad_norm_matches_torch(rng):
     _, ref_loss = ref(torch.tensor(x), torch.tensor(y))
     (50.0 * ref_loss).backward()
     norm = fastgpt.AdamW(model).clip_grad_norm(0.5)
-    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+    # The norm against the float64 norm of torch's gradients: torch's own, 3.2M squares of wte summed in float32,
+    # was up to 5.8e-6 off it (30 seeds, 2026-11-25; fastgpt's 7e-8), too near a 1e-5 bound on torch's.
+    ref_norm = math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in ref.parameters()))
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     assert norm > 0.5
-    assert abs(norm - ref_norm) < 1e-5 * ref_norm
+    assert abs(norm - ref_norm) < 1e-6 * ref_norm
     for name, p in ref.named_parameters():
         assert rel_err(model.grads()[name], p.grad) < 1e-5, name
 
