@@ -172,7 +172,9 @@ def test_cuda_matmul_autotune_times_each_problem_once_and_writes_only_the_real_r
         ops.matmul_autotune(before)
     assert len(report) == n1, "a problem was timed twice"
     new = {(r["M"], r["N"], r["K"], r["epilogue"]): r for r in report[n0:n1]}
-    assert set(new) == {(N, OC, C, "bias"), (N, C, OC, "none"), (OC, C, N, "bgradb")}, list(new)
+    # dW's product carries the bias gradient where cuBLASLt takes BGRADB, else it is a plain product
+    assert len(new) == 3 and {(N, OC, C, "bias"), (N, C, OC, "none")} <= set(new), list(new)
+    assert (OC, C, N, "bgradb") in new or (OC, C, N, "none") in new, list(new)
     for r in new.values():
         assert r["skipped"] == "" and r["reps"] >= 1 and 0 <= r["chosen"] < r["candidates"] <= 8, r
         assert 0 < r["ms"][r["chosen"]] <= r["ms"][0] or r["ms"][0] < 0, r  # never slower than the heuristic's

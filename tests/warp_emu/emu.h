@@ -70,6 +70,13 @@ inline void join(Clock& into, const Clock& from) {
 }
 constexpr uint32_t kPending = 0xffffffffu;  // an access issued, not yet complete
 [[noreturn]] inline void die(const char* m) { fprintf(stderr, "EMU FATAL: %s\n", m); fflush(stderr); abort(); }
+// A chunk's last write (Block::wlast): the writing thread (-1: none yet) and its clock, packed in one word.
+struct LastWrite {
+  int tid;
+  uint32_t clk;
+};
+inline uint64_t pack_write(int tid, uint32_t clk) { return (uint64_t)(uint32_t)tid << 32 | clk; }
+inline LastWrite unpack_write(uint64_t v) { return {(int)(int32_t)(uint32_t)(v >> 32), (uint32_t)v}; }
 // An mbarrier, or a named barrier (bar.sync / bar.arrive): `count` arrivals complete a phase, and what they had
 // seen goes to those who wait for it (done[phase % 4]: a waiter reads its phase's before the fourth one after it).
 // An mbarrier's phase also waits for its transaction bytes: those an arrival declares (expect_tx) less those copies
@@ -115,10 +122,13 @@ struct Block {
   std::vector<std::unique_ptr<WarpGroup>> wgs;  // when the block is whole warpgroups
   std::vector<unsigned char> dirty;  // per shared byte: written by cp.async, not yet behind a fence.proxy.async
   // Per 16-byte chunk, for the race check: the thread of the last write and its clock when the write completed
-  // (kPending before: a cp.async not yet waited for), and per warpgroup the clock of its first thread when its
-  // last wgmma read of the chunk retired (kPending while in flight; 0 none).
-  std::vector<int> wtid, rpend;
-  std::vector<uint32_t> wclk, rclk;
+  // (kPending before: a cp.async not yet waited for), as one atomic word (last_write: threads that write parts of
+  // one chunk at once, as four threads' 4-byte stores of a staged row do, must never leave one thread's id beside
+  // another's clock: a false race, seen once in CI on 2026-11-25), and per warpgroup the clock of its first thread
+  // when its last wgmma read of the chunk retired (kPending while in flight; 0 none).
+  std::vector<std::atomic<uint64_t>> wlast;
+  std::vector<int> rpend;
+  std::vector<uint32_t> rclk;
   // Per 16-byte chunk, the ordinary loads that the race check follows (wgmma.cuh's ld_shared_*): each reading
   // thread with its clock at the load, until the next write; under reads_mu.
   std::vector<std::vector<std::pair<int, uint32_t>>> reads;
@@ -366,8 +376,7 @@ inline void note_write(size_t off, const char* what, bool pending) {
         race(what, "writes shared memory another thread read, with no barrier after that read", chunk, t);
     b.reads[chunk].clear();
   }
-  b.wtid[chunk] = tl_tid.x;
-  b.wclk[chunk] = pending ? kPending : tl_clock[tl_tid.x];
+  b.wlast[chunk].store(pack_write(tl_tid.x, pending ? kPending : tl_clock[tl_tid.x]));
 }
 // An ordinary load of a 16-byte chunk: the last write to it must be complete and seen through barriers; the load
 // is recorded for note_write's check of the next write (pending: a bulk copy's read, which any write is a race with
@@ -375,10 +384,10 @@ inline void note_write(size_t off, const char* what, bool pending) {
 inline void note_read(size_t off, const char* what, bool pending = false) {
   Block& b = *tl_block;
   const size_t chunk = off / 16;
-  const int wt = b.wtid[chunk];
-  if (wt >= 0 && b.wclk[chunk] == kPending)
+  const auto [wt, wclk] = unpack_write(b.wlast[chunk].load());
+  if (wt >= 0 && wclk == kPending)
     race(what, "reads shared memory whose cp.async has not been waited for", chunk, wt);
-  if (wt >= 0 && wt != (int)tl_tid.x && tl_clock[wt] < b.wclk[chunk])
+  if (wt >= 0 && wt != (int)tl_tid.x && tl_clock[wt] < wclk)
     race(what, "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
   const uint32_t now = pending ? kPending : tl_clock[tl_tid.x];
   std::lock_guard<std::mutex> lock(b.reads_mu);
@@ -401,8 +410,9 @@ inline void do_copy(Copy& c) {
 inline void retire_copy(Copy& c) {
   if (!c.landed) do_copy(c);
   const size_t chunk = ((unsigned char*)c.dst - tl_block->smem) / 16;
-  if (tl_block->wtid[chunk] == (int)tl_tid.x && tl_block->wclk[chunk] == kPending)
-    tl_block->wclk[chunk] = tl_clock[tl_tid.x];
+  // Completed only if it is still this thread's pending write (a later write by another thread stays).
+  uint64_t mine = pack_write(tl_tid.x, kPending);
+  tl_block->wlast[chunk].compare_exchange_strong(mine, pack_write(tl_tid.x, tl_clock[tl_tid.x]));
 }
 // fence.proxy.async: this thread's finished copies become visible to wgmma (the async proxy).
 inline void proxy_fence() {
@@ -532,11 +542,11 @@ inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint6
     die("wgmma: the warpgroup's threads disagree on the instruction, its descriptors or scale-d");
   // Every thread issues the product: each must have seen every write of what it reads complete.
   for (uint32_t chunk : o.reads) {
-    const int wt = b.wtid[chunk];
+    const auto [wt, wclk] = unpack_write(b.wlast[chunk].load());
     if (wt < 0) continue;
-    if (b.wclk[chunk] == kPending)
+    if (wclk == kPending)
       race("wgmma", "reads shared memory whose cp.async has not been waited for", chunk, wt);
-    if (wt != (int)tl_tid.x && tl_clock[wt] < b.wclk[chunk])
+    if (wt != (int)tl_tid.x && tl_clock[wt] < wclk)
       race("wgmma", "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
   }
   w.bar.arrive_and_wait();
@@ -1011,7 +1021,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       blk.smem_bytes = bytes;
       blk.smem = (unsigned char*)malloc(bytes ? bytes : 1);
       blk.dirty.assign(bytes, 0);
-      blk.wtid.assign(bytes / 16 + 1, -1), blk.wclk.assign(bytes / 16 + 1, 0);
+      blk.wlast = std::vector<std::atomic<uint64_t>>(bytes / 16 + 1);
+      for (auto& w : blk.wlast) w.store(pack_write(-1, 0));
       blk.rpend.assign((bytes / 16 + 1) * 8, 0), blk.rclk.assign((bytes / 16 + 1) * 8, 0);
       blk.reads.assign(bytes / 16 + 1, {});
       blk.sync_clock[0].assign(nt, 0), blk.sync_clock[1].assign(nt, 0);
