@@ -5,7 +5,8 @@ forward_backward's chunks of 37 rows, backward's recomputed chunks); then 20 tok
 cache (prefill, decode steps, the window sliding past block_size). The fused model (the residual add with the
 LayerNorm after it, the GELU in cuBLASLt epilogues in 16 bits) in every precision, then the unfused one in bf16 for
 the kernels it alone runs (residual add, GELU); all at head size 32 (attention on CUDA cores, or widened to fp32),
-then fp32, tf32 and bf16 again at head size 64 (attention on tensor cores: TF32 in fp32/tf32). It checks nothing
+then fp32, tf32 and bf16 again at head size 64 (attention on tensor cores: TF32 in fp32/tf32), and bf16 once more
+with matmul autotune (every product's candidates timed at its first run, their outputs in scratch). It checks nothing
 numerically (the tests do); it
 exits non-zero only if a call raises or a loss is not finite.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/train_sanitize.py"""
@@ -20,28 +21,38 @@ def main():
     cfg = fastgpt.GPTConfig(block_size=64, vocab_size=211, n_layer=2, n_head=2, n_embd=64)
     cfg64 = fastgpt.GPTConfig(block_size=64, vocab_size=211, n_layer=2, n_head=2, n_embd=128)  # head size 64
     rng = np.random.default_rng(0)
-    runs = [(p, True, cfg) for p in ("fp32", "tf32", "bf16", "fp16")] + [("bf16", False, cfg)] + [
-        (p, True, cfg64) for p in ("fp32", "tf32", "bf16")]
-    for precision, fused, cfg in runs:
-        model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused)
-        name = (precision if fused else f"{precision} unfused") + f" hs {cfg.n_embd // cfg.n_head}"
-        opt = fastgpt.AdamW(model, lr=1e-3)
-        model.classifier_rows = 37  # chunks that do not divide B*T = 96
-        for step in range(3):
-            tok = rng.integers(0, cfg.vocab_size, (2, 49))  # T not a multiple of any tile
-            x, y = tok[:, :-1], tok[:, 1:]
-            model.zero_grad()
-            if step == 1:
-                loss = model.forward_backward(x, y)
-            else:
-                _, loss = model(x, y, return_logits=step == 0)
-                model.backward()
-            opt.clip_grad_norm(1.0)
-            opt.step()
-            if not math.isfinite(loss):
-                raise SystemExit(f"{name}: loss {loss}")
-        out = model.generate(rng.integers(0, cfg.vocab_size, (3, 50)), 20, top_k=20, top_p=0.9, seed=0)
-        print(f"train_sanitize {name}: 3 steps, last loss {loss:.4f}; generated {out.shape[1] - 50} tokens")
+    runs = [(p, True, cfg, False) for p in ("fp32", "tf32", "bf16", "fp16")] + [("bf16", False, cfg, False)] + [
+        (p, True, cfg64, False) for p in ("fp32", "tf32", "bf16")] + [("bf16", True, cfg64, True)]
+    for precision, fused, cfg, tuned in runs:
+        before = fastgpt.ops.matmul_autotune(tuned)
+        try:
+            run(precision, fused, cfg, rng, tuned)
+        finally:
+            fastgpt.ops.matmul_autotune(before)
+
+
+def run(precision, fused, cfg, rng, tuned):
+    """Three steps and a generation of one model: the caller sets matmul_autotune."""
+    model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused)
+    name = (precision if fused else f"{precision} unfused") + f" hs {cfg.n_embd // cfg.n_head}" + (
+        " tuned" if tuned else "")
+    opt = fastgpt.AdamW(model, lr=1e-3)
+    model.classifier_rows = 37  # chunks that do not divide B*T = 96
+    for step in range(3):
+        tok = rng.integers(0, cfg.vocab_size, (2, 49))  # T not a multiple of any tile
+        x, y = tok[:, :-1], tok[:, 1:]
+        model.zero_grad()
+        if step == 1:
+            loss = model.forward_backward(x, y)
+        else:
+            _, loss = model(x, y, return_logits=step == 0)
+            model.backward()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        if not math.isfinite(loss):
+            raise SystemExit(f"{name}: loss {loss}")
+    out = model.generate(rng.integers(0, cfg.vocab_size, (3, 50)), 20, top_k=20, top_p=0.9, seed=0)
+    print(f"train_sanitize {name}: 3 steps, last loss {loss:.4f}; generated {out.shape[1] - 50} tokens")
 
 
 if __name__ == "__main__":
