@@ -1,7 +1,8 @@
 // Row-major GEMMs through cuBLASLt, for the CUDA kernels (matmul): fp32, TF32, and 16-bit (bf16/fp16) operands
 // with fp32 accumulation. One cuBLASLt handle and one 32 MiB workspace per device, created on first use and kept
 // for the life of the process; the matmul descriptors, layouts and heuristic choice are cached per problem (types
-// included), so a training step never queries the heuristic again.
+// included), so a training step never queries the heuristic again. With matmul autotune (cuda/ops.h) the choice is
+// the fastest of the heuristic's candidates, timed at the problem's first run (cuda/matmul_tune.h's rules).
 // CUDA-only header: include it from .cu files, never from the binding.
 #pragma once
 #include <cstdint>
