@@ -40,6 +40,18 @@ DeviceGuard::~DeviceGuard() = default;
 }  // namespace fastgpt::cuda
 #endif
 
+// A process-wide choice between CUDA paths (cuda/ops.h's get/set pairs) as one Python function: on None reads it, a
+// bool sets it; -> the previous setting. A build without CUDA has no such paths and says what the switch chooses.
+#ifdef FASTGPT_WITH_CUDA
+#define FASTGPT_CUDA_SWITCH(get, set, what) \
+  [](std::optional<bool> on) { return on ? cuda::set(*on) : cuda::get(); }
+#else
+#define FASTGPT_CUDA_SWITCH(get, set, what)                                                     \
+  [](std::optional<bool>) -> bool {                                                             \
+    throw std::runtime_error(std::string(what) + "; this build of fastgpt has no CUDA");        \
+  }
+#endif
+
 namespace {
 
 void need(bool ok, const std::string& msg) {
@@ -661,28 +673,16 @@ void bind_ops(py::module_& m) {
                                   v.f(), lse.f(), f.shape);
   });
   // matmul_backward's 16-bit bias gradient on the GPU: cuBLASLt's epilogue or the column-sum kernel (cuda/ops.h).
-  m.def("matmul_bias_grad_epilogue", [](std::optional<bool> on) {
-#ifdef FASTGPT_WITH_CUDA
-    return on ? cuda::set_bias_grad_epilogue(*on) : cuda::bias_grad_epilogue();
-#else
-    (void)on;
-    throw std::runtime_error("the bias-gradient epilogue chooses between CUDA paths; this build of fastgpt has no "
-                             "CUDA");
-    return false;
-#endif
-  }, py::arg("on") = py::none());
+  m.def("matmul_bias_grad_epilogue",
+        FASTGPT_CUDA_SWITCH(bias_grad_epilogue, set_bias_grad_epilogue,
+                            "the bias-gradient epilogue chooses between CUDA paths"),
+        py::arg("on") = py::none());
   // How the GPU's products pick cuBLASLt's algorithm: its heuristic's first, or the fastest of its candidates timed
   // at each problem's first run (cuda/ops.h), and the decisions made so far.
-  m.def("matmul_autotune", [](std::optional<bool> on) {
-#ifdef FASTGPT_WITH_CUDA
-    return on ? cuda::set_matmul_autotune(*on) : cuda::matmul_autotune();
-#else
-    (void)on;
-    throw std::runtime_error("matmul autotune chooses between cuBLASLt's algorithms; this build of fastgpt has no "
-                             "CUDA");
-    return false;
-#endif
-  }, py::arg("on") = py::none());
+  m.def("matmul_autotune",
+        FASTGPT_CUDA_SWITCH(matmul_autotune, set_matmul_autotune,
+                            "matmul autotune chooses between cuBLASLt's algorithms"),
+        py::arg("on") = py::none());
   m.def("matmul_autotune_report", []() {
     py::list out;
 #ifdef FASTGPT_WITH_CUDA
@@ -701,15 +701,10 @@ void bind_ops(py::module_& m) {
     return out;
   });
   // The LayerNorm kernels on the GPU: one read of each row, or the older kernels that read it again (cuda/ops.h).
-  m.def("layernorm_one_pass", [](std::optional<bool> on) {
-#ifdef FASTGPT_WITH_CUDA
-    return on ? cuda::set_layernorm_one_pass(*on) : cuda::layernorm_one_pass();
-#else
-    (void)on;
-    throw std::runtime_error("the one-pass LayerNorm chooses between CUDA paths; this build of fastgpt has no CUDA");
-    return false;
-#endif
-  }, py::arg("on") = py::none());
+  m.def("layernorm_one_pass",
+        FASTGPT_CUDA_SWITCH(layernorm_one_pass, set_layernorm_one_pass,
+                            "the one-pass LayerNorm chooses between CUDA paths"),
+        py::arg("on") = py::none());
   // The CUDA tensor-core kernels' tile choice (cuda/ops.h FlashTiles): a (fwd, dkdv, dq) tuple of option indices.
   m.def("flash_attention_tiles", [](std::optional<std::tuple<int, int, int>> tiles) {
 #ifdef FASTGPT_WITH_CUDA

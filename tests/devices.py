@@ -39,3 +39,26 @@ def bits(x):
             np.uint16 if x.element_size() == 2 else np.uint32)
     x = np.asarray(x)
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def check_cuda_switch(switch, default):
+    """One of fastgpt.ops' process-wide CUDA switches (layernorm_one_pass, matmul_bias_grad_epilogue,
+    matmul_autotune): its default, a set returning the previous setting, a refused value (not a bool) changing
+    nothing, the setting put back; without CUDA in the build, a RuntimeError saying so."""
+    from fastgpt import ops
+    if not ops._C.built_with_cuda:
+        with pytest.raises(RuntimeError, match="no CUDA"):
+            switch()
+        return
+    before = switch()
+    assert before is default
+    try:
+        assert switch(not before) is before
+        assert switch() is (not before)
+        for bad in (1, "yes"):
+            with pytest.raises(TypeError, match="enabled must be True, False or None"):
+                switch(bad)
+        assert switch() is (not before)  # a refused value changes nothing
+    finally:
+        switch(before)
+    assert switch() is before

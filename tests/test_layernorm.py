@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
-from devices import DEVICES, bits, host, needs_cuda, on
+from devices import DEVICES, bits, check_cuda_switch, host, needs_cuda, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -49,19 +49,7 @@ def test_layernorm_deterministic(rng, device):
 
 
 def test_layernorm_one_pass_setting():
-    if not ops._C.built_with_cuda:
-        with pytest.raises(RuntimeError, match="no CUDA"):
-            ops.layernorm_one_pass()
-        return
-    before = ops.layernorm_one_pass()
-    try:
-        assert ops.layernorm_one_pass(not before) == before
-        assert ops.layernorm_one_pass() == (not before)
-        with pytest.raises(TypeError, match="enabled must be True, False or None"):
-            ops.layernorm_one_pass(1)
-        assert ops.layernorm_one_pass() == (not before)  # a refused value changes nothing
-    finally:
-        ops.layernorm_one_pass(before)
+    check_cuda_switch(ops.layernorm_one_pass, True)
 
 
 # On a GPU the forward keeps a row in registers where its width is a whole number of 16-byte packs, up to 1024

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
-from devices import DEVICES, bits, host, needs_cuda, on
+from devices import DEVICES, bits, check_cuda_switch, host, needs_cuda, on
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -133,22 +133,12 @@ def test_autotune_rules(tmp_path):
 
 
 def test_matmul_autotune_setting():
-    if not ops._C.built_with_cuda:
-        for fn in (ops.matmul_autotune, ops.matmul_autotune_report):
-            with pytest.raises(RuntimeError, match="no CUDA"):
-                fn()
-        return
-    before = ops.matmul_autotune()
-    assert before is False, "off by default: the heuristic's choice, as PyTorch"
-    try:
-        assert ops.matmul_autotune(True) is False
-        assert ops.matmul_autotune() is True
-        with pytest.raises(TypeError, match="enabled must be True, False or None"):
-            ops.matmul_autotune(1)
-        assert ops.matmul_autotune() is True  # a refused value changes nothing
-    finally:
-        ops.matmul_autotune(before)
-    assert isinstance(ops.matmul_autotune_report(), list)
+    check_cuda_switch(ops.matmul_autotune, False)  # off by default: the heuristic's choice, as PyTorch
+    if ops._C.built_with_cuda:
+        assert isinstance(ops.matmul_autotune_report(), list)
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA"):
+            ops.matmul_autotune_report()
 
 
 @needs_cuda

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgpt import ops
-from devices import needs_cuda
+from devices import check_cuda_switch, needs_cuda
 from reference_gpt import rel_err
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,19 +147,7 @@ def test_matmul_backward_accumulates(rng, prec, device, path, shape):
 
 
 def test_matmul_bias_grad_epilogue_setting():
-    if not ops._C.built_with_cuda:
-        with pytest.raises(RuntimeError, match="no CUDA"):
-            ops.matmul_bias_grad_epilogue()
-        return
-    before = ops.matmul_bias_grad_epilogue()
-    try:
-        assert ops.matmul_bias_grad_epilogue(not before) == before
-        assert ops.matmul_bias_grad_epilogue() == (not before)
-        with pytest.raises(TypeError, match="enabled must be True, False or None"):
-            ops.matmul_bias_grad_epilogue("yes")
-        assert ops.matmul_bias_grad_epilogue() == (not before)  # a refused value changes nothing
-    finally:
-        ops.matmul_bias_grad_epilogue(before)
+    check_cuda_switch(ops.matmul_bias_grad_epilogue, True)
 
 
 @pytest.mark.parametrize("device", device_cases())

@@ -222,6 +222,13 @@ def layernorm_backward(dout, x, weight, mean, rstd):
     return dx, dw, db
 
 
+def _cuda_switch(name, enabled):
+    """The binding's process-wide CUDA switch `name` (None reads it, a bool sets it) -> its previous setting."""
+    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"{name}: enabled must be True, False or None, got {enabled!r}")
+    return bool(getattr(_ops, name)(None if enabled is None else bool(enabled)))
+
+
 def layernorm_one_pass(enabled=None):
     """How the LayerNorm ops (and the model's LayerNorms) run on a GPU. True (the default): each row is read once.
     The forward and the fused residual + LayerNorm keep a row in registers from its load to its output (widths
@@ -232,9 +239,7 @@ def layernorm_one_pass(enabled=None):
     order a row is summed (rounding only), and the fused op gives the unfused pair's bits under either setting.
     Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a training step keeps the path it
     was recorded with. None leaves it. -> the previous setting. Needs a build with CUDA."""
-    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
-        raise TypeError(f"layernorm_one_pass: enabled must be True, False or None, got {enabled!r}")
-    return bool(_ops.layernorm_one_pass(None if enabled is None else bool(enabled)))
+    return _cuda_switch("layernorm_one_pass", enabled)
 
 
 def matmul_forward(x, weight, bias=None):
@@ -265,9 +270,7 @@ def matmul_bias_grad_epilogue(enabled=None):
     product loads anyway (BGRADB, in fp32), False in a separate column-sum kernel (a second pass over dout; float32
     always takes it). Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a training step
     keeps the path it was recorded with. None leaves it. -> the previous setting. Needs a build with CUDA."""
-    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
-        raise TypeError(f"matmul_bias_grad_epilogue: enabled must be True, False or None, got {enabled!r}")
-    return bool(_ops.matmul_bias_grad_epilogue(None if enabled is None else bool(enabled)))
+    return _cuda_switch("matmul_bias_grad_epilogue", enabled)
 
 
 def matmul_autotune(enabled=None):
@@ -279,9 +282,7 @@ def matmul_autotune(enabled=None):
     so results can differ in rounding from untuned runs and between processes; within a process each problem keeps
     its algorithm (a CUDA graph recorded before its first eager run keeps the heuristic's). Process-wide; problems met
     before a change keep theirs. None leaves it. -> the previous setting. Needs a build with CUDA."""
-    if enabled is not None and not isinstance(enabled, (bool, np.bool_)):
-        raise TypeError(f"matmul_autotune: enabled must be True, False or None, got {enabled!r}")
-    return bool(_ops.matmul_autotune(None if enabled is None else bool(enabled)))
+    return _cuda_switch("matmul_autotune", enabled)
 
 
 def matmul_autotune_report():
