@@ -165,7 +165,8 @@ def gpu_rows(args):
 
 
 # The dkdv options that make dq in the same kernel (dq's is unused).
-FUSED = ("sm90 fused", "sm90 ws fused", "sm90 ws fused 128x128")
+FUSED = ("sm90 fused", "sm90 ws fused", "sm90 ws fused 128x128", "sm90 ws fused persistent",
+         "sm90 ws fused 128x128 persistent")
 
 
 def tile_rows(record, q, k, v, dout, causal, d):

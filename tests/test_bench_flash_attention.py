@@ -58,7 +58,10 @@ def test_tile_rows_time_each_choice_that_runs_and_skip_the_rest(rng, d):
             assert "needs a GPU of compute capability 9.0" in row["error"], row
     # three sm90 forwards, four warp-specialised (two of them persistent)
     assert sum(" fwd sm90" in r["impl"] for r in rows) == 7
-    assert sum(r["impl"].endswith(" persistent") for r in rows) == 2
+    assert sum(r["impl"].endswith(" persistent") for r in rows) == 2  # forwards; the backwards' end in their dq
+    assert sum(" persistent/" in r["impl"] for r in rows) == 2
     assert any("sm90" in r["impl"] and " bwd " in r["impl"] for r in rows)
     assert [r["impl"] for r in rows if "fused" in r["impl"]] == [f"fastgpt tiles bwd sm90 {f}/{first['dq']}"
-                                                                 for f in ("fused", "ws fused", "ws fused 128x128")]
+                                                                 for f in ("fused", "ws fused", "ws fused 128x128",
+                                                                           "ws fused persistent",
+                                                                           "ws fused 128x128 persistent")]

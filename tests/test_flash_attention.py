@@ -374,12 +374,15 @@ SM90_BWD = "sm90 128x64"  # the deterministic backward's Hopper dkdv and dq pass
 SM90_FUSED = "sm90 fused"  # the Hopper backward in one kernel: dq made beside dk, dv (flash_attention_bwd_sm90a.cu)
 SM90_WS_FUSED = "sm90 ws fused"  # and warp-specialised (flash_attention_bwd_ws_sm90a.cu; d 128 runs "sm90 fused")
 SM90_WS_FUSED_128 = "sm90 ws fused 128x128"  # the same in steps of 128 queries (the same bits)
+SM90_WS_PERSISTENT = ["sm90 ws fused persistent", "sm90 ws fused 128x128 persistent"]  # one CTA per SM, a tile counter
 SM90_CHOICES = [dict(fwd=SM90_FWD[0], dkdv=SM90_BWD, dq=SM90_BWD), dict(fwd=SM90_FWD[1], dkdv=SM90_BWD, dq="16x64"),
                 dict(fwd=SM90_FWD[2], dkdv="16x64", dq=SM90_BWD), dict(fwd=SM90_FWD[2], dkdv=SM90_FUSED, dq="16x64"),
                 dict(fwd=SM90_FWD[3], dkdv=SM90_FUSED, dq="16x64"), dict(fwd=SM90_FWD[4], dkdv=SM90_BWD, dq=SM90_BWD),
                 dict(fwd=SM90_FWD[3], dkdv=SM90_WS_FUSED, dq="16x64"),
                 dict(fwd=SM90_FWD[6], dkdv=SM90_WS_FUSED, dq="16x64"),
-                dict(fwd=SM90_FWD[5], dkdv=SM90_WS_FUSED_128, dq="16x64")]
+                dict(fwd=SM90_FWD[5], dkdv=SM90_WS_FUSED_128, dq="16x64"),
+                dict(fwd=SM90_FWD[4], dkdv=SM90_WS_PERSISTENT[0], dq="16x64"),
+                dict(fwd=SM90_FWD[6], dkdv=SM90_WS_PERSISTENT[1], dq="16x64")]
 TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") for k in ("16x64", "32x32")
                 for q in ("16x64", "32x64", "32x32")]
 
@@ -396,7 +399,8 @@ def default_tiles():
 def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     options = ops.flash_attention_tile_options()
     assert options == {"fwd": ["16x64", "32x64", "16x128"] + SM90_FWD,
-                       "dkdv": ["16x64", "32x32", SM90_BWD, SM90_FUSED, SM90_WS_FUSED, SM90_WS_FUSED_128],
+                       "dkdv": ["16x64", "32x32", SM90_BWD, SM90_FUSED, SM90_WS_FUSED, SM90_WS_FUSED_128]
+                       + SM90_WS_PERSISTENT,
                        "dq": ["16x64", "32x64", "32x32", SM90_BWD]}
     assert ops.flash_attention_tiles(fwd="32x64", dq=2) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
     assert ops.flash_attention_tiles(dkdv=1) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
@@ -416,9 +420,8 @@ def test_sm90_tiles_are_refused_where_they_cannot_run(default_tiles):
     """The Hopper kernels run on a GPU of compute capability 9.0 only: anywhere else (no GPU, another GPU) choosing
     one is a clear error that names it and changes nothing; on an H100/H200 it is taken."""
     default = dict(fwd="16x64", dkdv="16x64", dq="16x64")
-    for kernel, name in [("fwd", n) for n in SM90_FWD] + [("dkdv", SM90_BWD), ("dkdv", SM90_FUSED),
-                                                                  ("dkdv", SM90_WS_FUSED), ("dkdv", SM90_WS_FUSED_128),
-                                                                  ("dq", SM90_BWD)]:
+    dkdv = [SM90_BWD, SM90_FUSED, SM90_WS_FUSED, SM90_WS_FUSED_128] + SM90_WS_PERSISTENT
+    for kernel, name in [("fwd", n) for n in SM90_FWD] + [("dkdv", n) for n in dkdv] + [("dq", SM90_BWD)]:
         if sm90_device():
             ops.flash_attention_tiles(**{kernel: name})
             assert ops.flash_attention_tiles(**default)[kernel] == name
@@ -538,8 +541,8 @@ def test_cuda_sm90_fused_backward_is_the_two_passes_dk_dv_and_repeats(rng, defau
     parts of dq in a fixed order, taking turns on counters): dk and dv are the two-pass Hopper dkdv's bits (the same
     products in the same order), dq meets the rule, and five calls give the same bits, deterministic or not. Its
     warp-specialised forms ("sm90 ws fused" and, in steps of 128 queries, "sm90 ws fused 128x128": a loader warp,
-    mbarrier rings, the dq sums added in L2 by the copy engine's bulk copies) give its bits in dq, dk and dv, five
-    calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768
+    mbarrier rings, the dq sums added in L2 by the copy engine's bulk copies; both also persistent, 132 CTAs taking
+    the 768 tiles from a counter) give its bits in dq, dk and dv, five calls alike. GPT-2's shape (B 8 x H 12, T 1024: 768
     CTAs, many at once on the GPU, where the emulator runs them one by one) is where the turn-taking or the barrier
     protocol could race or hang."""
     q, k, v, dout = cuda_inputs(8, 12, 1024, d, "bthd", torch.bfloat16, rng)
@@ -555,7 +558,7 @@ def test_cuda_sm90_fused_backward_is_the_two_passes_dk_dv_and_repeats(rng, defau
     for det in (True, False, True, False):
         again = backward(SM90_FUSED, det)
         assert all(torch.equal(a, b) for a, b in zip(fused, again)), f"det={det}: not repeatable"
-    for option in (SM90_WS_FUSED, SM90_WS_FUSED_128):
+    for option in (SM90_WS_FUSED, SM90_WS_FUSED_128, *SM90_WS_PERSISTENT):
         for det in (True, False, True, False, True):
             ws = backward(option, det)
             assert all(torch.equal(a, b) for a, b in zip(fused, ws)), f"{option} det={det}: differs from sm90 fused"
@@ -570,8 +573,9 @@ def test_cuda_sm90_ws_kernels_in_the_model_are_the_sm90_bits(rng, default_tiles)
     """The engine hands attention views into its (B, T, 3C) qkv and qkv-gradient buffers (T's stride 3C, H's 64),
     whose TMA maps (the warp-specialised kernels' copies, csrc/cuda/tma.cuh) order H before T. A bf16 GPT's loss and
     every gradient with the ws kernels ("sm90 ws 128x128" forward, "sm90 ws fused" backward; "sm90 ws 192x128
-    persistent" and "sm90 ws fused 128x128") must be the bits of the same model with "sm90 128x128" and "sm90
-    fused", whose bits those kernels give; two steps alike."""
+    persistent" and "sm90 ws fused 128x128"; "sm90 ws 128x128 persistent" and "sm90 ws fused 128x128 persistent")
+    must be the bits of the same model with "sm90 128x128" and "sm90 fused", whose bits those kernels give; two
+    steps alike."""
     cfg = fastgpt.GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256)  # head dim 64
     seed = int(rng.integers(1 << 31))
     batches = [(rng.integers(0, 512, (4, 256)), rng.integers(0, 512, (4, 256))) for _ in range(2)]
@@ -586,7 +590,8 @@ def test_cuda_sm90_ws_kernels_in_the_model_are_the_sm90_bits(rng, default_tiles)
         return out
 
     want = run(SM90_FWD[0], SM90_FUSED)
-    for fwd, dkdv in ((SM90_FWD[3], SM90_WS_FUSED), (SM90_FWD[6], SM90_WS_FUSED_128)):
+    for fwd, dkdv in ((SM90_FWD[3], SM90_WS_FUSED), (SM90_FWD[6], SM90_WS_FUSED_128),
+                      (SM90_FWD[5], SM90_WS_PERSISTENT[1])):
         got = run(fwd, dkdv)
         assert len(got) == len(want)
         for a, b in zip(got, want):

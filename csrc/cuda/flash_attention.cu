@@ -324,13 +324,15 @@ const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128", "sm90 128x128",
                                      "sm90 ws 128x128", "sm90 ws 192x128", "sm90 ws 128x128 persistent",
                                      "sm90 ws 192x128 persistent"},
                                     {"16x64", "32x32", "sm90 128x64", "sm90 fused", "sm90 ws fused",
-                                     "sm90 ws fused 128x128"},
+                                     "sm90 ws fused 128x128", "sm90 ws fused persistent",
+                                     "sm90 ws fused 128x128 persistent"},
                                     {"16x64", "32x64", "32x32", "sm90 128x64"}};
 static_assert(flash::kFirstSm90.fwd == 3 && flash::kFirstSm90.dkdv == 2 && flash::kFirstSm90.dq == 3,
               "kTileOptions: the sm90 options start at kFirstSm90");
-static_assert(flash::kFusedSm90 == 3 && flash::kWsFusedSm90 == 4 && flash::kWsFused128Sm90 == 5,
+static_assert(flash::kFusedSm90 == 3 && flash::kWsFusedSm90 == 4 && flash::kWsFused128Sm90 == 5 &&
+                  flash::kWsFusedPersistentSm90 == 6 && flash::kWsFused128PersistentSm90 == 7,
               "kTileOptions: dkdv's 'sm90 fused' is kFusedSm90, 'sm90 ws fused' kWsFusedSm90, "
-              "'sm90 ws fused 128x128' kWsFused128Sm90");
+              "'sm90 ws fused 128x128' kWsFused128Sm90, then the two persistent");
 static_assert(flash::kFirstWsSm90 == 6, "kTileOptions: the fwd 'sm90 ws' options start at kFirstWsSm90");
 
 // Whether a choice names a Hopper kernel, per kernel.
@@ -493,14 +495,14 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   Scratch delta(rows, stream);
   // dq's fp32 sums: the atomic path's (the simt path is deterministic anyway), or the fused sm90 kernels', whose
   // rows are padded to their steps (64 or 128 queries: to 128 for both), with their turn counters after them (one
-  // per step of 64, enough for either).
+  // per step of 64, enough for either) and the persistent kernels' tile counter.
   const bool fused = flash::fused_sm90(p.tiles.dkdv);  // make_params keeps it only where it runs
   const int64_t padded = (int64_t)shape.B * shape.H * ((shape.T + 127) / 128) * 128,
                 turns = (int64_t)shape.B * shape.H * ((shape.T + 63) / 64);
-  Scratch accum(fused ? padded * shape.d + turns : tc && !deterministic ? rows * shape.d : 0, stream);
+  Scratch accum(fused ? padded * shape.d + turns + 1 : tc && !deterministic ? rows * shape.d : 0, stream);
   p.delta = delta.ptr;
   p.dq_accum = accum.ptr;
-  if (fused) p.dq_turn = reinterpret_cast<int*>(accum.ptr + padded * shape.d);
+  if (fused) p.dq_turn = reinterpret_cast<int*>(accum.ptr + padded * shape.d), p.next_tile = p.dq_turn + turns;
   switch (dtype) {
     case DType::bf16:
       flash::compute_delta<__nv_bfloat16>(p, stream);

@@ -37,6 +37,7 @@ struct Params {
   float* dq_accum;         // (B, H, T, d) fp32 scratch for the atomic dq path, (B, H, ceil(T / 128) 128, d) for the
                            // fused sm90 backwards, else nullptr
   int* dq_turn;            // (B, H, ceil(T / 64)): the fused sm90 backward's turn counters, else nullptr
+  int* next_tile;          // the persistent ws backward's tile counter (after dq_turn, zeroed with it), else nullptr
   HeadStrides is, os;
   int B, H, T, d;
   bool causal;
@@ -62,12 +63,15 @@ void backward_tc(const Params& p, bool deterministic, Stream stream);
 // deterministic backward's two passes, backward_fused_sm90 (the dkdv option kFusedSm90) both in one, deterministic
 // too; it needs dq_accum and dq_turn, as does backward_ws_sm90 (the dkdv options kWsFusedSm90 and kWsFused128Sm90,
 // ws_fused_sm90: its warp-specialised form in steps of 64 or 128 queries, flash_attention_bwd_ws_sm90a.cu; head dim
-// 64 only; false, nothing launched, where its TMA maps cannot be made: the caller then runs backward_fused_sm90).
+// 64 only; false, nothing launched, where its TMA maps cannot be made: the caller then runs backward_fused_sm90;
+// kWsFusedPersistentSm90 and kWsFused128PersistentSm90 are the same kernels with one CTA per SM taking tiles from a
+// counter).
 constexpr Tiles kFirstSm90{3, 2, 3};
-constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4, kWsFused128Sm90 = 5;
+constexpr int kFusedSm90 = 3, kWsFusedSm90 = 4, kWsFused128Sm90 = 5, kWsFusedPersistentSm90 = 6,
+              kWsFused128PersistentSm90 = 7;
 // Whether a dkdv option makes dq itself (any fused kernel): it needs dq_accum and dq_turn, and no dq pass.
-constexpr bool fused_sm90(int dkdv) { return dkdv >= kFusedSm90 && dkdv <= kWsFused128Sm90; }
-constexpr bool ws_fused_sm90(int dkdv) { return dkdv == kWsFusedSm90 || dkdv == kWsFused128Sm90; }
+constexpr bool fused_sm90(int dkdv) { return dkdv >= kFusedSm90 && dkdv <= kWsFused128PersistentSm90; }
+constexpr bool ws_fused_sm90(int dkdv) { return dkdv >= kWsFusedSm90 && dkdv <= kWsFused128PersistentSm90; }
 constexpr int kFirstWsSm90 = 6;
 template <typename E>
 void forward_sm90(const Params& p, Stream stream);
@@ -82,7 +86,8 @@ void backward_fused_sm90(const Params& p, Stream stream);
 template <typename E>
 bool backward_ws_sm90(const Params& p, Stream stream);
 // The fused kernels' launch prologue: checks that their grid (B * H * ceil(T / 128) CTAs, one row) fits and zeroes
-// the turn counters (one per 64 queries: enough for 128-query steps too) on `stream`; -> the number of CTAs.
+// the turn counters (one per 64 queries: enough for 128-query steps too) and the tile counter after them on
+// `stream`; -> the number of CTAs (of tiles, for the persistent kernels).
 // `option` names the choice in the error.
 int start_fused_sm90(const Params& p, Stream stream, const char* option);
 // The CUDA-core path (flash_attention.cu), for float, __nv_bfloat16 and __half: fp32 at any d <= 256, and 16-bit

@@ -264,11 +264,12 @@ void dkdv_sm90(const Params& p, Stream stream) {
 
 int start_fused_sm90(const Params& p, Stream stream, const char* option) {
   const int64_t blocks = (int64_t)p.B * p.H * ((p.T + kRows - 1) / kRows);
-  if (blocks > INT32_MAX)
+  // below 2^30: the persistent kernels' tile counter goes past the last tile by up to one per CTA
+  if (blocks >= (1 << 30))
     throw std::invalid_argument(std::string("flash attention backward ('") + option +
-                                "'): B * H * ceil(T / 128) must be below 2^31");
+                                "'): B * H * ceil(T / 128) must be below 2^30");
   const int64_t turns = (int64_t)p.B * p.H * ((p.T + kStep - 1) / kStep);
-  FASTGPT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, turns * sizeof(int), stream));
+  FASTGPT_CUDA_CHECK(cudaMemsetAsync(p.dq_turn, 0, (turns + 1) * sizeof(int), stream));  // and next_tile
   return (int)blocks;
 }
 

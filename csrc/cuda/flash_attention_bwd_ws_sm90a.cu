@@ -3,7 +3,7 @@
 // with the CTA split by role, as FlashAttention-3's backward splits it. That kernel stops both warpgroups three
 // times per query step at __syncthreads, and the dQ sums across CTAs (wait for the turn, read the sum so far from
 // L2, add, write back) sit between one step's products and the next. Here:
-// - Warpgroup 0 does not multiply. Its warp 0 has the copy engine (TMA, tma.cuh) bring K and V once, then each
+// - Warpgroup 0 does not multiply. Its warp 0 has the copy engine (TMA, tma.cuh) bring a tile's K and V, then each
 //   step's Q and dO, and stages each step's lse and delta itself, into a ring of kStages buffers, each published on
 //   a "full" mbarrier (the warp's 32 arrivals and the copies' bytes) and refilled after its "empty" one. Views whose
 //   strides a tensor map cannot describe run the "sm90 fused" kernel (the same bits). The dQ parts come from a
@@ -28,7 +28,16 @@
 //   and key block 0's writers, whose 40 registers hold one chunk of it at a time, have the copy engine add their
 //   part and fetch the finished sum (kBulkSum) instead of loading it from L2 chunk by chunk.
 // Both give the same bits: every element's products run over the same keys and queries in the same order.
+// Tiles (a (b, h)'s key block of KB keys) are numbered (b, h) by (b, h), each one's key blocks counted down, so that a
+// tile's dQ turns wait only for tiles numbered below it. The plain launch has one CTA per tile, tile blockIdx.x. The
+// persistent ones ("... persistent") have one CTA per SM, each taking tile after tile from a counter in global memory
+// (atomicAdd: the tiles go out in number order, to running CTAs, so a tile waits only for tiles already being worked
+// on, and the grid cannot deadlock), a dynamic scheduler because a causal tile is 1 to T / 128 steps: a static
+// share would leave whole CTAs idle. The CTA's prologue (barriers, registers, the first copies) is paid once, not per
+// tile, and the next tile's first Q and dO land while the consumers finish the last tile's last step; only K and V,
+// which the consumers read up to that step's dQ product, wait for them (kv_empty).
 // Written and run only in the warp emulator (tests/warp_emu) so far.
+#include <algorithm>
 #include <stdexcept>
 
 #include "cuda/check.h"
@@ -68,19 +77,25 @@ constexpr bool fits_pool() {
 }
 static_assert(fits_pool<64>() && fits_pool<128>(), "registers: the pool");
 
-// The mbarriers after the tiles: K and V full, then per stage Q full and empty, then per dQ stage full and empty,
-// then (kBulkSum) per dQ stage the finished sum's arrival in the part's buffer.
+// The mbarriers after the tiles: K and V full and empty, then per stage Q full and empty, then per dQ stage full and
+// empty, then (kBulkSum) per dQ stage the finished sum's arrival in the part's buffer, then per tile slot (the
+// persistent kernel's tile numbers, published by the loader) full and empty.
+constexpr int kTileSlots = 2, kTileReaders = 256 + kWriters;  // the consumers and warps 1-3 read each tile number
 template <int BR>
 struct Bars {
   static constexpr int kDqStages = Step<BR>::kDqStages;
-  static constexpr int kCount = 1 + 2 * kStages + (Step<BR>::kBulkSum ? 3 : 2) * kDqStages;
+  static constexpr int kQ0 = 2, kDq0 = kQ0 + 2 * kStages, kSum0 = kDq0 + 2 * kDqStages;
+  static constexpr int kTile0 = kSum0 + (Step<BR>::kBulkSum ? kDqStages : 0), kCount = kTile0 + 2 * kTileSlots;
   uint32_t base;
   __device__ uint32_t kv_full() const { return base; }
-  __device__ uint32_t q_full(int s) const { return base + 8 * (1 + 2 * s); }
-  __device__ uint32_t q_empty(int s) const { return base + 8 * (2 + 2 * s); }
-  __device__ uint32_t dq_full(int s) const { return base + 8 * (1 + 2 * kStages + 2 * s); }
-  __device__ uint32_t dq_empty(int s) const { return base + 8 * (2 + 2 * kStages + 2 * s); }
-  __device__ uint32_t dq_sum(int s) const { return base + 8 * (1 + 2 * kStages + 2 * kDqStages + s); }
+  __device__ uint32_t kv_empty() const { return base + 8; }
+  __device__ uint32_t q_full(int s) const { return base + 8 * (kQ0 + 2 * s); }
+  __device__ uint32_t q_empty(int s) const { return base + 8 * (kQ0 + 1 + 2 * s); }
+  __device__ uint32_t dq_full(int s) const { return base + 8 * (kDq0 + 2 * s); }
+  __device__ uint32_t dq_empty(int s) const { return base + 8 * (kDq0 + 1 + 2 * s); }
+  __device__ uint32_t dq_sum(int s) const { return base + 8 * (kSum0 + s); }
+  __device__ uint32_t tile_full(int s) const { return base + 8 * (kTile0 + 2 * s); }
+  __device__ uint32_t tile_empty(int s) const { return base + 8 * (kTile0 + 1 + 2 * s); }
 };
 
 // Shared memory, every tile 1024-byte aligned (their sizes are multiples of 1024).
@@ -97,7 +112,8 @@ struct Layout {
   static constexpr int kDq = kS + 2 * kSBytes;                    // kDqStages x (BR, D) fp32, in fragment order
   static constexpr int kLd = kDq + kDqStages * kDqBytes;          // kStages x (lse in log2 units, delta) x BR
   static constexpr int kBars = kLd + kStages * kLdBytes;
-  static constexpr int kBytes = kBars + 8 * Bars<BR>::kCount + 1024;  // and room to align
+  static constexpr int kTiles = kBars + 8 * Bars<BR>::kCount;     // kTileSlots tile numbers, 16 bytes apart
+  static constexpr int kBytes = kTiles + 16 * kTileSlots + 1024;  // and room to align
 };
 static_assert(Layout<64, 64>::kBytes <= 227 * 1024 && Layout<64, 128>::kBytes <= 227 * 1024, "shared memory");
 
@@ -127,39 +143,92 @@ struct Maps {
   tma::HeadsMap q, k, v, dout;
 };
 
-// Warp 0 of warpgroup 0: K and V, then for each step Q and dO (copies that lane 0 asks the copy engine for) and lse,
-// delta (each lane's ordinary loads and stores), a step's buffer refilled once its empty barrier says both
-// consumers are done with it. K and V are published by their bytes (their barrier's one arrival is lane 0's, with
-// the count); a step by the 32 lanes' arrivals once their lse and delta are stored, and the copies' bytes. So no
-// step's publication waits for another step's, nor for the consumers (a loader that published a step only once the
-// next was issued waited for the hand-back of the buffer before it: a bubble before every step). Only the ring
-// bounds how far ahead the loader runs.
-template <int D, int BR>
-__device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsigned char* sm, Bars<BR> bars, int bh,
-                                       int b, int h, int k0, int i_first, int n_q, int lane) {
-  using L = Layout<D, BR>;
-  const int T = p.T;
-  if (lane == 0) {
-    for (const tma::HeadsMap* m : {&maps.k, &maps.v, &maps.q, &maps.dout}) tma::prefetch(&m->map);
-    tma::arrive_expect(bars.kv_full(), 2 * L::kKBytes);
-    tma::load_tile<KB, D>(wgmma::shared_addr(sm + L::kK), maps.k, bars.kv_full(), k0, h, b);
-    tma::load_tile<KB, D>(wgmma::shared_addr(sm + L::kV), maps.v, bars.kv_full(), k0, h, b);
+// Tile number t: key block j = n_kb - 1 - t % n_kb of (b, h) = t / n_kb.
+struct Tile {
+  int bh, j;
+};
+__device__ __forceinline__ Tile tile_at(int t, int n_kb) { return {t / n_kb, n_kb - 1 - t % n_kb}; }
+
+// The CTA's n-th tile number, or -1 past its last. Plain launch: blockIdx.x, then none. Persistent: the loader's lane
+// 0 takes the next number from the counter (p.next_tile) and publishes it in slot n % kTileSlots (tile_full) once
+// every reader has handed the slot's last number back (tile_empty); -1 once the counter passes the last tile. Every
+// loader lane gets it (take_tile); the other roles read it from the slot (read_tile). The slots are 16 bytes apart:
+// the emulator's race check follows 16-byte chunks.
+template <bool kPersistent, int BR>
+__device__ __forceinline__ int take_tile(const Params& p, Bars<BR> bars, int* slots, int n, int tiles, int lane) {
+  if constexpr (!kPersistent) {
+    return n == 0 ? (int)blockIdx.x : -1;
+  } else {
+    int t = 0;
+    if (lane == 0) {
+      const int s = n % kTileSlots;
+      if (n >= kTileSlots) wgmma::mbar_wait(bars.tile_empty(s), (n / kTileSlots - 1) & 1);
+      t = atomicAdd(p.next_tile, 1);
+      if (t >= tiles) t = -1;
+      wgmma::st_shared_b32(slots + 4 * s, (uint32_t)t);
+      wgmma::mbar_arrive(bars.tile_full(s));
+    }
+    return __shfl_sync(0xffffffffu, t, 0);
   }
-  for (int i = i_first; i < n_q; i++) {
-    const int u = i - i_first, s = u % kStages, use = u / kStages, q0 = i * BR;
-    if (use > 0) wgmma::mbar_wait(bars.q_empty(s), (use - 1) & 1);
-    if (lane == 0) {  // the bytes first, so that the phase cannot complete on the lanes' arrivals alone
-      tma::expect(bars.q_full(s), 2 * L::kQBytes);
-      tma::load_tile<BR, D>(wgmma::shared_addr(sm + L::kQ + s * L::kQBytes), maps.q, bars.q_full(s), q0, h, b);
-      tma::load_tile<BR, D>(wgmma::shared_addr(sm + L::kdO + s * L::kQBytes), maps.dout, bars.q_full(s), q0, h, b);
+}
+template <bool kPersistent, bool kLimit, int BR>
+__device__ __forceinline__ int read_tile(Bars<BR> bars, const int* slots, int n) {
+  if constexpr (!kPersistent) {
+    return n == 0 ? (int)blockIdx.x : -1;
+  } else {
+    const int s = n % kTileSlots;
+    wgmma::mbar_wait<kLimit>(bars.tile_full(s), (n / kTileSlots) & 1);
+    const int t = (int)wgmma::ld_shared_b32(slots + 4 * s);
+    wgmma::mbar_arrive(bars.tile_empty(s));
+    return t;
+  }
+}
+
+// Warp 0 of warpgroup 0, for each of the CTA's tiles: each step's Q and dO (copies that lane 0 asks the copy engine
+// for) and lse, delta (each lane's ordinary loads and stores), and after the first step's copies K and V, once the
+// consumers are done with the last tile's (kv_empty). The ring of step buffers runs on across tiles (the CTA's u-th
+// step uses buffer u % kStages), a buffer refilled once its empty barrier says both consumers are done with it. K
+// and V are published by their bytes (their barrier's one arrival is lane 0's, with the count); a step by the 32
+// lanes' arrivals once their lse and delta are stored, and the copies' bytes. So no step's publication waits for
+// another step's, nor for the consumers (a loader that published a step only once the next was issued waited for
+// the hand-back of the buffer before it: a bubble before every step). Only the ring bounds how far ahead the loader
+// runs. The next tile is taken only once the ring has a buffer for its first step (the consumers are in the last
+// tile's last step): a tile taken early would hold up the tiles that wait for its dQ turns.
+template <bool kPersistent, int D, int BR>
+__device__ __forceinline__ void loader(const Params& p, const Maps& maps, unsigned char* sm, Bars<BR> bars,
+                                       int* slots, int lane) {
+  using L = Layout<D, BR>;
+  const int T = p.T, n_kb = (T + KB - 1) / KB, n_q = (T + BR - 1) / BR, tiles = p.B * p.H * n_kb;
+  if (lane == 0)
+    for (const tma::HeadsMap* m : {&maps.k, &maps.v, &maps.q, &maps.dout}) tma::prefetch(&m->map);
+  for (int n = 0, u = 0;; n++) {
+    if (u >= kStages) wgmma::mbar_wait(bars.q_empty(u % kStages), (u / kStages - 1) & 1);
+    const int t = take_tile<kPersistent>(p, bars, slots, n, tiles, lane);
+    if (t < 0) return;
+    const Tile x = tile_at(t, n_kb);
+    const int bh = x.bh, b = bh / p.H, h = bh % p.H, k0 = x.j * KB, i_first = p.causal ? k0 / BR : 0;
+    for (int i = i_first; i < n_q; i++, u++) {
+      const int s = u % kStages, use = u / kStages, q0 = i * BR;
+      if (i > i_first && use > 0) wgmma::mbar_wait(bars.q_empty(s), (use - 1) & 1);  // the first: waited above
+      if (lane == 0) {  // the bytes first, so that the phase cannot complete on the lanes' arrivals alone
+        tma::expect(bars.q_full(s), 2 * L::kQBytes);
+        tma::load_tile<BR, D>(wgmma::shared_addr(sm + L::kQ + s * L::kQBytes), maps.q, bars.q_full(s), q0, h, b);
+        tma::load_tile<BR, D>(wgmma::shared_addr(sm + L::kdO + s * L::kQBytes), maps.dout, bars.q_full(s), q0, h, b);
+        if (i == i_first) {
+          if (n > 0) wgmma::mbar_wait(bars.kv_empty(), (n - 1) & 1);
+          tma::arrive_expect(bars.kv_full(), 2 * L::kKBytes);
+          tma::load_tile<KB, D>(wgmma::shared_addr(sm + L::kK), maps.k, bars.kv_full(), k0, h, b);
+          tma::load_tile<KB, D>(wgmma::shared_addr(sm + L::kV), maps.v, bars.kv_full(), k0, h, b);
+        }
+      }
+      float* ld = reinterpret_cast<float*>(sm + L::kLd + s * L::kLdBytes);
+      for (int r = lane; r < BR; r += 32) {  // as stage_lse_delta: zeros past T
+        const int q = q0 + r;
+        wgmma::st_shared_f32(ld + r, q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f);
+        wgmma::st_shared_f32(ld + BR + r, q < T ? p.delta[(int64_t)bh * T + q] : 0.f);
+      }
+      wgmma::mbar_arrive(bars.q_full(s));
     }
-    float* ld = reinterpret_cast<float*>(sm + L::kLd + s * L::kLdBytes);
-    for (int r = lane; r < BR; r += 32) {  // as stage_lse_delta: zeros past T
-      const int q = q0 + r;
-      wgmma::st_shared_f32(ld + r, q < T ? p.lse[(int64_t)bh * T + q] * kLog2e : 0.f);
-      wgmma::st_shared_f32(ld + BR + r, q < T ? p.delta[(int64_t)bh * T + q] : 0.f);
-    }
-    wgmma::mbar_arrive(bars.q_full(s));
   }
 }
 
@@ -179,8 +248,9 @@ __device__ __forceinline__ void add_part(float* sum, uint32_t part, int* counter
 
 // Key block 0's warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn (the
 // last) to the sums of query step i and written to dq (times the scale, rounded once), as dq_part in
-// flash_attention_bwd_sm90a.cu: the same additions in the same order. The part's buffer is handed back once each
-// thread has read its chunks. Two ways to the finished sum:
+// flash_attention_bwd_sm90a.cu: the same additions in the same order. The part's buffer is handed back (one arrival,
+// as dq_adder's) once every thread has read its chunks. u0: the CTA's steps before this tile (the ring's count); w0:
+// its key block 0 steps before it (dq_sum's). Two ways to the finished sum:
 // - kBulkSum (128-query steps): thread wt 0 has the copy engine add the part to the sum in L2, as dq_adder does,
 //   and bring the finished sum back into the part's buffer (one bulk copy each way, the whole 32 KB in flight at
 //   once); the writers read it there. Where no other key block meets the step (turn 0) the part is the sum.
@@ -188,10 +258,11 @@ __device__ __forceinline__ void add_part(float* sum, uint32_t part, int* counter
 //   round trips to L2 per step (d 64), not one per chunk.
 template <typename E, int D, int BR>
 __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Bars<BR> bars, int bh, int n_kb,
-                                          int i_first, int n_q, int64_t in_off, int wt) {
+                                          int i_first, int n_q, int u0, int w0, int wt) {
   using L = Layout<D, BR>;
   constexpr int kChunks = BR * D / 4, kDqStages = L::kDqStages;
-  E* dq = static_cast<E*>(p.dq) + in_off;
+  static_assert(!Step<BR>::kBulkSum || kDqStages == 1, "dq_sum's phases: one per key block 0 step");
+  E* dq = static_cast<E*>(p.dq) + (bh / p.H) * p.is.sb + (bh % p.H) * p.is.sh;
   const auto write = [&](int q, int q0, float4 v) {  // float4 number q of the step's sum, scaled, rounded, to dq
     int row, col;
     dq_coords<D, BR>(q, row, col);
@@ -199,7 +270,7 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
     if (q0 + row + 8 < p.T) store_two(dq + (int64_t)(q0 + row + 8) * p.is.st + col, v.z * p.scale, v.w * p.scale);
   };
   for (int i = i_first; i < n_q; i++) {
-    const int u = i - i_first, s = u % kDqStages, q0 = i * BR;
+    const int u = u0 + i - i_first, s = u % kDqStages, q0 = i * BR;
     const int turn = sm90::turn_of<KB, BR>(p.causal, i, 0, n_kb);  // every other key block's part comes first
     float* sum = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;
     const float4* part = reinterpret_cast<const float4*>(sm + L::kDq + s * L::kDqBytes);
@@ -217,7 +288,7 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
           wgmma::mbar_arrive(bars.dq_sum(s));
         }
       }
-      wgmma::mbar_wait(bars.dq_sum(s), (u / kDqStages) & 1);
+      wgmma::mbar_wait(bars.dq_sum(s), (w0 + i - i_first) & 1);
       for (int q = wt; q < kChunks; q += kWriters) write(q, q0, wgmma::ld_shared_v4(part + q));
     } else {
       wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
@@ -241,22 +312,23 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
         }
       }
     }
-    wgmma::mbar_arrive(bars.dq_empty(s));
+    wgmma::bar_sync(kWriterBar, kWriters);  // every thread has read its chunks of the part
+    if (wt == 0) wgmma::mbar_arrive(bars.dq_empty(s));
   }
 }
 
 // Key blocks j > 0, one thread (wg 0's thread 32): each step's dQ part goes to the query step's fp32 sums by the copy
-// engine, in this CTA's turn (add_part). The part is 16 KB at d 64 (32 KB at 128 queries), contiguous in the ring and in the sums (both in fragment order):
-// one copy. Its buffer goes back to the consumers once the copy has read it; the turn passes on once the sum is
+// engine, in this CTA's turn (add_part). The part is 16 KB at d 64 (32 KB at 128 queries), contiguous in the ring
+// and in the sums (both in fragment order): one copy. Its buffer goes back to the consumers once the copy has read it; the turn passes on once the sum is
 // written. Before, three warps moved each part through their registers: three round trips to L2 per step, each sum
 // read into the SM and written back, the turn held meanwhile.
 template <int D, int BR>
 __device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bars<BR> bars, int bh, int j, int n_kb,
-                                         int i_first, int n_q) {
+                                         int i_first, int n_q, int u0) {
   using L = Layout<D, BR>;
   constexpr int kDqStages = L::kDqStages;
   for (int i = i_first; i < n_q; i++) {
-    const int u = i - i_first, s = u % kDqStages;
+    const int u = u0 + i - i_first, s = u % kDqStages;
     const int turn = sm90::turn_of<KB, BR>(p.causal, i, j, n_kb);
     float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;
     int* counter = p.dq_turn + (int64_t)bh * n_q + i;
@@ -270,102 +342,120 @@ __device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bar
   }
 }
 
-template <typename E, int D, int BR>
+template <typename E, int D, int BR, bool kPersistent>
 __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __grid_constant__ Maps maps) {
   using L = Layout<D, BR>;
   constexpr int kDqStages = L::kDqStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* sm = sm90::aligned(smem_raw);
   const Bars<BR> bars{wgmma::shared_addr(sm + L::kBars)};
+  int* slots = reinterpret_cast<int*>(sm + L::kTiles);
 
   const int tid = threadIdx.x, wg = tid / 128;
-  // One grid row, each (b, h)'s key blocks counted down: a CTA waits only for CTAs started before it (the turns).
-  const int n_kb = (p.T + KB - 1) / KB;
-  const int bh = blockIdx.x / n_kb, j = n_kb - 1 - blockIdx.x % n_kb;
-  const int b = bh / p.H, h = bh % p.H, T = p.T, k0 = j * KB;
-  const int64_t in_off = b * p.is.sb + h * p.is.sh;
-  const int i_first = p.causal ? k0 / BR : 0, n_q = (T + BR - 1) / BR;
+  const int n_kb = (p.T + KB - 1) / KB, n_q = (p.T + BR - 1) / BR;
 
   if (tid == 0) {
-    wgmma::mbar_init(bars.kv_full(), 1);  // the loader's lane 0 (and the copies' bytes)
+    wgmma::mbar_init(bars.kv_full(), 1);     // the loader's lane 0 (and the copies' bytes)
+    wgmma::mbar_init(bars.kv_empty(), 256);  // every consumer thread, after its tile's last product
     for (int s = 0; s < kStages; s++) {
       wgmma::mbar_init(bars.q_full(s), 32);  // the loader's lanes (and the copies' bytes)
       wgmma::mbar_init(bars.q_empty(s), 256);  // every consumer thread (each read lse and delta itself)
     }
     for (int s = 0; s < kDqStages; s++) {
       wgmma::mbar_init(bars.dq_full(s), 256);  // every consumer thread (each stored its part)
-      wgmma::mbar_init(bars.dq_empty(s), j == 0 ? kWriters : 1);  // dq_writer's threads, or dq_adder's one
-      if (Step<BR>::kBulkSum) wgmma::mbar_init(bars.dq_sum(s), 1);    // dq_writer's thread 0 (and the copy's bytes)
+      wgmma::mbar_init(bars.dq_empty(s), 1);   // dq_adder's thread, or dq_writer's thread 0 for all of them
+      if (Step<BR>::kBulkSum) wgmma::mbar_init(bars.dq_sum(s), 1);  // dq_writer's thread 0 (and the copy's bytes)
+    }
+    for (int s = 0; s < kTileSlots; s++) {
+      wgmma::mbar_init(bars.tile_full(s), 1);  // the loader's lane 0
+      wgmma::mbar_init(bars.tile_empty(s), kTileReaders);
     }
   }
   __syncthreads();  // the barriers are initialised before anyone uses them; the only CTA-wide barrier
 
   if (wg == 0) {
     wgmma::regs_dec<Step<BR>::kCopierRegs>();
-    if (tid < 32)
-      loader<D, BR>(p, maps, sm, bars, bh, b, h, k0, i_first, n_q, tid);
-    else if (j == 0)
-      dq_writer<E, D, BR>(p, sm, bars, bh, n_kb, i_first, n_q, in_off, tid - 32);
-    else if (tid == 32)
-      dq_adder<D, BR>(p, sm, bars, bh, j, n_kb, i_first, n_q);
-    return;
+    if (tid < 32) return loader<kPersistent, D, BR>(p, maps, sm, bars, slots, tid);
+    // warps 1-3: every tile's dQ parts, by dq_writer in key block 0, else by dq_adder (thread 32)
+    for (int n = 0, u = 0, w = 0;; n++) {
+      const int t = read_tile<kPersistent, true>(bars, slots, n);
+      if (t < 0) return;
+      const Tile x = tile_at(t, n_kb);
+      const int i_first = p.causal ? x.j * KB / BR : 0;
+      if (x.j == 0)
+        dq_writer<E, D, BR>(p, sm, bars, x.bh, n_kb, i_first, n_q, u, w, tid - 32), w += n_q - i_first;
+      else if (tid == 32)
+        dq_adder<D, BR>(p, sm, bars, x.bh, x.j, n_kb, i_first, n_q, u);
+      u += n_q - i_first;
+    }
   }
   wgmma::regs_inc<Step<BR>::kConsumerRegs>();
   const int ci = wg - 1, ct = tid - 128;  // this consumer's 64 keys; the consumers' thread index
   const int warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
   const uint32_t aK = wgmma::shared_addr(sm + L::kK), aV = wgmma::shared_addr(sm + L::kV);
   const uint32_t aKt = wgmma::shared_addr(sm + L::kKt);
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D
 
   // The consumers' waits have no 60 s limit (wgmma.cuh's mbar_wait: with it, ptxas held this code to 168 registers).
   // A consumer that never gets its buffer still ends in a trap: the writer waits, with the limit, for its dQ part.
-  wgmma::mbar_wait<false>(bars.kv_full(), 0);
-  if constexpr (L::kHasKt) sm90::transpose<KB, D, 256>(sm + L::kKt, sm + L::kK, ct);  // read after the first barrier
-  for (int i = i_first; i < n_q; i++) {
-    const int u = i - i_first, s = u % kStages, sd = u % kDqStages, q0 = i * BR;
-    const float* ld = reinterpret_cast<const float*>(sm + L::kLd + s * L::kLdBytes);
-    unsigned char* sS = sm + L::kS + (u & 1) * L::kSBytes;
-    wgmma::mbar_wait<false>(bars.q_full(s), (u / kStages) & 1);
-    sm90::dkdv_block<E, KB, BR, D, true>(dk, dv, aK, aV, wgmma::shared_addr(sm + L::kQ + s * L::kQBytes),
-                                         wgmma::shared_addr(sm + L::kdO + s * L::kQBytes), ld, ld + BR, sS, p, ci,
-                                         k0, q0, ct);
-    wgmma::mbar_arrive(bars.q_empty(s));  // its wgmma have retired, its lse and delta loads are done
-    wgmma::fence_proxy_async();           // its dS^T (and K^T) stores, for wgmma
-    // Both consumers' dS^T are in sS. The other dS^T tile is free: the other consumer passed this barrier after its
-    // last product from it.
-    wgmma::bar_sync(kConsumerBar, 256);
-    if (u >= kDqStages) wgmma::mbar_wait<false>(bars.dq_empty(sd), (u / kDqStages - 1) & 1);
-    float4* ring = reinterpret_cast<float4*>(sm + L::kDq + sd * L::kDqBytes);
-    if constexpr (BR == 64) {
+  for (int n = 0, u = 0;; n++) {  // u: the CTA's steps so far (the rings' count)
+    const int t = read_tile<kPersistent, false>(bars, slots, n);
+    if (t < 0) return;
+    const Tile x = tile_at(t, n_kb);
+    const int j = x.j, k0 = j * KB, i_first = p.causal ? k0 / BR : 0;
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D
+    wgmma::mbar_wait<false>(bars.kv_full(), n & 1);
+    // K^T is read after the first step's barrier; the last tile's readers are done (they arrived on kv_empty
+    // before the loader brought this K)
+    if constexpr (L::kHasKt) sm90::transpose<KB, D, 256>(sm + L::kKt, sm + L::kK, ct);
+    for (int i = i_first; i < n_q; i++, u++) {
+      const int s = u % kStages, sd = u % kDqStages, q0 = i * BR;
+      const float* ld = reinterpret_cast<const float*>(sm + L::kLd + s * L::kLdBytes);
+      unsigned char* sS = sm + L::kS + (u & 1) * L::kSBytes;
+      wgmma::mbar_wait<false>(bars.q_full(s), (u / kStages) & 1);
+      sm90::dkdv_block<E, KB, BR, D, true>(dk, dv, aK, aV, wgmma::shared_addr(sm + L::kQ + s * L::kQBytes),
+                                           wgmma::shared_addr(sm + L::kdO + s * L::kQBytes), ld, ld + BR, sS, p,
+                                           ci, k0, q0, ct);
+      wgmma::mbar_arrive(bars.q_empty(s));  // its wgmma have retired, its lse and delta loads are done
+      wgmma::fence_proxy_async();           // its dS^T (and K^T) stores, for wgmma
+      // Both consumers' dS^T are in sS. The other dS^T tile is free: the other consumer passed this barrier after
+      // its last product from it.
+      wgmma::bar_sync(kConsumerBar, 256);
+      if (u >= kDqStages) wgmma::mbar_wait<false>(bars.dq_empty(sd), (u / kDqStages - 1) & 1);
+      float4* ring = reinterpret_cast<float4*>(sm + L::kDq + sd * L::kDqBytes);
+      if constexpr (BR == 64) {
 #pragma unroll
-      for (int cb = 0; cb < D / 64; cb++) {
-        float part[4][4];  // this warp's 16 queries x 32 columns of dQ
-        sm90::dq_product<E, KB, D>(part, wgmma::shared_addr(sS), aKt, ci * (D / 2) + cb * 32);
+        for (int cb = 0; cb < D / 64; cb++) {
+          float part[4][4];  // this warp's 16 queries x 32 columns of dQ
+          sm90::dq_product<E, KB, D>(part, wgmma::shared_addr(sS), aKt, ci * (D / 2) + cb * 32);
 #pragma unroll
-        for (int t = 0; t < 4; t++)
-          wgmma::st_shared_v4(ring + dq_chunk<D, BR>(ci, cb, warp, t, lane),
-                              make_float4(part[t][0], part[t][1], part[t][2], part[t][3]));
+          for (int t4 = 0; t4 < 4; t4++)
+            wgmma::st_shared_v4(ring + dq_chunk<D, BR>(ci, cb, warp, t4, lane),
+                                make_float4(part[t4][0], part[t4][1], part[t4][2], part[t4][3]));
+        }
+      } else {
+        float part[D / 8][4];  // this warp's 16 of the consumer's 64 queries x D columns of dQ
+        sm90::dq_rows_product<E, KB, D>(part, wgmma::shared_addr(sS), aK, ci);
+#pragma unroll
+        for (int t8 = 0; t8 < D / 8; t8++)
+          wgmma::st_shared_v4(ring + dq_chunk<D, BR>(ci, t8 / 4, warp, t8 % 4, lane),
+                              make_float4(part[t8][0], part[t8][1], part[t8][2], part[t8][3]));
       }
-    } else {
-      float part[D / 8][4];  // this warp's 16 of the consumer's 64 queries x D columns of dQ
-      sm90::dq_rows_product<E, KB, D>(part, wgmma::shared_addr(sS), aK, ci);
-#pragma unroll
-      for (int t = 0; t < D / 8; t++)
-        wgmma::st_shared_v4(ring + dq_chunk<D, BR>(ci, t / 4, warp, t % 4, lane),
-                            make_float4(part[t][0], part[t][1], part[t][2], part[t][3]));
+      // dq_adder's copy (and kBulkSum's in key block 0) reads the part through the async proxy
+      if (j > 0 || Step<BR>::kBulkSum) wgmma::fence_proxy_async();
+      wgmma::mbar_arrive(bars.dq_full(sd));
     }
-    // dq_adder's copy (and kBulkSum's in key block 0) reads the part through the async proxy
-    if (j > 0 || Step<BR>::kBulkSum) wgmma::fence_proxy_async();
-    wgmma::mbar_arrive(bars.dq_full(sd));
-  }
+    wgmma::mbar_arrive(bars.kv_empty());  // this tile's products from K, V (and K^T) have retired
 
-  const int kw0 = k0 + ci * 64 + warp * 16;
-  store_tile_rows(dk, kw0, g, c, T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
-  store_tile_rows(dv, kw0, g, c, T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
+    const int b = x.bh / p.H, h = x.bh % p.H, kw0 = k0 + ci * 64 + warp * 16;
+    const int64_t in_off = b * p.is.sb + h * p.is.sh;
+    store_tile_rows(dk, kw0, g, c, p.T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
+    store_tile_rows(dv, kw0, g, c, p.T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
+  }
 }
 
-// Sets up and launches the kernel of step BR; false (nothing launched) where no TMA map describes the views.
-template <typename E, int BR>
+// Sets up and launches the kernel of step BR, persistent (one CTA per SM, at most one per tile) or one CTA per tile;
+// false (nothing launched) where no TMA map describes the views.
+template <typename E, int BR, bool kPersistent>
 bool launch_ws(const Params& p, Stream stream, const char* option) {
   Maps maps;
   if (!tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, 64, p.is, BR) ||
@@ -373,27 +463,42 @@ bool launch_ws(const Params& p, Stream stream, const char* option) {
       !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, 64, p.is, KB) ||
       !tma::make_heads_map(maps.dout, p.dout, p.B, p.H, p.T, 64, p.os, BR))
     return false;
-  const int blocks = start_fused_sm90(p, stream, option);
+  int blocks = start_fused_sm90(p, stream, option);  // one per tile; the tile counter zeroed
+  if (kPersistent) {
+    int device = 0, sms = 0;
+    FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+    FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    blocks = std::min(blocks, std::max(sms, 1));
+  }
+  const auto kernel = backward_ws_kernel<E, 64, BR, kPersistent>;
   constexpr int bytes = Layout<64, BR>::kBytes;
-  FASTGPT_CUDA_CHECK(
-      cudaFuncSetAttribute(backward_ws_kernel<E, 64, BR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  backward_ws_kernel<E, 64, BR><<<blocks, kNT, bytes, stream>>>(p, maps);
+  FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<blocks, kNT, bytes, stream>>>(p, maps);
   FASTGPT_CUDA_CHECK_LAUNCH();
   return true;
 }
 
 }  // namespace
 
-// The dkdv options "sm90 ws fused" (step 64) and "sm90 ws fused 128x128" (step 128) at head dim 64
-// (flash_attention_bwd.cu sends head dim 128 to backward_fused_sm90). The turn counters, dq_accum and the grid are
-// the "sm90 fused" kernel's (start_fused_sm90 checks the grid and zeroes the counters; flash_attention.cu allocates
-// both buffers, dq_accum's rows padded to 128). false where the inputs' strides give no TMA map (nothing launched:
-// the caller runs "sm90 fused").
+// The dkdv options "sm90 ws fused" (step 64), "sm90 ws fused 128x128" (step 128) and the two persistent at head dim
+// 64 (flash_attention_bwd.cu sends head dim 128 to backward_fused_sm90). The turn counters, the tile counter,
+// dq_accum and the tile order are the "sm90 fused" kernel's (start_fused_sm90 checks the grid and zeroes the
+// counters; flash_attention.cu allocates the buffers, dq_accum's rows padded to 128). false where the inputs'
+// strides give no TMA map (nothing launched: the caller runs "sm90 fused").
 template <typename E>
 bool backward_ws_sm90(const Params& p, Stream stream) {
   if (p.d != 64) throw std::logic_error("backward_ws_sm90: head dim 64 only");
-  return p.tiles.dkdv == kWsFused128Sm90 ? launch_ws<E, 128>(p, stream, "sm90 ws fused 128x128")
-                                         : launch_ws<E, 64>(p, stream, "sm90 ws fused");
+  switch (p.tiles.dkdv) {
+    case kWsFusedSm90:
+      return launch_ws<E, 64, false>(p, stream, "sm90 ws fused");
+    case kWsFused128Sm90:
+      return launch_ws<E, 128, false>(p, stream, "sm90 ws fused 128x128");
+    case kWsFusedPersistentSm90:
+      return launch_ws<E, 64, true>(p, stream, "sm90 ws fused persistent");
+    case kWsFused128PersistentSm90:
+      return launch_ws<E, 128, true>(p, stream, "sm90 ws fused 128x128 persistent");
+  }
+  throw std::logic_error("backward_ws_sm90: not a warp-specialised dkdv option");
 }
 
 template bool backward_ws_sm90<__nv_bfloat16>(const Params&, Stream);

@@ -139,9 +139,10 @@ FASTGPT_WGMMA_DEFINE(__half, "f16")
 // store (generic proxy), so a fence_proxy_async and a barrier must come between it and the wgmma.
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
 // Ordinary shared loads and stores, named so that the emulator can check their ordering (the backward's staged lse
-// and delta, the warp-specialised backward's dQ parts, the K^T copy's reads of K): the hardware needs only the
-// barriers between them.
+// and delta, the warp-specialised backward's dQ parts and tile numbers, the K^T copy's reads of K): the hardware
+// needs only the barriers between them.
 __device__ __forceinline__ float ld_shared_f32(const float* p) { return *p; }
+__device__ __forceinline__ uint32_t ld_shared_b32(const void* p) { return *static_cast<const uint32_t*>(p); }
 __device__ __forceinline__ uint16_t ld_shared_u16(const void* p) { return *static_cast<const uint16_t*>(p); }
 __device__ __forceinline__ void st_shared_f32(float* p, float v) { *p = v; }
 __device__ __forceinline__ float4 ld_shared_v4(const float4* p) { return *p; }

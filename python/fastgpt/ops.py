@@ -462,7 +462,8 @@ def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
     turns on the tensor cores; dkdv and dq: the deterministic backward's passes; dkdv "sm90 fused": one kernel that also
     makes dq, deterministic too, for either backward, the dq option then unused; dkdv "sm90 ws fused": the same bits
     from a warp-specialised kernel, a loader warp and three dq-summing warps beside the two multiplying warpgroups,
-    and "sm90 ws fused 128x128" the same in steps of 128 queries, head dim 128 running "sm90 fused"): they need a
+    and "sm90 ws fused 128x128" the same in steps of 128 queries, head dim 128 running "sm90 fused"; "... persistent":
+    the same kernels with one CTA per SM, each taking tile after tile from a counter): they need a
     GPU of compute capability 9.0 and a build with sm_90a code, choosing one elsewhere raises ValueError, and a call
     on another device of the process runs the default. -> the previous choice, {"fwd": name, "dkdv": name, "dq":
     name}, which can be passed back as flash_attention_tiles(**previous). Needs a build with CUDA."""

@@ -579,6 +579,7 @@ inline void wg_wait(int n) {
 }
 
 inline void atomic_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
+inline int atomic_add(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }  // the old value
 
 // Ordinary shared loads and stores the race check follows (wgmma.cuh's ld_shared_* / st_shared_*, st_shared_b32).
 // A store into a tile wgmma reads (the fused backward's dS^T), like a cp.async write, needs this thread's

@@ -221,7 +221,7 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
 // cannot describe): for q, k, v in the forward, for out and dout in the backward (whose q, k, v and gradients are
 // then plain copies, so every head's out is the broadcast one). The ws kernels decline those and the plain ones run.
 // Forward: fwd 6, 7 and 8 must give fwd 3's out and lse; backward: dkdv 4 ("sm90 ws fused") dkdv 3's dq, dk, dv; all
-// near the float64 reference; dkdv 5 ("sm90 ws fused 128x128") too. The emulator's count of TMA copies says which
+// near the float64 reference; dkdv 5 ("sm90 ws fused 128x128") and 6, 7 (the two persistent) too. The emulator's count of TMA copies says which
 // path ran.
 template <typename E>
 void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, double tol, unsigned seed) {
@@ -278,7 +278,7 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
     for (int b = 0; b < B; b++) std::copy_n(&out0[(size_t)b * H * T * d], (size_t)T * d, &out[(size_t)b * T * d]);
   }
   std::vector<E> grads0;
-  for (int dkdv : {3, 4, 5}) {
+  for (int dkdv : {3, 4, 5, 6, 7}) {
     std::vector<E> grads(q.size(), E(NAN));
     cuda::set_flash_tiles({3, dkdv, 0});
     const long copies = emu::g_tma_copies, bulk0 = emu::g_bulk_copies, loads0 = emu::g_bulk_loads;
@@ -296,7 +296,7 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
     // finished sums back by bulk loads.
     const bool ws = dkdv >= 4 && !broadcast, multi = ws && T > 128;
     const bool ok = eq < tol && ek < tol && ev < tol && same && tma == ws && bulk == multi &&
-                    loads == (multi && dkdv == 5);
+                    loads == (multi && dkdv % 2 == 1);
     if (!ok) failures++;
     printf("%s sm90 dkdv %d on %s B=%d H=%d T=%d causal=%d: dq %.2e dk %.2e dv %.2e, dkdv 3's bits %d, TMA %d, "
            "bulk %d, bulk loads %d\n", ok ? "ok  " : "FAIL", dkdv, what, B, H, T, causal, eq, ek, ev, same, tma, bulk,
@@ -307,24 +307,32 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
 }
 
 // The warp-specialised forms (dkdv options 4, "sm90 ws fused", and 5, "sm90 ws fused 128x128": steps of 64 and 128
-// queries; flash_attention_bwd_ws_sm90a.cu; head dim 64, where 128 runs option 3) must give option 3's bits
-// (`fused`, a run of the same case) in dq, dk and dv: the same products, sums and order.
+// queries; 6 and 7 the same, persistent; flash_attention_bwd_ws_sm90a.cu; head dim 64, where 128 runs option 3) must
+// give option 3's bits (`fused`, a run of the same case) in dq, dk and dv: the same products, sums and order. The
+// launch must have one CTA per tile, or (persistent) one per SM (emu::g_sm_count). The emulator runs CTAs one after
+// another, so the first persistent CTA takes every tile from the counter (its rings, K and V reused across them,
+// key block 0's tiles between the others') and the others find none left.
 template <typename E>
 void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd,
                 const Outs& fused) {
-  for (int dkdv : {4, 5}) {
+  for (int dkdv : {4, 5, 6, 7}) {
     cuda::set_flash_tiles({fwd, dkdv, 0});
     const long bulk0 = emu::g_bulk_copies, loads0 = emu::g_bulk_loads;
     const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
+    const bool step128 = dkdv % 2 == 1, persistent = dkdv >= 6;
     // Key blocks past the first hand their dQ parts to the copy engine (one bulk copy per step); key block 0 adds
     // its own that way and fetches the finished sums back at 128-query steps only (kBulkSum).
     const bool bulk_ok = (emu::g_bulk_copies > bulk0) == (T > 128) &&
-                         (emu::g_bulk_loads > loads0) == (T > 128 && dkdv == 5);
+                         (emu::g_bulk_loads > loads0) == (T > 128 && step128);
+    // emu::g_grid is the last launch's: the backward kernel's
+    const long tiles = (long)B * H * ((T + 127) / 128);
+    const bool grid = emu::g_grid.x == (persistent ? std::min<long>(tiles, emu::g_sm_count) : tiles);
     const bool same = o.out == fused.out && o.lse == fused.lse && o.dq == fused.dq && o.dk == fused.dk &&
                       o.dv == fused.dv;
-    if (!same || !bulk_ok) failures++;
-    printf("%s sm90 ws fused, %d-query steps: dq, dk, dv are sm90 fused's bits %d, bulk dQ copies where T > 128 %d\n",
-           same && bulk_ok ? "ok  " : "FAIL", dkdv == 4 ? 64 : 128, same, bulk_ok);
+    if (!same || !bulk_ok || !grid) failures++;
+    printf("%s sm90 ws fused, %d-query steps%s: dq, dk, dv are sm90 fused's bits %d, bulk dQ copies where T > 128 "
+           "%d, %u CTAs for %ld tiles\n", same && bulk_ok && grid ? "ok  " : "FAIL", step128 ? 128 : 64,
+           persistent ? ", persistent" : "", same, bulk_ok, emu::g_grid.x, tiles);
   }
   cuda::set_flash_tiles({0, 0, 0});
   fflush(stdout);

@@ -28,6 +28,9 @@ struct Mma {
 };
 __device__ __forceinline__ void st_shared_b32(void* p, uint32_t v) { emu::st_shared_b32(p, v); }
 __device__ __forceinline__ float ld_shared_f32(const float* p) { return emu::ld_shared(p, "a load"); }
+__device__ __forceinline__ uint32_t ld_shared_b32(const void* p) {
+  return emu::ld_shared(static_cast<const uint32_t*>(p), "a load");
+}
 __device__ __forceinline__ uint16_t ld_shared_u16(const void* p) {
   return emu::ld_shared(static_cast<const uint16_t*>(p), "a load");
 }
