@@ -2,7 +2,7 @@
 bf16 and fp16 at d 64 and 128, fp32 at d 64 and 128 (TF32 tensor cores, three products per product and one) and
 at odd d (CUDA cores), causal and not, T that is and is not a multiple of the tiles, both
 layouts, atomic and deterministic backward; and every tile option of the tensor-core kernels (bf16, d 64, T 130;
-the sm90 kernels also fp16, d 128, T 200).
+the sm90 kernels also fp16, d 128, T 200; the persistent ones also at T 1024 with more tiles than SMs).
 It checks nothing numerically (the tests do); it exits non-zero only if a call raises.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/flash_sanitize.py"""
 import itertools
@@ -12,8 +12,7 @@ import torch
 from fastgpt import ops
 
 
-def run(dtype, d, T, causal, layout, deterministic, fp32_math="tf32x3"):
-    B, H = 2, 3
+def run(dtype, d, T, causal, layout, deterministic, fp32_math="tf32x3", B=2, H=3):
     shape = (B, H, T, d) if layout == "bhtd" else (B, T, H, d)
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
     out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout, fp32_math=fp32_math)
@@ -55,6 +54,12 @@ def main():
                 if any(name.startswith("sm90") for name in names):
                     run(torch.float16, 128, 200, causal, "bhtd" if causal else "bthd", True)
                     n += 1
+            if any(name.endswith(" persistent") for name in names):
+                # More tiles of 128 rows or keys than SMs (at T 130 each CTA holds one or two): some CTAs take
+                # several in turn, reusing their buffers and barriers across tiles, as at GPT-2's shape.
+                sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                run(torch.bfloat16, 64, 1024, True, "bthd", True, B=1, H=sms // 8 + 1)
+                n += 1
     finally:
         ops.flash_attention_tiles(0, 0, 0)
     torch.cuda.synchronize()
