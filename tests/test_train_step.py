@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastgpt
-from devices import needs_cuda
+from devices import DEVICES, needs_cuda
 from reference_gpt import ref_from_fastgpt, rel_err
 
 CONFIG = fastgpt.GPTConfig(block_size=16, vocab_size=96, n_layer=2, n_head=2, n_embd=32)
@@ -142,8 +142,8 @@ def test_step_stats_are_read_once_and_go_stale(rng):
         fourth.loss  # noqa: B018
 
 
-def twins(precision="fp32", fused=True, seed=11):
-    models = [fastgpt.GPT(CONFIG, precision=precision, seed=seed, fused=fused) for _ in range(2)]
+def twins(precision="fp32", fused=True, seed=11, device="cpu"):
+    models = [fastgpt.GPT(CONFIG, device=device, precision=precision, seed=seed, fused=fused) for _ in range(2)]
     return models, [fastgpt.AdamW(m, lr=2e-3, weight_decay=0.1) for m in models]
 
 
@@ -194,11 +194,14 @@ def test_new_shapes_and_moved_memory_run_eagerly_then_are_recorded_again(rng):
         assert opts[0].graph_counts == counts, step
 
 
-def test_a_recording_that_fails_runs_eagerly_and_says_why(rng):
-    # More classifier rows than the eager step before it used: recording the step would take a larger logits buffer,
-    # which a recording may not (the CPU's refuses, as a CUDA capture may). That step runs eagerly, the reason is
-    # kept, and the next step of the shape is recorded; the weights stay the eager twin's throughout.
-    models, opts = twins()
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_recording_that_fails_runs_eagerly_and_says_why(rng, device):
+    # More classifier rows than the eager step before it used: recording the step would free the logits buffer and
+    # take a larger one, which a recording may not (both backends refuse: a CUDA capture would break on cudaMalloc
+    # and on the synchronize before cudaFree). That step runs eagerly, the reason is kept, and the next step of the
+    # shape is recorded; the weights stay the eager twin's throughout. On the GPU the failed capture must leave
+    # nothing behind: the old buffer freed after it, no CUDA error left for the eager step's first launch check.
+    models, opts = twins(device=device)
     for m in models:
         m.classifier_rows = 8
     for step in range(4):

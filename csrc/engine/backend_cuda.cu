@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <stdexcept>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
@@ -48,6 +49,7 @@ class CudaBackend final : public Backend {
       const cuda::DeviceGuard guard(device_);
       workspace_.reset();  // freed in the order of its stream, which must still exist
       cudaStreamSynchronize(stream_);
+      for (void* p : deferred_) cudaFree(p);
       if (staging_) cudaFreeHost(staging_);
       cudaEventDestroy(staged_);
       cudaStreamDestroy(stream_);
@@ -67,17 +69,29 @@ class CudaBackend final : public Backend {
   void* stream() const override { return stream_; }
   int64_t scratch_bytes() const override { return (int64_t)workspace_->capacity(); }
 
+  // Neither may run inside a capture (cudaMalloc and the synchronize before cudaFree would break it, and leave the
+  // runtime's last error set): alloc refuses, as the CPU backend's does, and release leaves the free to capture()
+  // and breaks the recording, as the CPU backend's does.
   void* alloc(int64_t bytes) override {
     void* p = nullptr;
     const cuda::DeviceGuard guard(device_);
+    if (capturing())
+      throw std::logic_error("taking memory inside a graph capture: a graph can only replay queued work");
     FASTGPT_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
     FASTGPT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
     return p;
   }
-  void release(void* p) override {
-    const cuda::DeviceGuard guard(device_);
+  void release(void* p) override {  // no throw: Buffer's destructor calls it
+    try {
+      const cuda::DeviceGuard guard(device_);
+      if (capturing()) {
+        deferred_.push_back(p);
+        return;
+      }
+    } catch (...) {  // the device or the list failed: free at once, as before
+    }
     cudaStreamSynchronize(stream_);  // a kernel still in flight may read it
-    cudaFree(p);                     // no throw from a destructor path
+    cudaFree(p);
   }
   void zero(void* p, int64_t bytes) override {
     const cuda::DeviceGuard guard(device_);
@@ -265,6 +279,13 @@ class CudaBackend final : public Backend {
   int64_t staging_bytes_ = 0, staging_grows_ = 0;
   cudaEvent_t staged_ = nullptr;
   bool staged_pending_ = false;
+  std::vector<void*> deferred_;  // released inside a capture: freed by capture() once it has ended
+
+  bool capturing() const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    FASTGPT_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
 };
 
 #undef FASTGPT_TYPED
@@ -302,23 +323,38 @@ class CudaGraph final : public Graph {
   bool* pending_;
 };
 
+// A recording that fails throws, and leaves no trace for the eager step that follows (TrainStep's fallback): the
+// capture ended, the memory released inside it freed, and the runtime's last error cleared (a refused call, or
+// EndCapture's "invalidated", would otherwise fail that step's first launch check).
 std::unique_ptr<Graph> CudaBackend::capture(const std::function<void()>& body) {
   const cuda::DeviceGuard guard(device_);
-  // Thread-local mode: only this thread's unsafe calls (a synchronize, a plain cudaMalloc) break the capture.
-  FASTGPT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  const auto free_deferred = [&] {
+    if (deferred_.empty()) return;
+    cudaStreamSynchronize(stream_);  // the kernels queued before the capture may still read them
+    for (void* p : deferred_) cudaFree(p);
+    deferred_.clear();
+  };
   try {
-    body();
+    // Thread-local mode: only this thread's unsafe calls (a synchronize, a plain cudaMalloc) break the capture.
+    FASTGPT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      body();
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);  // ends the capture; what it holds is dropped
+      throw;
+    }
+    FASTGPT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    if (!deferred_.empty())
+      throw std::logic_error("freeing memory inside a graph capture: a graph can only replay queued work");
+    FASTGPT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   } catch (...) {
-    cudaStreamEndCapture(stream_, &graph);  // ends the capture; what it holds is dropped
     if (graph) cudaGraphDestroy(graph);
+    free_deferred();
+    (void)cudaGetLastError();
     throw;
   }
-  FASTGPT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-  if (err != cudaSuccess) cudaGraphDestroy(graph);
-  FASTGPT_CUDA_CHECK(err);
   return std::make_unique<CudaGraph>(graph, exec, stream_, device_, staged_, &staged_pending_);
 }
 
