@@ -189,13 +189,17 @@ bool pick_algo(cublasLtHandle_t handle, Plan& p, uint32_t al_a, uint32_t al_b, u
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref,
                                                            autotune ? tune::kMaxCandidates : 1, results, &found);
   FASTGPT_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0 || (optional && st != CUBLAS_STATUS_SUCCESS)) return false;
+  // Any other failure is an error, whatever `found` says (checked first, so that it is not taken for "none").
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || (optional && st != CUBLAS_STATUS_SUCCESS)) return false;
   FASTGPT_CUBLAS_CHECK(st);
-  p.algo = results[0].algo;
-  p.workspace = results[0].workspaceSize;
+  // Each result says whether it can run (its state); the heuristic's first that can is the plan's.
   p.candidates.clear();
-  for (int i = 0; autotune && i < found; i++)
+  for (int i = 0; i < found; i++)
     if (results[i].state == CUBLAS_STATUS_SUCCESS) p.candidates.push_back({results[i].algo, results[i].workspaceSize});
+  if (p.candidates.empty()) return false;
+  p.algo = p.candidates[0].algo;
+  p.workspace = p.candidates[0].workspace;
+  if (!autotune) p.candidates.clear();
   return true;
 }
 
@@ -307,9 +311,16 @@ void decide(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const 
     return;
   }
   set_pointers(p.desc, bias_out ? bias_s.ptr : bias, aux_out ? aux_s.ptr : aux);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  FASTGPT_CUDA_CHECK(cudaEventCreate(&start));
-  FASTGPT_CUDA_CHECK(cudaEventCreate(&stop));
+  struct Events {  // destroyed on every path, a throw from a timing's check included
+    cudaEvent_t start = nullptr, stop = nullptr;
+    ~Events() {
+      if (start) cudaEventDestroy(start);
+      if (stop) cudaEventDestroy(stop);
+    }
+  } ev;
+  FASTGPT_CUDA_CHECK(cudaEventCreate(&ev.start));
+  FASTGPT_CUDA_CHECK(cudaEventCreate(&ev.stop));
+  const cudaEvent_t start = ev.start, stop = ev.stop;
   const auto time = [&](int c, int reps) -> double {
     FASTGPT_CUDA_CHECK(cudaEventRecord(start, stream));
     for (int r = 0; r < reps; r++)
@@ -324,8 +335,6 @@ void decide(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const 
   };
   const tune::Choice ch = tune::choose((int)cands.size(), time);
   FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream));  // a candidate that failed part-way left products queued
-  FASTGPT_CUDA_CHECK(cudaEventDestroy(start));
-  FASTGPT_CUDA_CHECK(cudaEventDestroy(stop));
   for (TuneBuffer* b : {&d, &ws, &bias_s, &aux_s}) b->release();
   p.algo = cands[ch.chosen].algo;
   p.workspace = cands[ch.chosen].workspace;

@@ -280,8 +280,9 @@ def matmul_autotune(enabled=None):
     operands, outputs to scratch, and keeps the fastest; the heuristic's own stays unless another is more than 2%
     faster. Like torch.backends.cudnn.benchmark: a few milliseconds once per problem, and the choice rests on timings,
     so results can differ in rounding from untuned runs and between processes; within a process each problem keeps
-    its algorithm (a CUDA graph recorded before its first eager run keeps the heuristic's). Process-wide; problems met
-    before a change keep theirs. None leaves it. -> the previous setting. Needs a build with CUDA."""
+    its algorithm under each setting (a CUDA graph recorded before its first eager run keeps the heuristic's).
+    Process-wide, and part of each plan's key: turned on, each problem is timed at its next run; turned off, it
+    takes the heuristic's plan again. None leaves it. -> the previous setting. Needs a build with CUDA."""
     return _cuda_switch("matmul_autotune", enabled)
 
 
