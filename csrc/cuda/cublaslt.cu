@@ -345,14 +345,18 @@ void decide(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const 
 
 // Runs a cached plan under g_mutex: this call's bias and aux pointers on its descriptor (set_pointers), a workspace
 // from the stream's pool, then the product.
-// With autotune, its first run times its candidates first (decide).
-void run_plan(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const void* B, float beta, void* C,
-              const void* bias, const void* aux, cudaStream_t stream) {
+// With autotune, its first run times its candidates first (decide). `optional`: cuBLASLt's run-time refusal
+// (NOT_SUPPORTED: the heuristic's success "doesn't fully guarantee algo will run", cublasLt.h) is returned, with
+// nothing queued, instead of thrown.
+cublasStatus_t run_plan(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const void* B, float beta,
+                        void* C, const void* bias, const void* aux, cudaStream_t stream, bool optional = false) {
   if (!p.candidates.empty()) decide(handle, p, alpha, A, B, beta, C, bias, aux, stream);
   set_pointers(p.desc, bias, aux);
   Scratch workspace((p.workspace + sizeof(float) - 1) / sizeof(float), stream);
-  FASTGPT_CUBLAS_CHECK(cublasLtMatmul(handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
-                                      workspace.ptr, p.workspace, stream));
+  const cublasStatus_t st = cublasLtMatmul(handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                                           workspace.ptr, p.workspace, stream);
+  if (!(optional && st == CUBLAS_STATUS_NOT_SUPPORTED)) FASTGPT_CUBLAS_CHECK(st);
+  return st;
 }
 
 // The epilogue by hand: C(M,N) (row-major, row stride ldc, batch stride sc) = acc + beta * C + bias[col], in float
@@ -435,7 +439,10 @@ bool optional_epilogue(cublasLtEpilogue_t epi, bool trans_a, bool trans_b, int64
   }
   Plan& p = it->second;
   if (!p.use_epilogue) return false;
-  run_plan(dev.handle, p, alpha, A, B, beta, C, bias, aux, stream);
+  if (run_plan(dev.handle, p, alpha, A, B, beta, C, bias, aux, stream, true) != CUBLAS_STATUS_SUCCESS) {
+    p.use_epilogue = false;  // refused at run time: remembered, as a refusal at plan time is
+    return false;
+  }
   return true;
 }
 
