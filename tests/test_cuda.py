@@ -136,3 +136,29 @@ def test_ops_and_models_leave_the_callers_device_current():
     model.backward()
     fastgpt.AdamW(model).step()
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.skipif(not fastgpt.cuda_available() or _C.cuda_device_count() < 2, reason="needs two GPUs")
+def test_work_on_another_gpu_makes_no_context_on_gpu_0():
+    # A data-parallel rank r > 0 works on cuda:r and never uses GPU 0; on a thread that chose no device,
+    # cudaGetDevice says 0, and restoring that (cudaSetDevice initialises its primary context) would put every rank's
+    # context, hundreds of MB each, on GPU 0. A fresh process (no context yet) trains a step on cuda:1 and asks the
+    # driver whether GPU 0 has a primary context.
+    import subprocess
+    import sys
+    code = """
+import ctypes
+import numpy as np
+import fastgpt
+model = fastgpt.GPT(fastgpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32), device="cuda:1")
+tok = np.random.default_rng(0).integers(0, 64, (2, 17))
+fastgpt.AdamW(model).train_step(tok[:, :-1], tok[:, 1:], max_norm=1.0).loss
+cuda = ctypes.CDLL("libcuda.so.1")
+dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+print("active", active.value)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["active", "0"], out.stdout

@@ -88,9 +88,11 @@ class CudaBackend final : public Backend {
         deferred_.push_back(p);
         return;
       }
-    } catch (...) {  // the device or the list failed: free at once, as before
+      cudaStreamSynchronize(stream_);  // a kernel still in flight may read it
+      cudaFree(p);
+      return;
+    } catch (...) {  // the device, the capture query or the list failed
     }
-    cudaStreamSynchronize(stream_);  // a kernel still in flight may read it
     cudaFree(p);
   }
   void zero(void* p, int64_t bytes) override {

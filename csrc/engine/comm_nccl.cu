@@ -87,6 +87,9 @@ class NcclComm final : public Comm {
       double* d = scratch(n);
       FASTGPT_CUDA_CHECK(cudaMemcpyAsync(d, x, n * sizeof(double), cudaMemcpyHostToDevice, model_));
       FASTGPT_NCCL_CHECK(ncclAllReduce(d, d, n, ncclFloat64, ncclSum, comm_, model_));
+      // Waited for before the copy back: a copy into pageable memory (x) returns only once it is done, so queued
+      // behind the collective it would block there, where wait() cannot see a dead peer's error.
+      wait(model_);
       FASTGPT_CUDA_CHECK(cudaMemcpyAsync(x, d, n * sizeof(double), cudaMemcpyDeviceToHost, model_));
       wait(model_);
     });
@@ -111,10 +114,16 @@ class NcclComm final : public Comm {
       // The side stream starts after the gradients queued so far on the model's stream exist.
       FASTGPT_CUDA_CHECK(cudaEventRecord(ready_, model_));
       FASTGPT_CUDA_CHECK(cudaStreamWaitEvent(side_, ready_, 0));
-      // One group: NCCL fuses the slices into as few kernel launches as it can.
+      // One group: NCCL fuses the slices into as few kernel launches as it can. A failure inside it still ends
+      // the group, so that the thread's next NCCL call is not queued into a group that never launches.
       FASTGPT_NCCL_CHECK(ncclGroupStart());
-      for (const auto& s : slices)
-        FASTGPT_NCCL_CHECK(ncclAllReduce(s.first, s.first, s.second, ncclFloat, ncclAvg, comm_, side_));
+      try {
+        for (const auto& s : slices)
+          FASTGPT_NCCL_CHECK(ncclAllReduce(s.first, s.first, s.second, ncclFloat, ncclAvg, comm_, side_));
+      } catch (...) {
+        (void)ncclGroupEnd();
+        throw;
+      }
       FASTGPT_NCCL_CHECK(ncclGroupEnd());
     });
   }
@@ -154,6 +163,8 @@ class NcclComm final : public Comm {
       scratch_n_ = 0;
       FASTGPT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&scratch_), n * sizeof(double)));
       scratch_n_ = n;
+      // barrier() sums whatever it holds: defined values (initcheck), not the allocation's
+      FASTGPT_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, n * sizeof(double), model_));
     }
     return scratch_;
   }
@@ -192,7 +203,7 @@ class NcclComm final : public Comm {
     if (done_) cudaEventDestroy(done_);
     if (ready_) cudaEventDestroy(ready_);
     if (side_) cudaStreamDestroy(side_);
-    if (prev >= 0) cudaSetDevice(prev);
+    cuda::restore_device(prev, device_);
   }
 
   int rank_, world_, device_;
