@@ -35,6 +35,7 @@ bool built_with_cuda() { return false; }
 int device_count() { return 0; }
 std::string device_name(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 bool smoke_test(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
+void set_device(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 DeviceGuard::DeviceGuard(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 DeviceGuard::~DeviceGuard() = default;
 }  // namespace fastgpt::cuda
@@ -821,6 +822,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda::device_count);
   m.def("cuda_device_name", &cuda::device_name);
   m.def("cuda_smoke_test", &cuda::smoke_test);
+  m.def("cuda_set_device", &cuda::set_device, py::arg("device"));
 #ifdef FASTGPT_CUDA_ARCHS
   m.attr("cuda_architectures") = FASTGPT_CUDA_ARCHS;  // e.g. "75-real 80-real 90": what the build compiled for
 #else

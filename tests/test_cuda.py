@@ -138,19 +138,37 @@ def test_ops_and_models_leave_the_callers_device_current():
     assert torch.cuda.current_device() == 0
 
 
-@pytest.mark.skipif(not fastgpt.cuda_available() or _C.cuda_device_count() < 2, reason="needs two GPUs")
-def test_work_on_another_gpu_makes_no_context_on_gpu_0():
-    # A data-parallel rank r > 0 works on cuda:r and never uses GPU 0; on a thread that chose no device,
-    # cudaGetDevice says 0, and restoring that (cudaSetDevice initialises its primary context) would put every rank's
-    # context, hundreds of MB each, on GPU 0. A fresh process (no context yet) trains a step on cuda:1 and asks the
-    # driver whether GPU 0 has a primary context.
+def test_set_device_refuses_a_device_that_is_not_visible():
+    # distributed.py makes a rank's GPU current with it; a bad index is a clear error, not a CUDA one.
+    n = _C.cuda_device_count()
+    if _C.built_with_cuda:
+        for bad in (-1, n):
+            with pytest.raises(ValueError, match=rf"device {bad} is not a visible CUDA device \({n} visible\)"):
+                _C.cuda_set_device(bad)
+    else:
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            _C.cuda_set_device(0)
+
+
+@pytest.mark.skipif(not fastgpt.cuda_available() or _C.cuda_device_count() < 2 or not _C.built_with_nccl,
+                    reason="needs two GPUs and NCCL")
+def test_a_rank_on_another_gpu_makes_no_context_on_gpu_0():
+    # A data-parallel rank with LOCAL_RANK 1 works on cuda:1 and never uses GPU 0. Its GPU is made the process's
+    # current device (as torch.cuda.set_device(local_rank) in a DDP script); without that, every engine call's
+    # device guard restored cudaGetDevice's default 0, and cudaSetDevice initialises that device's primary context:
+    # a context (hundreds of MB) on GPU 0 from every rank. A fresh process, a world of one at LOCAL_RANK 1, trains a
+    # step and asks the driver whether GPU 0 has a primary context.
+    import os
+    import socket
     import subprocess
     import sys
     code = """
 import ctypes
 import numpy as np
 import fastgpt
-model = fastgpt.GPT(fastgpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32), device="cuda:1")
+model = fastgpt.GPT(fastgpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32), device="cuda",
+                    data_parallel=True)
+assert model.device == "cuda:1", model.device
 tok = np.random.default_rng(0).integers(0, 64, (2, 17))
 fastgpt.AdamW(model).train_step(tok[:, :-1], tok[:, 1:], max_norm=1.0).loss
 cuda = ctypes.CDLL("libcuda.so.1")
@@ -159,6 +177,10 @@ assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
 assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
 print("active", active.value)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["active", "0"], out.stdout

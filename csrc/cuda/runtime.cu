@@ -1,7 +1,7 @@
 // Device queries and a smoke-test kernel: the slot the CUDA engine (issue 3) and flash attention (issue 4) grow in.
 // Built only with FASTGPT_WITH_CUDA; csrc/binding.cpp supplies the CPU-only stand-ins otherwise.
-#include <cudaTypedefs.h>
-
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cuda/check.h"
@@ -33,33 +33,6 @@ std::string device_name(int device) {
   return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
 }
 
-namespace {
-// Whether `device`'s primary context exists (cuDevicePrimaryCtxGetState, through the runtime's driver entry point,
-// as tma.cu takes its encoder: the extension links no libcuda). True when the driver cannot say.
-bool primary_context_active(int device) {
-  using GetState = PFN_cuDevicePrimaryCtxGetState_v7000;
-  using Get = PFN_cuDeviceGet_v2000;
-  static const auto fns = [] {
-    void *state = nullptr, *get = nullptr;
-    cudaDriverEntryPointQueryResult q1{}, q2{};
-    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &state, 7000, cudaEnableDefault, &q1) !=
-            cudaSuccess ||
-        cudaGetDriverEntryPointByVersion("cuDeviceGet", &get, 2000, cudaEnableDefault, &q2) != cudaSuccess ||
-        q1 != cudaDriverEntryPointSuccess || q2 != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return std::pair<GetState, Get>{nullptr, nullptr};
-    }
-    return std::pair<GetState, Get>{reinterpret_cast<GetState>(state), reinterpret_cast<Get>(get)};
-  }();
-  if (!fns.first || !fns.second) return true;
-  CUdevice dev = 0;
-  unsigned flags = 0;
-  int active = 0;
-  if (fns.second(&dev, device) != CUDA_SUCCESS || fns.first(dev, &flags, &active) != CUDA_SUCCESS) return true;
-  return active != 0;
-}
-}  // namespace
-
 DeviceGuard::DeviceGuard(int device) : device_(device) {
   FASTGPT_CUDA_CHECK(cudaGetDevice(&prev_));
   if (prev_ != device_) FASTGPT_CUDA_CHECK(cudaSetDevice(device_));
@@ -68,12 +41,17 @@ DeviceGuard::DeviceGuard(int device) : device_(device) {
 DeviceGuard::~DeviceGuard() { restore_device(prev_, device_); }
 
 void restore_device(int prev, int now) {
-  // cudaGetDevice says 0 on a thread that never chose one, and cudaSetDevice initialises the device's primary
-  // context: restoring a device the caller never used would put a context (hundreds of MB) on it, on device 0 from
-  // every data-parallel rank but the first. Nothing to restore then. A failed restore (an exclusive-process GPU)
-  // must not leave its error for the next launch check.
-  if (prev < 0 || prev == now || !primary_context_active(prev)) return;
-  if (cudaSetDevice(prev) != cudaSuccess) (void)cudaGetLastError();
+  // A failed restore (an exclusive-process GPU another process holds) must not leave its error for the next launch
+  // check to report.
+  if (prev >= 0 && prev != now && cudaSetDevice(prev) != cudaSuccess) (void)cudaGetLastError();
+}
+
+void set_device(int device) {
+  const int n = device_count();
+  if (device < 0 || device >= n)
+    throw std::invalid_argument("device " + std::to_string(device) + " is not a visible CUDA device (" +
+                                std::to_string(n) + " visible)");
+  FASTGPT_CUDA_CHECK(cudaSetDevice(device));
 }
 
 bool smoke_test(int device) {

@@ -22,9 +22,12 @@ class DeviceGuard {
  private:
   int device_, prev_ = -1;
 };
-// Makes `prev` current again after `now` was, unless there is nothing to restore: the same device, none (-1), or a
-// device whose primary context does not exist (the caller never used it: cudaGetDevice's default 0). Never throws.
+// Makes `prev` current again after `now` was (nothing for the same device, or -1); never throws.
 void restore_device(int prev, int now);
+// Makes `device` the calling thread's current device for good: a data-parallel rank's own GPU (distributed.py), as
+// torch.cuda.set_device(local_rank) in a DDP script. Guards then never switch, and never restore the default device
+// 0, whose primary context cudaSetDevice would create: a context (hundreds of MB) on GPU 0 from every rank.
+void set_device(int device);
 // Why `precision` cannot train on a GPU of compute capability major.minor, or "" if it can. bf16 and TF32 need the
 // tensor cores of sm_80 (Ampere) and newer; fp16 and fp32 run from sm_75 (T4), the oldest this build targets.
 // Plain logic, so the CPU tests can check the messages a T4 user would see.

@@ -316,6 +316,10 @@ def _comm_for(device):
             raise RuntimeError("data parallel on CUDA needs NCCL, and this fastgpt was built without it: install "
                                "NCCL (pip install nvidia-nccl-cu13) and reinstall fastgpt")
         index = int(device.split(":")[1])
+        # This rank's GPU becomes the process's current device, as torch.cuda.set_device(local_rank) in a DDP
+        # script: otherwise each engine call's device guard would restore cudaGetDevice's default 0, making a CUDA
+        # context on GPU 0 from every rank.
+        _C.cuda_set_device(index)
         info = pickle.dumps((socket.gethostname(), index))
         uid = _C.nccl_unique_id() if g.rank == 0 else b""
         uid = _exchange(uid, info) if g.world_size > 1 else uid
