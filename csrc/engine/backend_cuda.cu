@@ -77,7 +77,18 @@ class CudaBackend final : public Backend {
     const cuda::DeviceGuard guard(device_);
     if (capturing())
       throw std::logic_error("taking memory inside a graph capture: a graph can only replay queued work");
-    FASTGPT_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+    cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
+    if (err == cudaErrorMemoryAllocation) {
+      // The stream-ordered pool keeps what the kernels' scratch freed (release threshold "never", scratch.h): give
+      // it back to the device once the stream is done with it, and try again.
+      (void)cudaGetLastError();
+      cudaMemPool_t pool = nullptr;
+      FASTGPT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      FASTGPT_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+      FASTGPT_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+      err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
+    }
+    FASTGPT_CUDA_CHECK(err);
     FASTGPT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
     return p;
   }
