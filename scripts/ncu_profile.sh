@@ -6,10 +6,13 @@
 # scripts/ncu_summary.py's tables into OUT/ncu.log, the rest into OUT/ncu.tgz and OUT/ncu_sass.tgz. The reports
 # themselves are dropped: the sessions that tune the kernels have no ncu to open them, and they are large. Prints
 # one line for gpu_check's table: ok, or what failed.
-# Usage: bash scripts/ncu_profile.sh OUT   (NCU=path overrides `ncu`; tests/test_ncu_summary.py passes a fake one)
+# Usage: bash scripts/ncu_profile.sh OUT   (NCU=path overrides `ncu`; tests/test_ncu_summary.py passes a fake one;
+# NCU_BUDGET=s cuts every step's timeout to what is left of that many seconds: gpu_check passes what its call has)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: ncu_profile.sh OUT}
+t0=$SECONDS budget=${NCU_BUDGET:-100000}
+tmo() { local left=$((budget - (SECONDS - t0))); [ $left -lt $1 ] && echo $((left > 1 ? left : 1)) || echo $1; }
 ncu=${NCU:-ncu}
 dir="$out/ncu"
 mkdir -p "$dir"
@@ -17,7 +20,7 @@ mkdir -p "$dir"
 # --profile-from-start off: only the calls ncu_targets.py brackets with cudaProfilerStart/Stop (not warm-ups).
 args=(--profile-from-start off --nvtx --clock-control none --import-source no -f)
 status=ok skip=
-timeout 240 "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash \
+timeout $(tmo 240) "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash \
   > "$dir/flash.log" 2>&1 || status="FAIL flash (rc $?)"
 # The Hopper kernels in a report of their own (a trap or hang there cannot cost the one above), and not at all when
 # flash_diagnose, earlier in the same call, saw one of them crash or time out.
@@ -25,13 +28,13 @@ if [ -f "$out/diagnose.log" ] && grep -Eq "^== .*sm90.*: (CRASHED|TIMEOUT)" "$ou
   status="$status; sm90 not profiled (diagnose: a crash or timeout)"
   skip=sm90
 else
-  timeout 150 "$ncu" "${args[@]}" --set full -o "$dir/sm90" python3 scripts/ncu_targets.py sm90 \
+  timeout $(tmo 150) "$ncu" "${args[@]}" --set full -o "$dir/sm90" python3 scripts/ncu_targets.py sm90 \
     > "$dir/sm90.log" 2>&1 || status="$status; FAIL sm90 (rc $?)"
 fi
 # The step's ~400 kernels with the GPT-2 model's gigabytes around them: kernel replay would save and restore that
 # memory for each kernel's every pass; application replay runs the whole program once per pass instead (the same
 # seed, the same kernels).
-timeout 200 "$ncu" "${args[@]}" --replay-mode application --section SpeedOfLight --section LaunchStats \
+timeout $(tmo 200) "$ncu" "${args[@]}" --replay-mode application --section SpeedOfLight --section LaunchStats \
   --section Occupancy -o "$dir/step" python3 scripts/ncu_targets.py step > "$dir/step.log" 2>&1 ||
   status="$status; FAIL step (rc $?)"
 for r in flash sm90 step; do
@@ -44,9 +47,9 @@ for r in flash sm90 step; do
   [ $r = step ] && continue
   # Per SASS instruction (--print-source is newer than --page source: without it, the page's default view), and per
   # .cu line (the build has -lineinfo; the sources are where the build left them, in this tree).
-  timeout 120 "$ncu" -i "$rep" --page source --csv --print-source sass > "$dir/$r-sass.csv" 2>&1 ||
-    timeout 120 "$ncu" -i "$rep" --page source --csv > "$dir/$r-sass.csv" 2>&1
-  timeout 120 "$ncu" -i "$rep" --page source --csv --print-source cuda > "$dir/$r-cuda.csv" 2>&1
+  timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv --print-source sass > "$dir/$r-sass.csv" 2>&1 ||
+    timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv > "$dir/$r-sass.csv" 2>&1
+  timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv --print-source cuda > "$dir/$r-cuda.csv" 2>&1
 done
 {
   for r in flash sm90; do
