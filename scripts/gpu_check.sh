@@ -31,7 +31,7 @@ t0=$SECONDS
 # Every step's timeout is cut to what is left of the call (CALL_BUDGET s of its 600), so that one slow step (a trap
 # at its 60 s limit) cannot take the call past its limit: the table and the evidence archive come last.
 budget=${CALL_BUDGET:-570}
-tmo() { local left=$((budget - (SECONDS - t0))); [ $left -lt $1 ] && echo $((left > 1 ? left : 1)) || echo $1; }
+source scripts/budget.sh
 # The device machine's copy of the tree may carry a stale .git: the caller writes the commit into .device/COMMIT.
 commit=$(cat .device/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)
 {

@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: ncu_profile.sh OUT}
 t0=$SECONDS budget=${NCU_BUDGET:-100000}
-tmo() { local left=$((budget - (SECONDS - t0))); [ $left -lt $1 ] && echo $((left > 1 ? left : 1)) || echo $1; }
+source scripts/budget.sh
 ncu=${NCU:-ncu}
 dir="$out/ncu"
 mkdir -p "$dir"

@@ -148,6 +148,10 @@ struct Tile {
   int bh, j;
 };
 __device__ __forceinline__ Tile tile_at(int t, int n_kb) { return {t / n_kb, n_kb - 1 - t % n_kb}; }
+// Where (b, h) = bh starts in q, k, v and their gradients (strides p.is).
+__device__ __forceinline__ int64_t in_offset(const Params& p, int bh) {
+  return (int64_t)(bh / p.H) * p.is.sb + (int64_t)(bh % p.H) * p.is.sh;
+}
 
 // The CTA's n-th tile number, or -1 past its last. Plain launch: blockIdx.x, then none. Persistent: the loader's lane
 // 0 takes the next number from the counter (p.next_tile) and publishes it in slot n % kTileSlots (tile_full) once
@@ -262,7 +266,7 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
   using L = Layout<D, BR>;
   constexpr int kChunks = BR * D / 4, kDqStages = L::kDqStages;
   static_assert(!Step<BR>::kBulkSum || kDqStages == 1, "dq_sum's phases: one per key block 0 step");
-  E* dq = static_cast<E*>(p.dq) + (bh / p.H) * p.is.sb + (bh % p.H) * p.is.sh;
+  E* dq = static_cast<E*>(p.dq) + in_offset(p, bh);
   const auto write = [&](int q, int q0, float4 v) {  // float4 number q of the step's sum, scaled, rounded, to dq
     int row, col;
     dq_coords<D, BR>(q, row, col);
@@ -446,8 +450,8 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     }
     wgmma::mbar_arrive(bars.kv_empty());  // this tile's products from K, V (and K^T) have retired
 
-    const int b = x.bh / p.H, h = x.bh % p.H, kw0 = k0 + ci * 64 + warp * 16;
-    const int64_t in_off = b * p.is.sb + h * p.is.sh;
+    const int kw0 = k0 + ci * 64 + warp * 16;
+    const int64_t in_off = in_offset(p, x.bh);
     store_tile_rows(dk, kw0, g, c, p.T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
     store_tile_rows(dv, kw0, g, c, p.T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
   }
