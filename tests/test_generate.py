@@ -1,8 +1,9 @@
 """generate: deterministic for a seed, greedy decoding agrees with the model's own logits and with the PyTorch
 reference, top_k=1 is greedy, the prompt is kept, and the context is cropped to block_size. The KV cache: greedy
 decoding with it equals full recomputation token for token (past block_size too, in every precision), each decode
-step's logits equal the full forward's last row (1e-5), the prefill's equal a last-row forward's bitwise; top-k/top-p restrict the support as
-specified; stop tokens; streaming."""
+step's logits equal the full forward's last row (1e-5), the prefill's equal a last-row forward's bitwise;
+generators taking turns with each other and with optimizer steps get their own tokens; top-k/top-p restrict the
+support as specified; stop tokens; streaming."""
 import numpy as np
 import pytest
 import torch
@@ -211,6 +212,72 @@ def test_generate_iter_streams_the_tokens_of_generate(rng):
     steps = list(model.generate_iter(prompt, 10, top_k=10, seed=3))
     assert len(steps) == 10 and all(np.ndim(s) == 0 for s in steps)
     np.testing.assert_array_equal(model.generate(prompt, 10, top_k=10, seed=3), np.concatenate([prompt, steps]))
+
+
+def _context_model(seed, device="cpu"):
+    # Weights of std 0.5 instead of GPT-2's 0.02: sharp attention, so that the next token depends on the whole
+    # context (at the initial scale it is nearly a function of the last token alone, and a wrong cache goes unseen).
+    model, wrng = fastgpt.GPT(SMALL, device=device, seed=seed), np.random.default_rng(seed)
+    model.load_state_dict({k: (wrng.standard_normal(v.shape) * 0.5).astype(np.float32) if v.ndim == 2 else v
+                           for k, v in model.state_dict().items() if k != "lm_head.weight"})
+    return model
+
+
+def test_interleaved_generators_each_get_their_own_tokens(rng):
+    # The engine has one KV cache: a generator whose cache another one took (or freed when it ended) starts over
+    # from its tokens instead of continuing someone else's keys and values.
+    model = _context_model(int(rng.integers(1 << 31)))
+    pa, pb = rng.integers(0, SMALL.vocab_size, (2, 5)), rng.integers(0, SMALL.vocab_size, (2, 5))
+    alone_a = model.generate(pa, 9, temperature=0.0)[:, 5:]
+    alone_b = model.generate(pb, 9, temperature=0.0)[:, 5:]
+    for b_cached in (True, False):
+        ga = model.generate_iter(pa, 9, temperature=0.0)
+        gb = model.generate_iter(pb, 4, temperature=0.0, use_cache=b_cached)  # ends (and frees) first
+        got_a, got_b = [], []
+        for step in range(9):
+            got_a.append(next(ga))
+            if step < 4:
+                got_b.append(next(gb))
+        assert next(gb, None) is None and next(ga, None) is None
+        np.testing.assert_array_equal(np.stack(got_a, 1), alone_a)
+        np.testing.assert_array_equal(np.stack(got_b, 1), alone_b[:, :4])
+        assert model.memory()["kv_cache"] == 0  # the last one to hold it freed it
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("device", _devices())
+def test_a_generator_sees_each_optimizer_step(rng, graph, device):
+    # Steps between a generator's tokens change the weights: the cached keys and values are then stale, and the
+    # tokens after a step are those of full recomputation with the new weights.
+    seed, prompt = int(rng.integers(1 << 31)), rng.integers(0, SMALL.vocab_size, (2, 4))
+    x, y = rng.integers(0, SMALL.vocab_size, (2, 2, 16)), rng.integers(0, SMALL.vocab_size, (2, 2, 16))
+    runs = []
+    for use_cache in (True, False):
+        model = _context_model(seed, device)
+        opt = fastgpt.AdamW(model, lr=3e-2, weight_decay=0.0)
+        model.forward(x[0])  # sizes the buffers for what generation will need, so that steps can be recorded
+        tokens = []
+        for t in model.generate_iter(prompt, 6, temperature=0.0, use_cache=use_cache):
+            tokens.append(t)
+            opt.train_step(x, y, graph=graph)
+        runs.append(np.stack(tokens, 1))
+        assert opt.graph_counts[1] >= (3 if graph else 0)  # the replayed steps end the cache too
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+def test_a_weight_change_ends_the_cache(rng):
+    model = fastgpt.GPT(SMALL, seed=0)
+    engine = model._engine
+    x = rng.integers(0, SMALL.vocab_size, (2, 4)).astype(np.int32)
+    opt = fastgpt.AdamW(model)
+    for change in (lambda: model.load_state_dict(model.state_dict()),
+                   lambda: (model.forward_backward(x, x), opt.step())):
+        engine.decode(x, 0)
+        assert engine.cache_length == 4
+        change()
+        assert engine.cache_length == 0
+        with pytest.raises(ValueError, match="does not continue the cache, which holds 0 positions"):
+            engine.decode(x[:, :1].copy(), 4)
 
 
 def test_bad_sampling_arguments():

@@ -88,6 +88,7 @@ bool AdamW::unscale() {
 }
 
 void AdamW::update() {
+  model_.weights_changed();  // also when the device skips the update (fp16 overflow): the host cannot tell
   const DType st = model_.storage();
   void* lowp = st == DType::f32 ? nullptr : model_.compute_params();
   const RoundKey key{st == DType::bf16, model_.seed(), 0, 0};  // the step comes from the scalars

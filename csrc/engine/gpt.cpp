@@ -184,10 +184,12 @@ void GPT::set_zero_stage(int stage) {
 }
 
 void GPT::refresh_compute_params() {
+  weights_changed();
   if (storage_ != DType::f32) be_->narrow(cparams_.data(), storage_, params_.data(), params_.size(), RoundKey{});
 }
 
 void GPT::load_compute_params(const float* host) {
+  weights_changed();
   if (storage_ == DType::f32) return;
   Buffer<float> staged(be_.get(), n_params_);
   be_->upload(staged.data(), host, n_params_ * (int64_t)sizeof(float));
@@ -418,6 +420,7 @@ void GPT::steps_replayed(const int32_t* ids, const int32_t* tgts, int A, int B, 
   grads_unscaled_ = found_inf_ = stepped_ = false;
   grads_synced_ = overlap_ = false;
   grads_dirty_ = true;
+  weights_changed();  // the replayed update
 }
 
 void GPT::run_forward_backward(float grad_scale, bool sync) {

@@ -74,6 +74,8 @@ class GPT {
   // The weights the kernels read: the masters themselves in fp32/tf32, else their 16-bit copy (storage()).
   void* compute_params() { return storage_ == DType::f32 ? (void*)params_.data() : (void*)cparams_.data(); }
   // Rewrites the compute weights from the masters, rounded to nearest: after the masters were set from outside.
+  // Like every change of the weights (load_compute_params, the optimizer's update, a replayed step), it ends the KV
+  // cache's continuation (weights_changed()).
   void refresh_compute_params();
   // Sets the compute weights to values given widened to float32 (host, num_parameters()): exact, since each is a
   // value of the storage type. Resuming a bf16 run needs the stochastically rounded weights themselves, which
@@ -136,11 +138,16 @@ class GPT {
   // and values cached for positions [0, pos), caches theirs, and leaves the logits of each row's last new position
   // in logits() ((B, 1, V), as after a last_only forward). pos 0 starts over (the prefill of a prompt: the causal
   // attention of forward(), so its logits are forward()'s); pos > 0 must equal cache_length() and B the cached
-  // batch. pos + T <= block_size. The cache holds what the weights computed at the time: changing the weights
-  // makes it stale (start over at pos 0). It invalidates a pending backward, as a forward without targets does.
+  // batch. pos + T <= block_size. The cache holds what the weights computed at the time: a change of the weights
+  // ends it (weights_changed(); start over at pos 0). It invalidates a pending backward, as a forward without
+  // targets does.
   void decode(const int32_t* idx, int B, int T, int pos);
   int cache_length() const { return cache_len_; }
   void free_cache();
+  // The cached keys and values are those of the old weights: decode() refuses to continue them (cache_length() 0;
+  // the buffers stay for the next prefill), so a generation started before an optimizer step or a load starts
+  // over at pos 0 instead of mixing two sets of weights. Called by everything that changes the weights.
+  void weights_changed() { cache_len_ = 0; }
   int64_t cache_bytes() const { return kcache_.size() + vcache_.size(); }
   // Adds d(grad_scale * mean loss)/d(params) to the gradient buffer (times the loss scale in fp16, until unscaled).
   // Data parallel: sync=true (the last micro-step of an accumulation) reduces the gradients over ranks, overlapped

@@ -105,6 +105,7 @@ class GPT:
         self.data_parallel = bool(data_parallel)
         self.require_backward_grad_sync = True
         self._layout = [(name, tuple(shape), offset) for name, shape, offset in self._engine.named_views()]
+        self._cache_owner = None  # the generator whose keys and values the engine's KV cache holds
         self._on_cpu = device == "cpu"
         if self._on_cpu:  # zero-copy views of the engine's buffers, made once
             self._params = self._views(self._engine.params)
@@ -333,7 +334,11 @@ class GPT:
     def generate_iter(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=None, stop_token=None,
                       use_cache=True):
         """generate(), one step at a time: yields the next token of every row, int64 (B,) ((), for a 1-D prompt),
-        as soon as it is sampled (for streaming text out). Arguments as generate()."""
+        as soon as it is sampled (for streaming text out). Arguments as generate(). Generators may take turns with
+        each other and with training: one whose KV cache another took or freed, or that a change of the weights (an
+        optimizer step, a load) made stale, starts over from its tokens, so each gets generate()'s tokens for the
+        weights of the moment. An in-place write into state_dict()'s CPU views is not seen: call
+        load_state_dict."""
         ids, squeeze = self._prompt(idx)
         max_new_tokens = check_int(max_new_tokens, "max_new_tokens", low=0)
         pick = _Sampler(self.config.vocab_size, temperature, top_k, top_p, seed)
@@ -350,19 +355,26 @@ class GPT:
         return ids.astype(np.int64), squeeze
 
     def _generate_steps(self, ids, max_new_tokens, pick, stop_token, use_cache, squeeze):
+        # The engine has one KV cache. This generator continues it only while it holds it (_cache_owner) and the
+        # cache has the positions it put there: another generator may have taken or freed it between two tokens,
+        # and a change of the weights ends it (cache_length 0). Otherwise it starts over from its own tokens.
         engine, window = self._engine, self.config.block_size
         tokens = np.empty((len(ids), ids.shape[1] + max_new_tokens), np.int32)  # the engine's id type, filled as we go
         end = ids.shape[1]
         tokens[:, :end] = ids
         done = np.zeros(len(ids), bool)
+        me, cached = object(), 0  # this generator, and the positions it has in the cache
         try:
             for step in range(max_new_tokens):
-                if step > 0 and use_cache and engine.cache_length < window:  # one new position per row
-                    engine.decode(np.ascontiguousarray(tokens[:, end - 1:end]), engine.cache_length)
-                else:  # the prompt, or a window that slid (every position moved): the last block_size tokens
+                if use_cache and self._cache_owner is me and engine.cache_length == cached < window:  # one new position
+                    engine.decode(np.ascontiguousarray(tokens[:, end - 1:end]), cached)
+                    cached += 1
+                else:  # the prompt, a window that slid (every position moved), or a cache lost: the last block_size
                     cond = np.ascontiguousarray(tokens[:, max(0, end - window):end])
                     if use_cache:
+                        self._cache_owner = me
                         engine.decode(cond, 0)
+                        cached = cond.shape[1]
                     else:
                         engine.forward(cond, None, True)
                 nxt = pick(engine.logits()[:, 0, :])
@@ -375,7 +387,9 @@ class GPT:
                 if done.all():
                     break
         finally:
-            engine.free_cache()
+            if self._cache_owner is me:
+                self._cache_owner = None
+                engine.free_cache()
 
     def __repr__(self):
         dp = f", rank {self.rank} of {self.world_size}" if self.data_parallel else ""
