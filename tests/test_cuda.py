@@ -56,6 +56,21 @@ def test_cuda_op_rejects_mixed_devices():
 
 
 @needs_gpu
+def test_cuda_op_refuses_ids_out_of_range():
+    # Checked on the host (one copy back of min and max) before any kernel indexes memory with them.
+    import torch
+    from fastgpt import ops
+    logits = torch.randn(4, 9, device="cuda")
+    for bad, say in ((torch.tensor([1, 2, 9, 0]), "targets must hold ids in \\[0, 9\\), found 9"),
+                     (torch.tensor([1, -3, 2, 0]), r"targets holds ids outside \[0, 2\*\*31\) \(min -3, max 2\)")):
+        with pytest.raises(ValueError, match=say):
+            ops.cross_entropy_forward(logits, bad.cuda())
+    loss, _, _ = ops.cross_entropy_forward(logits, torch.tensor([8, 0, 3, 5], device="cuda"))
+    ref = torch.nn.functional.cross_entropy(logits.double(), torch.tensor([8, 0, 3, 5], device="cuda"))
+    assert abs(float(loss) - ref.item()) < 1e-5 * abs(ref.item())
+
+
+@needs_gpu
 def test_cuda_ops_wait_for_work_queued_on_the_callers_stream():
     # The input is written on a non-blocking stream behind ~20 ms of spinning: an op enqueued anywhere but that
     # stream would read it before it is written, and give a wrong answer.

@@ -101,7 +101,11 @@ class _Device:
         if "int" not in str(x.dtype) or "uint8" in str(x.dtype):
             raise TypeError(f"{name} must be an integer array of token ids, got dtype {x.dtype}")
         if x.numel() if self.module == "torch" else x.size:
-            lo, hi = int(x.min()), int(x.max())  # one device sync: the kernels index memory with these ids
+            # One device sync (both ends in one copy back): the kernels index memory with these ids.
+            if self.module == "torch":
+                lo, hi = self.torch.stack(self.torch.aminmax(x)).tolist()
+            else:
+                lo, hi = self.cupy.stack([x.min(), x.max()]).get().tolist()
             if lo < 0 or hi >= 2**31:
                 raise ValueError(f"{name} holds ids outside [0, 2**31) (min {lo}, max {hi})")
             self.id_max = max(getattr(self, "id_max", -1), hi)
