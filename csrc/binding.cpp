@@ -298,11 +298,22 @@ Ctx context(std::initializer_list<const View*> views, uintptr_t stream) {
     __VA_ARGS__;                       \
   })
 
-// Rows of an array whose last dimension is `cols` (leading dimensions flattened).
+// Rows of an array whose last dimension is `cols` >= 1 (leading dimensions flattened).
 int64_t rows_of(const View& a, int64_t cols, const std::string& name) {
   need(a.ndim() >= 1 && a.shape.back() == cols,
        name + " must have last dimension " + std::to_string(cols) + ", got shape " + shape_str(a.shape));
+  need(cols >= 1, name + " must have a last dimension >= 1, got shape " + shape_str(a.shape));
   return a.size() / cols;
+}
+
+// targets for logits (..., V): one id per row, shaped as logits without V (or flat: (N,)), so that ids of another
+// layout ((T, B) for (B, T, V)) are refused, not read in the wrong order.
+void check_targets(const View& targets, const View& logits) {
+  const std::vector<int64_t> rows(logits.shape.begin(), logits.shape.end() - 1);
+  const int64_t n = logits.size() / logits.shape.back();
+  need(targets.shape == rows || (targets.ndim() == 1 && targets.shape[0] == n),
+       "targets must have shape " + shape_str(rows) + " (logits' without V) or (" + std::to_string(n) + ",), got " +
+           shape_str(targets.shape));
 }
 
 void same_shape(const View& a, const View& b, const std::string& na, const std::string& nb) {
@@ -321,7 +332,8 @@ struct MatmulDims {
   int C, OC;
 };
 MatmulDims matmul_dims(const View& x, const View& w, const View* bias) {
-  need(w.ndim() == 2, "weight must be 2-D (out_features, in_features), got " + shape_str(w.shape));
+  need(w.ndim() == 2 && w.shape[0] >= 1 && w.shape[1] >= 1,
+       "weight must be 2-D (out_features, in_features), both >= 1, got " + shape_str(w.shape));
   const MatmulDims d{rows_of(x, w.shape[1], "x"), (int)w.shape[1], (int)w.shape[0]};
   if (bias) shape_is(*bias, {d.OC}, "bias");
   return d;
@@ -330,7 +342,9 @@ MatmulDims matmul_dims(const View& x, const View& w, const View* bias) {
 // dbias (OC) when given.
 void check_matmul_grads(const MatmulDims& d, const View& dout, const View& dinp, const char* dinp_name, const View& x,
                         const View& dw, const View& w, const View* db) {
-  need(rows_of(dout, d.OC, "dout") == d.N, "dout must have as many rows as x");
+  std::vector<int64_t> out_shape = x.shape;  // x's, with out_features last: rows in x's order
+  out_shape.back() = d.OC;
+  shape_is(dout, out_shape, "dout");
   same_shape(dinp, x, dinp_name, "x");
   same_shape(dw, w, "dweight", "weight");
   if (db) shape_is(*db, {d.OC}, "dbias");
@@ -556,14 +570,16 @@ void bind_ops(py::module_& m) {
   auto decode_dims = [](const View& kc, const View& vc, const View& qkv, int pos) {
     need(kc.ndim() == 4, "k_cache must be 4-D (B, n_head, Tmax, hs), got shape " + shape_str(kc.shape));
     same_shape(kc, vc, "k_cache", "v_cache");
+    need(kc.size() > 0, "k_cache must be non-empty (B, n_head, Tmax, hs), got shape " + shape_str(kc.shape));
     const int B = kc.shape[0], NH = kc.shape[1], Tmax = kc.shape[2], hs = kc.shape[3];
     need(qkv.ndim() == 3 && qkv.shape[0] == B && qkv.shape[2] == 3 * (int64_t)NH * hs,
          "qkv must be (B, T, 3C) with B=" + std::to_string(B) + " and C = n_head * hs = " + std::to_string(NH * hs) +
              " (from the caches), got shape " + shape_str(qkv.shape));
     const int T = qkv.shape[1];
-    need(T >= 1 && pos >= 0 && pos + T <= Tmax, "positions [pos, pos + T) = [" + std::to_string(pos) + ", " +
-                                                    std::to_string(pos + T) + ") must lie in the cache's [0, " +
-                                                    std::to_string(Tmax) + ")");
+    const int64_t end = (int64_t)pos + T;  // no int overflow for pos near 2**31
+    need(T >= 1 && pos >= 0 && end <= Tmax, "positions [pos, pos + T) = [" + std::to_string(pos) + ", " +
+                                                std::to_string(end) + ") must lie in the cache's [0, " +
+                                                std::to_string(Tmax) + ")");
     return std::make_tuple(B, T, Tmax, NH * hs, NH);
   };
   m.def("attention_decode_append", [decode_dims](H kc_, H vc_, H qkv_, int pos, uintptr_t stream) {
@@ -733,8 +749,7 @@ void bind_ops(py::module_& m) {
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
-    need(targets.size() == N, "targets must hold one id per row of logits (" + std::to_string(N) + "), got " +
-                                  shape_str(targets.shape));
+    check_targets(targets, logits);
     need(losses.size() == N && lse.size() == N, "losses and lse must hold one value per row");
     check_ids(targets, V, "targets");
     Ctx c = context({&losses, &lse, &logits, &targets}, stream);
@@ -748,7 +763,8 @@ void bind_ops(py::module_& m) {
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
-    need(targets.size() == N && lse.size() == N, "targets and lse must hold one value per row of logits");
+    check_targets(targets, logits);
+    need(lse.size() == N, "lse must hold one value per row of logits");
     same_shape(dlogits, logits, "dlogits", "logits");
     check_ids(targets, V, "targets");
     Ctx c = context({&dlogits, &logits, &targets, &lse}, stream);
@@ -764,7 +780,8 @@ void bind_ops(py::module_& m) {
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
-    need(targets.size() == N && losses.size() == N, "targets and losses must hold one value per row of logits");
+    check_targets(targets, logits);
+    need(losses.size() == N, "losses must hold one value per row of logits");
     same_shape(dlogits, logits, "dlogits", "logits");
     check_ids(targets, V, "targets");
     Ctx c = context({&losses, &dlogits, &logits, &targets}, stream);

@@ -85,6 +85,21 @@ def test_backward_twice_after_one_forward():
         m.backward()
 
 
+def test_backward_after_the_weights_changed():
+    # The forward's activations are of the old weights: the gradients would be neither weights' (PyTorch refuses
+    # a backward after an in-place change of a weight it saved, too).
+    m = fastgpt.GPT(CONFIG, seed=0)
+    opt = fastgpt.AdamW(m)
+    x, y = ids(2, 8), ids(2, 8)
+    for change in (lambda: m.load_state_dict(m.state_dict()), lambda: opt.step()):
+        m.forward(x, y)
+        change()
+        with pytest.raises(RuntimeError, match="weights changed since its forward"):
+            m.backward()
+    m.forward(x, y)  # a new forward is fine
+    m.backward()
+
+
 def test_state_dict_missing_key(model):
     sd = dict(model.state_dict())
     del sd["transformer.h.0.mlp.c_fc.bias"]
@@ -166,6 +181,20 @@ def test_adamw_bad_betas(model):
         fastgpt.AdamW(model, betas=(0.9,))
 
 
+def test_adamw_hyper_parameters_are_fixed_but_lr(model):
+    opt = fastgpt.AdamW(model, weight_decay=0.1)
+    for name, value in (("weight_decay", 0.0), ("betas", (0.5, 0.5)), ("eps", 1e-6), ("zero_stage", 1)):
+        with pytest.raises(AttributeError, match=f"AdamW.{name} is fixed when the optimizer is made"):
+            setattr(opt, name, value)
+    assert opt.weight_decay == 0.1 and opt.state_dict()["weight_decay"] == 0.1
+    opt.lr = 1e-3
+    assert opt.lr == 1e-3
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="lr must be"):
+            opt.lr = bad
+    assert opt.lr == 1e-3
+
+
 def test_adamw_wrong_model():
     with pytest.raises(TypeError, match="fastgpt.GPT"):
         fastgpt.AdamW(object())
@@ -209,6 +238,50 @@ def test_op_attention_heads_do_not_divide():
 def test_op_cross_entropy_target_out_of_range():
     with pytest.raises(ValueError, match="targets must hold ids in"):
         ops.cross_entropy_forward(np.ones((2, 5), np.float32), np.array([1, 5]))
+
+
+def test_op_cross_entropy_targets_of_another_layout():
+    # (T, B) targets for (B, T, V) logits hold the right number of ids in the wrong order: refused; (B, T) and the
+    # flat (B*T,) are taken.
+    logits = np.random.default_rng().standard_normal((2, 3, 5)).astype(np.float32)
+    for call in (lambda t: ops.cross_entropy_forward(logits, t),
+                 lambda t: ops.cross_entropy_forward_backward(logits, t),
+                 lambda t: ops.cross_entropy_backward(logits, t, np.zeros(6, np.float32) + 1.0)):
+        with pytest.raises(ValueError, match=r"targets must have shape \(2, 3\) \(logits' without V\) or \(6,\), "
+                                             r"got \(3, 2\)"):
+            call(ids(3, 2, high=5))
+        call(ids(2, 3, high=5))
+        call(ids(6, high=5))
+
+
+def test_op_matmul_backward_dout_of_another_layout():
+    rng = np.random.default_rng()
+    x, w = rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((6, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"dout must have shape \(2, 3, 6\), got \(3, 2, 6\)"):
+        ops.matmul_backward(rng.standard_normal((3, 2, 6)).astype(np.float32), x, w)
+
+
+def test_op_zero_sized_features():
+    # A zero-width dimension is refused with its name (it was a division by zero that killed the process).
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(ValueError, match="weight must be 2-D \\(out_features, in_features\\), both >= 1"):
+        ops.matmul_forward(np.ones((2, 0), np.float32), np.ones((3, 0), np.float32))
+    with pytest.raises(ValueError, match="both >= 1"):
+        ops.matmul_forward(x, np.ones((0, 4), np.float32))
+    with pytest.raises(ValueError, match="x must have a last dimension >= 1"):
+        ops.layernorm_forward(np.ones((2, 0), np.float32), np.ones(0, np.float32), np.ones(0, np.float32))
+
+
+def test_op_attention_decode_position_past_int_range():
+    kc = np.zeros((1, 2, 8, 4), np.float32)
+    qkv = np.ones((1, 1, 24), np.float32)
+    for pos in (2**31 - 1, 2**31 - 8):
+        with pytest.raises(ValueError, match="must lie in the cache's \\[0, 8\\)"):
+            ops.attention_decode_append(kc, kc.copy(), qkv, pos)
+        with pytest.raises(ValueError, match="must lie in the cache's"):
+            ops.attention_decode_forward(qkv, kc, kc.copy(), pos)
+    with pytest.raises(ValueError, match="k_cache must be non-empty"):
+        ops.attention_decode_forward(qkv, np.zeros((1, 0, 8, 4), np.float32), np.zeros((1, 0, 8, 4), np.float32), 0)
 
 
 def test_op_string_input():

@@ -375,6 +375,7 @@ void GPT::run_forward(bool with_targets, bool last_only, bool keep_logits) {
   });
   last_only_ = last_only;
   have_targets_ = with_targets;
+  stale_forward_ = false;
   logits_valid_ = !chunked;
   chunked_ = chunked;
 }
@@ -416,7 +417,7 @@ void GPT::steps_replayed(const int32_t* ids, const int32_t* tgts, int A, int B, 
   T_ = T;
   ids_ = ids + (int64_t)(A - 1) * B * T;
   tgts_ = tgts + (int64_t)(A - 1) * B * T;
-  logits_valid_ = have_targets_ = chunked_ = last_only_ = false;
+  logits_valid_ = have_targets_ = chunked_ = last_only_ = stale_forward_ = false;
   grads_unscaled_ = found_inf_ = stepped_ = false;
   grads_synced_ = overlap_ = false;
   grads_dirty_ = true;
@@ -467,7 +468,7 @@ void GPT::decode(const int32_t* idx, int B, int T, int pos) {
     head_t<decltype(s)>(B, T, true, false);
   });
   last_only_ = logits_valid_ = true;
-  have_targets_ = chunked_ = false;
+  have_targets_ = chunked_ = stale_forward_ = false;
   cache_len_ = pos + T;
 }
 
@@ -612,6 +613,9 @@ void GPT::end_backward(bool sync) {
 }
 
 void GPT::backward(float grad_scale, bool sync) {
+  if (stale_forward_)
+    throw std::logic_error("backward() after the weights changed since its forward() (an optimizer step, a load): "
+                           "the forward's activations are of the old weights; run forward() again");
   if (!have_targets_)
     throw std::logic_error("backward() needs a forward() with targets first (and one backward per forward)");
   check_backward_allowed();

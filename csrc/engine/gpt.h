@@ -144,10 +144,16 @@ class GPT {
   void decode(const int32_t* idx, int B, int T, int pos);
   int cache_length() const { return cache_len_; }
   void free_cache();
-  // The cached keys and values are those of the old weights: decode() refuses to continue them (cache_length() 0;
-  // the buffers stay for the next prefill), so a generation started before an optimizer step or a load starts
-  // over at pos 0 instead of mixing two sets of weights. Called by everything that changes the weights.
-  void weights_changed() { cache_len_ = 0; }
+  // What the old weights computed is no longer used with the new ones: decode() refuses to continue the cached
+  // keys and values (cache_length() 0; the buffers stay for the next prefill), so a generation started before an
+  // optimizer step or a load starts over at pos 0; and a forward's pending backward is refused (its activations
+  // and the classifier's lse are the old weights': PyTorch refuses it too). Called by everything that changes the
+  // weights.
+  void weights_changed() {
+    cache_len_ = 0;
+    stale_forward_ = stale_forward_ || have_targets_;
+    have_targets_ = false;
+  }
   int64_t cache_bytes() const { return kcache_.size() + vcache_.size(); }
   // Adds d(grad_scale * mean loss)/d(params) to the gradient buffer (times the loss scale in fp16, until unscaled).
   // Data parallel: sync=true (the last micro-step of an accumulation) reduces the gradients over ranks, overlapped
@@ -283,6 +289,7 @@ class GPT {
   int64_t act_bt_ = 0;
   int B_ = 0, T_ = 0;
   bool have_targets_ = false, last_only_ = false, logits_valid_ = false;
+  bool stale_forward_ = false;  // the pending backward was dropped by a change of the weights (weights_changed)
   bool chunked_ = false;  // the last forward kept no logits: backward recomputes them chunk by chunk
   bool fused_ = true;
   int recompute_ = 0;

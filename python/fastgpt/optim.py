@@ -47,6 +47,14 @@ class StepStats:
         return f"StepStats(loss={loss:.6g}, norm={norm:.6g}, applied={applied}, step_count={steps})"
 
 
+def _fixed(name):
+    """A read-only attribute whose write says why it is refused."""
+    def refuse(self, value):
+        raise AttributeError(f"AdamW.{name} is fixed when the optimizer is made (the engine holds it): make a new "
+                             f"AdamW with {name}={value!r}")
+    return property(lambda self: getattr(self, "_" + name), refuse, doc=f"{name}, as given to the constructor")
+
+
 class AdamW:
     """zero_stage=1 (a data-parallel model): each rank keeps the moments of its shard of the parameters only,
     updates that shard from reduce-scattered gradients and all-gathers the weights (ZeRO-1); the same weights as
@@ -59,20 +67,37 @@ class AdamW:
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         self.model = model
-        self.lr = check_float(lr, "lr", low=0.0)
-        self.betas = (check_float(betas[0], "betas[0]", 0.0, 0.999999), check_float(betas[1], "betas[1]", 0.0, 0.999999))
-        self.eps = check_float(eps, "eps", low=0.0, low_open=True)
-        self.weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
+        self.lr = lr
+        self._betas = (check_float(betas[0], "betas[0]", 0.0, 0.999999),
+                       check_float(betas[1], "betas[1]", 0.0, 0.999999))
+        self._eps = check_float(eps, "eps", low=0.0, low_open=True)
+        self._weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
         if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
             raise ValueError(f"zero_stage must be 0 (plain data parallel) or 1 (sharded moments), got {zero_stage!r}")
         if zero_stage == 1 and not model.data_parallel:
             raise ValueError("zero_stage=1 shards the optimizer over data-parallel ranks, but the model is not data "
                              "parallel: build it after fastgpt.distributed.init() (or with data_parallel=True)")
-        self.zero_stage = zero_stage
+        self._zero_stage = zero_stage
         self._opt = _C.AdamW(model._engine, self.lr, self.betas[0], self.betas[1], self.eps, self.weight_decay,
                              zero_stage)
         self._step = _C.TrainStep(model._engine, self._opt)
         self._serial = 0  # counts what rewrites the step's scalars on the device (StepStats checks it)
+
+    @property
+    def lr(self):
+        """The learning rate of step() and train_step() when they are given none; may be set between steps."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        self._lr = check_float(value, "lr", low=0.0)
+
+    # The other hyper-parameters are the engine's from construction on: read-only, so that a write cannot look as
+    # if it took effect.
+    betas = _fixed("betas")
+    eps = _fixed("eps")
+    weight_decay = _fixed("weight_decay")  # of the 2-D weights only, as build-nanogpt's parameter groups
+    zero_stage = _fixed("zero_stage")
 
     def step(self, lr=None):
         """One update of every parameter from the gradient buffer; lr overrides the default for this step.
