@@ -176,6 +176,19 @@ def test_top_p_draws_with_renormalised_probabilities():
     np.testing.assert_allclose(counts, [0.625, 0.375, 0, 0], atol=0.015)
 
 
+def test_sampler_refuses_non_finite_logits_and_takes_any_temperature(rng):
+    from fastgpt.model import _Sampler
+    logits = rng.standard_normal((3, 10))
+    for temperature in (1.0, 0.0):
+        bad = logits.copy()
+        bad[1, 4] = np.nan
+        with pytest.raises(ValueError, match=r"logits hold inf or NaN \(row 1\)"):
+            _Sampler(10, temperature, None, None, 0)(bad)
+    # a temperature so small that logits / temperature overflows: the argmax, not token 0
+    for temperature in (1e-6, 1e-310):
+        np.testing.assert_array_equal(_Sampler(10, temperature, None, None, 0)(logits), logits.argmax(axis=1))
+
+
 def test_same_seed_same_tokens_with_top_p_and_cache(rng):
     model = fastgpt.GPT(SMALL, seed=int(rng.integers(1 << 31)))
     prompt = rng.integers(0, SMALL.vocab_size, (2, 3))

@@ -92,6 +92,30 @@ def test_layout_names_shapes_and_tying():
     assert (model.state_dict()["transformer.ln_f.bias"] == 1.0).all()
 
 
+def test_a_reused_config_object_changes_no_model():
+    config = fastgpt.GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16)
+    small = fastgpt.GPT(config)
+    config.n_layer, config.block_size = 1, 8  # the caller's object, reused for another model
+    other = fastgpt.GPT(config)
+    assert small.config.n_layer == 2 and small.config.block_size == 16 and other.config.n_layer == 1
+    assert small.num_parameters() > other.num_parameters()
+    with pytest.raises(TypeError, match="config must be a fastgpt.GPTConfig, got dict"):
+        fastgpt.GPT({"n_layer": 2})
+
+
+def test_a_diverged_models_state_dict_loads_back():
+    # NaN in the tied embedding: lm_head still equals wte (NaN where it is NaN), so its own state_dict loads back.
+    model = fastgpt.GPT(fastgpt.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8))
+    sd = {k: np.array(v) for k, v in model.state_dict().items()}
+    sd["transformer.wte.weight"][3, 1] = sd["lm_head.weight"][3, 1] = np.nan
+    model.load_state_dict(sd)
+    assert np.isnan(model.state_dict()["transformer.wte.weight"][3, 1])
+    sd["lm_head.weight"] = sd["lm_head.weight"].copy()
+    sd["lm_head.weight"][0, 0] += 1
+    with pytest.raises(ValueError, match="must equal 'transformer.wte.weight'"):
+        model.load_state_dict(sd)
+
+
 def test_init_distribution():
     config = fastgpt.GPTConfig(block_size=64, vocab_size=2000, n_layer=4, n_head=4, n_embd=128)
     sd = fastgpt.GPT(config, seed=11).state_dict()

@@ -75,7 +75,8 @@ def test_command_line(tmp_path, model, encoder_json):
 def test_bad_arguments(tmp_path, model, encoder_json, capsys):
     save_checkpoint(model, tmp_path / "m.safetensors")
     for extra, message in ((["--top-p", "1.5"], "top_p must be <= 1"), (["--stop", "two words"], "--stop must be one"),
-                           (["-n", "-1"], "max_new_tokens must be >= 0")):
+                           (["-n", "-1"], "max_new_tokens must be >= 0"),
+                           (["--num-samples", "0"], "--num-samples must be >= 1")):
         with pytest.raises(SystemExit) as e:
             sample.main([str(tmp_path / "m.safetensors"), "--encoder", str(encoder_json), *extra], out=io.StringIO())
         assert e.value.code == 2 and message in capsys.readouterr().err

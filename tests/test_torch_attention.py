@@ -103,6 +103,30 @@ def test_use_flash_attention_swaps_modules_and_keeps_parameters():
     assert type(swapped) is CausalSelfAttention and swapped.c_attn is alone.c_attn and swapped.n_head == 4
 
 
+def _nanogpt_style(dropout, extra=None):
+    # nanoGPT's attention module keeps its dropout rate and two Dropout submodules beside c_attn and c_proj.
+    class CausalSelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.c_proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+            self.attn_dropout, self.resid_dropout = torch.nn.Dropout(dropout), torch.nn.Dropout(dropout)
+            self.n_head, self.n_embd, self.dropout = 2, 16, dropout
+            if extra is not None:
+                self.extra = extra
+    return torch.nn.Sequential(CausalSelfAttention())
+
+
+def test_use_flash_attention_refuses_what_it_would_drop():
+    # The replacement has no dropout and no other submodules: a module with them is refused, nothing is replaced.
+    for model, say in ((_nanogpt_style(0.2), "dropout=0.2"),
+                       (_nanogpt_style(0.0, torch.nn.LayerNorm(16)), "submodule 'extra' \\(LayerNorm\\)")):
+        with pytest.raises(ValueError, match=say):
+            use_flash_attention(model)
+        assert type(model[0]) is not CausalSelfAttention  # left as it was
+    model = _nanogpt_style(0.0)  # dropout 0 (nanoGPT's default, build-nanogpt's setting) is a no-op: replaced
+    assert type(use_flash_attention(model)[0]) is CausalSelfAttention
+
+
 def train(model, batches, steps, autocast=False):
     """build-nanogpt's step: AdamW (its two groups), clip 1.0, optionally bf16 autocast; -> every step's loss."""
     opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)

@@ -16,7 +16,7 @@ precision (llm.c's mixed-precision recipe, chosen at run time; one engine for al
           torch.amp.GradScaler's rules; AdamW.step() returns False for a skipped (inf/NaN) step.
 """
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -80,7 +80,10 @@ class GPT:
 
     def __init__(self, config=None, device="cpu", precision="fp32", seed=0, data_parallel=None, fused=True,
                  recompute=None):
-        self.config = (GPTConfig() if config is None else config).validate()
+        config = GPTConfig() if config is None else config
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a fastgpt.GPTConfig, got {type(config).__name__}")
+        self.config = replace(config).validate()  # a copy: the caller may reuse theirs for another model
         _check_device(device, precision)
         if data_parallel not in (None, True, False):
             raise ValueError(f"data_parallel must be None, True or False, got {data_parallel!r}")
@@ -301,8 +304,8 @@ class GPT:
             if a.shape != expected[name]:
                 raise ValueError(f"state_dict[{name!r}] has shape {a.shape}, expected {expected[name]}")
             arrays[name] = a
-        if "lm_head.weight" in arrays and not np.array_equal(arrays["lm_head.weight"],
-                                                             arrays["transformer.wte.weight"]):
+        if "lm_head.weight" in arrays and not np.array_equal(arrays["lm_head.weight"], arrays["transformer.wte.weight"],
+                                                             equal_nan=True):
             raise ValueError("state_dict['lm_head.weight'] must equal 'transformer.wte.weight' (the weights are tied)")
         if self._on_cpu:
             for name, a in arrays.items():
@@ -411,9 +414,17 @@ class _Sampler:
 
     def __call__(self, logits):
         logits = np.array(logits, dtype=np.float64)  # a copy: the engine's buffer is reused by the next step
+        bad = ~np.isfinite(logits).all(axis=1)
+        if bad.any():  # NaN would make every draw token 0 (and argmax the first NaN's): no token is right
+            raise ValueError(f"the model's logits hold inf or NaN (row {int(np.argmax(bad))}): nothing to sample "
+                             "from (have the weights diverged?)")
         if self.temperature == 0.0:
             return logits.argmax(axis=1).astype(np.int64)
-        logits /= self.temperature
+        # The row's maximum first, then the temperature: no overflow however small it is (the most likely tokens
+        # stay at 0, the others go to -inf: the argmax's, drawn among ties).
+        logits -= logits.max(axis=1, keepdims=True)
+        with np.errstate(over="ignore"):  # -inf: a token that can no longer be drawn
+            logits /= self.temperature
         V = self.V
         if self.top_k is not None and self.top_k < V:
             kth = np.partition(logits, V - self.top_k, axis=1)[:, V - self.top_k][:, None]

@@ -65,6 +65,8 @@ def main(argv=None, out=None):
     out = out or sys.stdout
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.num_samples < 1:
+        parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
     try:
         model = load_model(args.checkpoint, args.device, args.precision, args.n_head)
     except (OSError, ValueError, KeyError, ImportError) as e:

@@ -106,6 +106,21 @@ def _is_nanogpt_attention(m):
             and all(hasattr(m, a) for a in ("c_attn", "c_proj", "n_head", "n_embd")))
 
 
+def _check_replaceable(m, where):
+    # The replacement computes c_proj(attention(c_attn(x))) and nothing else: a module that also drops out (nanoGPT's
+    # attn_dropout / resid_dropout with dropout > 0) or holds other submodules would silently lose them.
+    p = getattr(m, "dropout", 0.0)
+    if isinstance(p, (int, float)) and p > 0:
+        raise ValueError(f"{where} has dropout={p}: fastgpt's attention has none (build-nanogpt trains with 0); "
+                         "build the model with dropout=0.0")
+    for name, child in m.named_children():
+        if name in ("c_attn", "c_proj") or (isinstance(child, nn.Dropout) and child.p == 0):
+            continue
+        what = f"dropout p={child.p}" if isinstance(child, nn.Dropout) else type(child).__name__
+        raise ValueError(f"{where} has a submodule {name!r} ({what}) that fastgpt's attention would drop: only "
+                         "c_attn, c_proj and dropouts of p=0 are replaced")
+
+
 def _replacement(m):
     # Built without __init__ (which would allocate, and draw torch's RNG for, two Linears only to drop them): the
     # original Linear modules move over as they are, so weights, dtype, device and any bias=False survive, and the
@@ -119,11 +134,15 @@ def _replacement(m):
 def use_flash_attention(model):
     """Replace, in place, every build-nanogpt-style CausalSelfAttention in `model` (a module of a class by that name
     with c_attn, c_proj, n_head, n_embd) with fastgpt.torch.CausalSelfAttention on the same weights. Returns the
-    model (the replacement itself if `model` is such a module)."""
+    model (the replacement itself if `model` is such a module). A module with dropout (nanoGPT's dropout > 0) or
+    other submodules is refused with a ValueError, and the model is left as it was."""
     if _is_nanogpt_attention(model):
+        _check_replaceable(model, "model")
         return _replacement(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _is_nanogpt_attention(child):
-                setattr(parent, name, _replacement(child))
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if _is_nanogpt_attention(child)]
+    for parent, name, child in found:  # all checked before any is replaced: a refusal leaves the model as it was
+        _check_replaceable(child, f"attention module {name!r} ({type(parent).__name__}.{name})")
+    for parent, name, child in found:
+        setattr(parent, name, _replacement(child))
     return model
