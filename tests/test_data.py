@@ -302,6 +302,33 @@ def test_no_files(tmp_path):
         DataLoader(str(tmp_path / "nothing_here_*.bin"), 2, 4)
     with pytest.raises(FileNotFoundError, match="val"):
         DataLoader(tmp_path, 2, 4, split="val")
+    with pytest.raises(ValueError, match="the list of shards is empty"):
+        DataLoader([], 2, 4)
+
+
+def test_batches_per_epoch_is_where_the_data_wraps(tmp_path, rng):
+    paths = [str(tmp_path / f"s_{i}.bin") for i in range(2)]
+    for p, n in zip(paths, (int(rng.integers(50, 90)), int(rng.integers(50, 90)))):
+        write_shard(p, rng.integers(0, 50257, n).astype(np.uint16))
+    for world in (1, 2):
+        loaders = [DataLoader(paths, 2, 4, rank=r, world_size=world) for r in range(world)]
+        n = loaders[0].batches_per_epoch
+        assert n == sum((len(read_shard(p)) - 1) // (8 * world) for p in paths)
+        first = loaders[0].next_batch()[0]
+        for _ in range(n - 1):
+            loaders[0].next_batch()
+        np.testing.assert_array_equal(loaders[0].next_batch()[0], first)  # batch n is batch 0 again
+
+
+def test_tokenize_refuses_text_too_short_or_not_utf8(tmp_path, encoder_json):
+    for text, say in (("", "0 tokens leave the train split empty"), ("hello world", "3 tokens leave the val split")):
+        path = tmp_path / "short.txt"
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError, match=f"short.txt: its {say}"):
+            tokenize_file(path, tmp_path / "out", encoder_json=encoder_json)
+    path.write_bytes(b"caf\xe9 au lait")  # Latin-1
+    with pytest.raises(ValueError, match="short.txt: not UTF-8 text"):
+        tokenize_file(path, tmp_path / "out", encoder_json=encoder_json)
 
 
 @pytest.mark.parametrize("kwargs, name", [

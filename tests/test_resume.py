@@ -188,9 +188,28 @@ def test_damaged_checkpoints_are_refused(shards, tmp_path, capsys):
     refused(lambda: open(os.path.join(latest, "state.json"), "w").write('{"format": "fastgpt-train'), "damaged")
     refused(lambda: os.unlink(os.path.join(latest, "model.safetensors")), "model.safetensors is missing")
 
+    # a damaged copy under another name: refused with the same reasons (no step in its name to point before)
+    shutil.copytree(latest, os.path.join(run, "best"))
+    os.truncate(os.path.join(run, "best", "optimizer.safetensors"), 10)
+    with pytest.raises(SystemExit):
+        main(["--resume", os.path.join(run, "best")])
+    assert "optimizer.safetensors" in capsys.readouterr().err
+    shutil.rmtree(os.path.join(run, "best"))
+
     # asked for explicitly, the one before it is used
     result = main(["--resume", os.path.join(run, "step_000002")])
     assert result["resumed_from"].endswith("step_000002") and result["steps"] == 4
+
+
+def test_resume_from_inside_the_run_folder(shards, tmp_path, monkeypatch):
+    # --resume step_000002 given from the run's own folder goes on in that run, not in a new runs/<timestamp>.
+    run = tmp_path / "run"
+    main([*shards, *TINY, "--max-steps", "4", "--save-every", "2", "--out-dir", str(run)])
+    monkeypatch.chdir(run)
+    result = main(["--resume", "step_000002"])
+    assert os.path.samefile(result["out_dir"], run) and result["steps"] == 4
+    assert not (run / "runs").exists()
+    assert any("resumed" in e for e in _log(str(run)))
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(shards, tmp_path, monkeypatch):

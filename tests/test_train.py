@@ -239,6 +239,56 @@ def test_existing_run_is_not_overwritten(tmp_path, shakespeare_txt, encoder_json
     assert (out / "log.jsonl").read_text() == "earlier run\n"
 
 
+def test_shards_are_read_even_with_fastgpt_data_set(tmp_path, shakespeare_txt, encoder_json, monkeypatch):
+    # FASTGPT_DATA names the text only where no data is named: --shards is not overridden by it.
+    from fastgpt.data import write_shard
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    rng = np.random.default_rng()
+    for split in ("train", "val"):
+        write_shard(str(folder / f"mine_{split}_000000.bin"), rng.integers(0, 100, 4000).astype(np.uint16))
+    monkeypatch.setenv("FASTGPT_DATA", str(shakespeare_txt))
+    out = tmp_path / "run"
+    main(["--shards", str(folder), "--encoder", str(encoder_json), *TINY, "--max-steps", "1", "--eval-steps", "1",
+          "--sample-tokens", "0", "--out-dir", str(out)])
+    args = _read_log(out)[0]["header"]["args"]
+    assert args["shards"] == str(folder) and args["input"] is None
+    assert not (out / "data").exists()  # nothing was tokenized
+
+
+def test_a_second_run_cannot_share_the_folder(tmp_path, monkeypatch):
+    # Two runs started in the same second get two folders; an explicit folder in use is refused.
+    from fastgpt import train
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train.time, "strftime", lambda fmt: "20260101-000000")
+    held = []
+    try:
+        first = train._claim_out_dir(None, False, held)
+        second = train._claim_out_dir(None, False, held)
+        assert (first, second) == (os.path.join("runs", "20260101-000000"), os.path.join("runs", "20260101-000000-2"))
+        with pytest.raises(ValueError, match="is in use by another run"):
+            train._claim_out_dir(first, False, held)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert train._claim_out_dir(first, False, held) == first  # released: free again
+    os.close(held.pop())
+
+
+def test_eval_steps_past_the_val_split_are_cut_to_it(shakespeare_txt, encoder_json, tmp_path, capsys):
+    # B*T = 8192 tokens per batch: Tiny Shakespeare's val split (~33.8k tokens) holds 4 batches; asking for 9 would
+    # count some twice.
+    runs = []
+    for steps in (9, 4):
+        out = tmp_path / f"e{steps}"
+        main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), "--n-layer", "1", "--n-head", "2",
+              "--n-embd", "32", "-B", "32", "-T", "256", "--no-progress", "--max-steps", "1", "--sample-tokens", "0",
+              "--eval-steps", str(steps), "--out-dir", str(out)])
+        runs.append([e["val_loss"] for e in _read_log(out) if "val_loss" in e])
+    assert "--eval-steps 9 is more than the val split's 4 batches" in capsys.readouterr().out
+    assert runs[0] == runs[1]
+
+
 # ---- non-finite losses, MFU ----
 
 def test_a_nonfinite_loss_stops_the_run(shakespeare_txt, encoder_json, tmp_path, monkeypatch, capsys):
@@ -340,6 +390,7 @@ def test_peak_table_and_gpt2_flops():
     assert mfu.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989
     assert mfu.peak_tflops("NVIDIA H200", "tf32") == 494
     assert mfu.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756
+    assert mfu.peak_tflops("NVIDIA H100 NVL", "bf16") == mfu.peak_tflops("NVIDIA H200 NVL", "bf16") == 835
     assert mfu.peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
     assert mfu.peak_tflops("NVIDIA L40S", "bf16") == 362 and mfu.peak_tflops("NVIDIA L4", "bf16") == 121
     assert mfu.peak_tflops("Tesla T4", "bf16") is None and mfu.peak_tflops("Tesla T4", "fp16") == 65

@@ -126,14 +126,21 @@ def tokenize_file(text_path, out_dir, name=None, encoder_json=None, val_fraction
         return found
 
     enc = get_gpt2_encoding(encoder_json)
-    with open(text_path, encoding="utf-8") as f:
-        docs = [d for d in f.read().split("<|endoftext|>") if d]  # a trailing separator is not a document
+    try:
+        with open(text_path, encoding="utf-8") as f:
+            docs = [d for d in f.read().split("<|endoftext|>") if d]  # a trailing separator is not a document
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{text_path}: not UTF-8 text ({e})") from None
     # uint16 per token: the whole corpus must be held to know where the val split ends.
     parts = []
     for doc in docs:
         parts.append(np.array([EOT] + enc.encode_ordinary(doc), dtype=np.uint16))
     tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)
     n_val = int(len(tokens) * val_fraction)
+    empty = "train" if len(tokens) == n_val else "val" if val_fraction > 0 and n_val == 0 else None
+    if empty:  # no batch could be made from it; say so here rather than as a missing shard later
+        raise ValueError(f"{text_path}: its {len(tokens)} tokens leave the {empty} split empty (val_fraction "
+                         f"{val_fraction:g}): the text is too short")
 
     # Shards left from an earlier, larger run would otherwise be picked up by a DataLoader glob.
     for split in ("val", "train"):
@@ -211,6 +218,8 @@ class DataLoader:
             files = sorted(glob.glob(pattern))
         else:
             files = pattern = [os.fspath(p) for p in source]
+            if not files:
+                raise ValueError("the list of shards is empty")
             missing = [p for p in files if not os.path.isfile(p)]
             if missing:
                 raise FileNotFoundError(f"shard not found: {missing[0]}")
@@ -219,6 +228,11 @@ class DataLoader:
         if not files:
             raise FileNotFoundError(f"no shards match {pattern!r}" + (f" for split {split!r}" if split else ""))
         return files
+
+    @property
+    def batches_per_epoch(self):
+        """This rank's batches before the data wraps around."""
+        return sum(self._strides)
 
     def reset(self):
         """Back to the first batch of the first epoch."""

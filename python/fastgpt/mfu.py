@@ -12,7 +12,7 @@ import re
 # (name pattern, {precision: dense TFLOP/s}); the first match wins, so the more specific names come first.
 PEAK_TFLOPS = [
     (r"H100.*PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
-    (r"H100.*NVL", {"fp32": 60.0, "tf32": 418.0, "bf16": 835.0, "fp16": 835.0}),
+    (r"H[12]00.*NVL", {"fp32": 60.0, "tf32": 418.0, "bf16": 835.0, "fp16": 835.0}),  # H100 NVL, H200 NVL
     (r"H100|H200|GH200", {"fp32": 67.0, "tf32": 494.0, "bf16": 989.0, "fp16": 989.0}),  # SXM
     (r"A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
     (r"L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.0, "fp16": 362.0}),

@@ -76,7 +76,7 @@ def build_parser():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pos, nonneg, posf = _number(int, 1), _number(int, 0), _number(float, 0.0, low_open=True)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--input", default=os.environ.get("FASTGPT_DATA"), help="UTF-8 text file (env FASTGPT_DATA)")
+    src.add_argument("--input", help="UTF-8 text file (default: env FASTGPT_DATA, unless --shards is given)")
     src.add_argument("--shards", help="glob or folder of llm.c shards (*_train_*.bin, *_val_*.bin)")
     p.add_argument("--encoder", help="GPT-2 encoder.json (default: env FASTGPT_GPT2_ENCODER, else tiktoken)")
     p.add_argument("--model", choices=PRESETS, default="tiny", help="size preset, L/H/C: " +
@@ -145,6 +145,41 @@ def _explicit(parser, argv):
             a.default = d
 
 
+def _claim_out_dir(out_dir, resuming, held):
+    """The run folder, made and held: a lock on the folder itself (flock on its descriptor, appended to `held`
+    for main() to release; the kernel releases it if the process dies), so a second run cannot write into it at the
+    same time, and a fresh run never writes into one that holds a run. The default folder is runs/<timestamp>, with
+    -2, -3, ... when another run took that second."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    else:
+        base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        os.makedirs("runs", exist_ok=True)
+        for n in range(1, 1000):
+            out_dir = base if n == 1 else f"{base}-{n}"
+            try:
+                os.mkdir(out_dir)  # atomic: exactly one run makes it
+                break
+            except FileExistsError:
+                continue
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks (Windows): the log check below still guards a finished run
+        fcntl = None
+    if fcntl:
+        fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ValueError(f"--out-dir {out_dir} is in use by another run") from None
+        held.append(fd)
+    if not resuming and os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run
+        raise ValueError(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder, or "
+                         f"continue it with --resume {out_dir}")
+    return out_dir
+
+
 def _resume_args(parser, argv, args, state):
     """The checkpoint's flags, with those given again on the command line where they may differ."""
     given = _explicit(parser, argv)
@@ -193,6 +228,15 @@ class _StopSignal:
 def main(argv=None):
     """Train; returns a dict of the run's numbers (final losses, tok/s, the model; "interrupted": the signal's
     number when Ctrl-C or SIGTERM stopped it after a checkpoint)."""
+    held = []  # the run folder's lock, released however the run ends
+    try:
+        return _main(argv, held)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _main(argv, held):
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -224,8 +268,9 @@ def main(argv=None):
             try:
                 return path, resume.read_state(path)
             except resume.CheckpointError as e:
+                named = resume.STEP_DIR.match(os.path.basename(path))  # a copy elsewhere has no step in its name
                 earlier = [p for s, p in resume.list_checkpoints(os.path.dirname(path)) if p != path and
-                           s < int(resume.STEP_DIR.match(os.path.basename(path)).group(1))]
+                           s < int(named.group(1))] if named else []
                 hint = f"; the one before it: --resume {earlier[-1]}" if earlier else ""
                 raise resume.CheckpointError(f"{e}{hint}") from None
 
@@ -237,7 +282,7 @@ def main(argv=None):
             parser.error(f"--resume: {ckpt_dir} was written by {state['world_size']} ranks, this job has "
                          f"{world_size}: launch as many (the batches each rank reads depend on it)")
         args = _resume_args(parser, argv, args, state)
-        args.out_dir = os.path.dirname(ckpt_dir)
+        args.out_dir = os.path.dirname(os.path.abspath(ckpt_dir))  # "step_000004" alone: the current folder's run
 
     # ---- flags that depend on each other: checked up front, so no mistake surfaces deep inside a run
     n_layer, n_head, n_embd = (o if o is not None else d for o, d in
@@ -252,24 +297,19 @@ def main(argv=None):
     if total % (B * T * world_size):
         parser.error(f"--total-batch-size {total} must be a multiple of B*T*world_size = {B}*{T}*{world_size}")
     grad_accum = total // (B * T * world_size)
+    if not args.shards and not args.input:  # the environment's file only where no data was named
+        args.input = os.environ.get("FASTGPT_DATA") or None
     if not args.shards and not args.input:
         parser.error("no data: pass --input TEXT_FILE (or set FASTGPT_DATA), or --shards GLOB")
     if args.input and not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: file not found")
 
-    # Rank 0 picks the run folder (the others' clocks may read another second) and tokenizes first; the others
+    # Rank 0 claims the run folder (the others' clocks may read another second) and tokenizes first; the others
     # then reuse its cached tokens.
-    out_dir = distributed.broadcast_object(args.out_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
-
-    def make_out_dir():
-        if not state and os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run
-            raise ValueError(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder, or "
-                             f"continue it with --resume {out_dir}")
-        os.makedirs(out_dir, exist_ok=True)
-
-    _, error = agreed(make_out_dir)
+    out_dir, error = agreed(lambda: _claim_out_dir(args.out_dir, bool(state), held))
     if error:
         parser.error(error)
+    out_dir = distributed.broadcast_object(out_dir)
 
     # ---- tokenizer, data, model
     def tokenize():
@@ -290,6 +330,11 @@ def main(argv=None):
                                 world_size=world_size)
     except (OSError, ValueError) as e:
         parser.error(f"data: {e}")
+    # Past the val split's batches the loader would wrap around and count batches twice in the mean.
+    eval_steps = min(args.eval_steps, val_loader.batches_per_epoch * world_size)
+    if eval_steps < args.eval_steps:
+        say(f"note: --eval-steps {args.eval_steps} is more than the val split's {eval_steps} batches of B*T; "
+            f"evaluating on those {eval_steps}")
     try:
         enc = get_gpt2_encoding(args.encoder)
     except (OSError, ValueError, RuntimeError) as e:
@@ -361,9 +406,9 @@ def main(argv=None):
         # Sharded over ranks: rank r takes batches r, r+world, ... of the first eval_steps (its loader's own
         # slices), and the sums meet in one reduction: the same batches, the same mean as one process.
         val_loader.reset()  # the same val batches every time, so estimates are comparable across steps
-        mine = len(range(rank, args.eval_steps, world_size))
+        mine = len(range(rank, eval_steps, world_size))
         local = sum(model.forward(*val_loader.next_batch(), return_logits=False)[1] for _ in range(mine))
-        return distributed.all_reduce(local) / args.eval_steps
+        return distributed.all_reduce(local) / eval_steps
 
     def sample():
         prompt = np.array([[EOT]], dtype=np.int64)  # start as a new document
