@@ -535,7 +535,9 @@ void bind_ops(py::module_& m) {
     TYPED(x, FASTGPT_DISPATCH(c, gelu_backward<S>, dx.as<S>(), x.as<S>(), dout.as<S>(), x.size()));
   });
   auto attn_dims = [](const View& qkv, int n_head) {
-    need(qkv.ndim() == 3 && qkv.shape[2] % 3 == 0, "qkv must be (B, T, 3C), got " + shape_str(qkv.shape));
+    need(qkv.ndim() == 3 && qkv.shape[2] % 3 == 0 && qkv.shape[2] >= 3,
+         "qkv must be (B, T, 3C) with C >= 1, got " + shape_str(qkv.shape));
+    need(qkv.size() < (int64_t(1) << 31), "qkv must hold < 2**31 elements, got shape " + shape_str(qkv.shape));
     const int C = qkv.shape[2] / 3;
     need(n_head >= 1 && C % n_head == 0, "n_head must divide C=" + std::to_string(C) + ", got " +
                                              std::to_string(n_head));

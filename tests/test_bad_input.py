@@ -284,6 +284,41 @@ def test_op_attention_decode_position_past_int_range():
         ops.attention_decode_forward(qkv, np.zeros((1, 0, 8, 4), np.float32), np.zeros((1, 0, 8, 4), np.float32), 0)
 
 
+def test_config_whose_parameter_count_wraps_int64():
+    # L (12 C^2 + 13 C) wraps past 2**64 to a small count: the buffer was allocated that small, then written past.
+    with pytest.raises(ValueError, match="more than 2\\*\\*40"):
+        fastgpt.GPT(fastgpt.GPTConfig(block_size=16, vocab_size=64, n_layer=2095228334, n_head=1, n_embd=27086))
+    with pytest.raises(ValueError, match="config.n_layer must be <= 2147483647"):
+        fastgpt.GPT(fastgpt.GPTConfig(block_size=16, vocab_size=64, n_layer=2**31, n_head=1, n_embd=8))
+
+
+def test_op_cpu_attention_head_too_large():
+    # One head's (T, d) copies would need int indices past 2**31: refused before any thread takes scratch (an
+    # allocation failing inside the parallel region ended the process).
+    q = np.zeros((1, 1, 1, 2**25), np.float32)  # zero pages: nothing is touched
+    with pytest.raises(ValueError, match="too large for one head's copies"):
+        ops.flash_attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="too large for one head's copies"):
+        ops.attention_forward(np.zeros((1, 1, 3 * 2**25), np.float32), 1)
+    with pytest.raises(ValueError, match=r"qkv must be \(B, T, 3C\) with C >= 1"):
+        ops.attention_forward(np.ones((1, 2, 0), np.float32), 1)
+
+
+def test_op_scalars_that_overflow_float32_or_int32():
+    p = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="lr must be finite as a float32"):
+        ops.adamw_update(p, p.copy(), p.copy(), p.copy(), 1, lr=1e300)
+    with pytest.raises(ValueError, match="pos must be <= 2147483647"):
+        ops.attention_decode_forward(np.ones((1, 1, 24), np.float32), np.zeros((1, 2, 8, 4), np.float32),
+                                     np.zeros((1, 2, 8, 4), np.float32), 2**31)
+
+
+def test_op_zero_dimensional_input_stays_zero_dimensional():
+    out = ops.gelu_forward(np.array(0.5, np.float32))
+    ref = 0.5 * 0.5 * (1 + np.tanh(np.sqrt(2 / np.pi) * (0.5 + 0.044715 * 0.5**3)))  # GELU (tanh) at 0.5
+    assert out.shape == () and abs(float(out) - ref) < 1e-6
+
+
 def test_op_string_input():
     with pytest.raises(TypeError, match="x must be a floating-point array"):
         ops.gelu_forward(np.array(["a", "b"]))

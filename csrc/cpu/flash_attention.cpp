@@ -15,7 +15,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
+
+#include <omp.h>
 
 #include "cpu/kernels.h"
 #include "cpu/vmath.h"
@@ -88,6 +92,21 @@ void copy_transposed(float* dst, int64_t ldd, const float* src, int64_t ld, int 
 // Width of the scores a group of 4 rows from query g needs: its last row's keys, in whole vectors, at most W.
 inline int group_width(int g, int W, bool causal) { return causal ? std::min(round_up(g + 4, kW), W) : W; }
 
+// Per-thread scratch, taken before the parallel region (an allocation that fails inside one would end the process:
+// no exception leaves an OpenMP region) in one buffer, zeroed, with each thread's part `per` floats long. The
+// kernels index a head's copies with int: refused where a (Tp, hp) copy would not fit.
+struct Scratch {
+  std::vector<float> all;
+  size_t per;
+  Scratch(int Tp, int hp, int hs, size_t per_thread) : per(per_thread) {
+    if ((int64_t)Tp * std::max(hp, kBlock) >= INT32_MAX || (int64_t)hs * Tp >= INT32_MAX)
+      throw std::invalid_argument("flash attention on the CPU: T=" + std::to_string(Tp) + " (padded) by d=" +
+                                  std::to_string(hs) + " is too large for one head's copies (2**31 floats)");
+    all.resize(per * (size_t)omp_get_max_threads());
+  }
+  float* mine() { return all.data() + per * (size_t)omp_get_thread_num(); }
+};
+
 inline float dot(const float* a, const float* b, int n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -102,26 +121,27 @@ void flash_attention_forward(float* out, const HeadStrides& os, float* lse, cons
   const bool causal = shape.causal;
   const float scale = 1.f / std::sqrt((float)hs);
   const int Tp = round_up(T, kBlock);  // whole blocks, so groups of 4 rows never overrun the copies
-#pragma omp parallel
+  const size_t qb = (size_t)kBlock * hp, ktn = (size_t)hs * Tp, vn = (size_t)Tp * hp, sn = (size_t)kBlock * Tp;
+  Scratch scratch(Tp, hp, hs, 2 * qb + ktn + vn + sn);
+#pragma omp parallel num_threads(omp_get_max_threads())
   {
-    std::vector<float> q(kBlock * hp), kt((size_t)hs * Tp), v((size_t)Tp * hp), s((size_t)kBlock * Tp),
-        o(kBlock * hp);
+    float* const q = scratch.mine();  // (kBlock, hp) rows of q; kt (hs, Tp) K^T; v (Tp, hp); s (kBlock, Tp) scores
+    float *const kt = q + qb, *const v = kt + ktn, *const s = v + vn, *const o = s + sn;  // o (kBlock, hp)
 #pragma omp for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
       for (int h = 0; h < NH; h++) {
         const int64_t in = b * is.sb + h * is.sh;
-        copy_transposed(kt.data(), Tp, k_ + in, is.st, T, hs);
-        copy_rows(v.data(), hp, Tp, v_ + in, is.st, T, hs);
+        copy_transposed(kt, Tp, k_ + in, is.st, T, hs);
+        copy_rows(v, hp, Tp, v_ + in, is.st, T, hs);
         for (int r0 = 0; r0 < T; r0 += kBlock) {
           const int rows = std::min(kBlock, T - r0), W = round_up(causal ? r0 + rows : T, kW);
-          copy_rows(q.data(), hp, kBlock, q_ + in + r0 * is.st, is.st, rows, hs);
+          copy_rows(q, hp, kBlock, q_ + in + r0 * is.st, is.st, rows, hs);
           for (int g = 0; g < rows; g += 4)  // q_i . k_j
-            rows4(s.data() + g * W, W, q.data() + g * hp, hp, 1, kt.data(), Tp, hs, group_width(r0 + g, W, causal),
-                  false);
+            rows4(s + g * W, W, q + g * hp, hp, 1, kt, Tp, hs, group_width(r0 + g, W, causal), false);
           float inv[kBlock];
           for (int r = 0; r < rows; r++) {
             const int n = causal ? r0 + r + 1 : T;
-            float* p = s.data() + r * W;
+            float* p = s + r * W;
             float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
             for (int j = 0; j < n; j++) {
@@ -138,8 +158,7 @@ void flash_attention_forward(float* out, const HeadStrides& os, float* lse, cons
             inv[r] = (float)(1.0 / sum);
           }
           for (int g = 0; g < rows; g += 4)  // o_i = sum_j p_ij v_j
-            rows4(o.data() + g * hp, hp, s.data() + g * W, W, 1, v.data(), hp, group_width(r0 + g, W, causal), hp,
-                  false);
+            rows4(o + g * hp, hp, s + g * W, W, 1, v, hp, group_width(r0 + g, W, causal), hp, false);
           for (int r = 0; r < rows; r++) {
             float* y = out + b * os.sb + h * os.sh + (r0 + r) * os.st;
             for (int d = 0; d < hs; d++) y[d] = o[r * hp + d] * inv[r];
@@ -156,30 +175,32 @@ void flash_attention_backward(float* dq_, float* dk_, float* dv_, const HeadStri
   const bool causal = shape.causal;
   const float scale = 1.f / std::sqrt((float)hs);
   const int Tp = round_up(T, kBlock);
-#pragma omp parallel
+  const size_t rn = (size_t)Tp * hp, tn = (size_t)hs * Tp, bn = (size_t)kBlock * Tp;
+  Scratch scratch(Tp, hp, hs, 5 * rn + 2 * tn + 2 * bn + (size_t)kBlock * hp);
+#pragma omp parallel num_threads(omp_get_max_threads())
   {
-    std::vector<float> q((size_t)Tp * hp), k((size_t)Tp * hp), dy((size_t)Tp * hp);
-    std::vector<float> kt((size_t)hs * Tp), vt((size_t)hs * Tp), dk((size_t)Tp * hp), dv((size_t)Tp * hp);
-    std::vector<float> pb((size_t)kBlock * Tp), dsb((size_t)kBlock * Tp), dq(kBlock * hp);  // one query block
+    float* const q = scratch.mine();  // q, k, dy, dk, dv (Tp, hp); kt, vt (hs, Tp); P, dS (kBlock, Tp); dq (kBlock, hp)
+    float *const k = q + rn, *const dy = k + rn, *const dk = dy + rn, *const dv = dk + rn, *const kt = dv + rn;
+    float *const vt = kt + tn, *const pb = vt + tn, *const dsb = pb + bn, *const dq = dsb + bn;
 #pragma omp for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
       for (int h = 0; h < NH; h++) {
         const int64_t in = b * is.sb + h * is.sh, on = b * os.sb + h * os.sh;
         const float *dyb = dout + on, *yb = out + on;
-        copy_rows(q.data(), hp, Tp, q_ + in, is.st, T, hs);
-        copy_rows(k.data(), hp, Tp, k_ + in, is.st, T, hs);
-        copy_rows(dy.data(), hp, Tp, dyb, os.st, T, hs);
-        copy_transposed(kt.data(), Tp, k_ + in, is.st, T, hs);
-        copy_transposed(vt.data(), Tp, v_ + in, is.st, T, hs);
-        std::fill(dk.begin(), dk.end(), 0.f);
-        std::fill(dv.begin(), dv.end(), 0.f);
+        copy_rows(q, hp, Tp, q_ + in, is.st, T, hs);
+        copy_rows(k, hp, Tp, k_ + in, is.st, T, hs);
+        copy_rows(dy, hp, Tp, dyb, os.st, T, hs);
+        copy_transposed(kt, Tp, k_ + in, is.st, T, hs);
+        copy_transposed(vt, Tp, v_ + in, is.st, T, hs);
+        std::fill(dk, dk + rn, 0.f);
+        std::fill(dv, dv + rn, 0.f);
         for (int r0 = 0; r0 < T; r0 += kBlock) {
           const int rows = std::min(kBlock, T - r0), W = round_up(causal ? r0 + rows : T, kW);
-          float *P = pb.data(), *dS = dsb.data();
+          float *P = pb, *dS = dsb;
           for (int g = 0; g < rows; g += 4) {
             const int wg = group_width(r0 + g, W, causal);
-            rows4(P + g * W, W, q.data() + (r0 + g) * hp, hp, 1, kt.data(), Tp, hs, wg, false);    // q_i . k_j
-            rows4(dS + g * W, W, dy.data() + (r0 + g) * hp, hp, 1, vt.data(), Tp, hs, wg, false);  // dout_i . v_j
+            rows4(P + g * W, W, q + (r0 + g) * hp, hp, 1, kt, Tp, hs, wg, false);    // q_i . k_j
+            rows4(dS + g * W, W, dy + (r0 + g) * hp, hp, 1, vt, Tp, hs, wg, false);  // dout_i . v_j
           }
           for (int r = 0; r < rows; r++) {
             const int i = r0 + r, n = causal ? i + 1 : T;
@@ -195,22 +216,20 @@ void flash_attention_backward(float* dq_, float* dk_, float* dv_, const HeadStri
             std::fill(ds + n, ds + W, 0.f);
           }
           for (int g = 0; g < rows; g += 4)  // dq_i = sum_j ds_ij k_j: row i sees all its keys in this block
-            rows4(dq.data() + g * hp, hp, dS + g * W, W, 1, k.data(), hp, group_width(r0 + g, W, causal), hp, false);
+            rows4(dq + g * hp, hp, dS + g * W, W, 1, k, hp, group_width(r0 + g, W, causal), hp, false);
           for (int r = 0; r < rows; r++)
-            std::memcpy(dq_ + in + (r0 + r) * is.st, dq.data() + r * hp, hs * sizeof(float));
+            std::memcpy(dq_ + in + (r0 + r) * is.st, dq + r * hp, hs * sizeof(float));
           // dk_j += sum_i ds_ij q_i, dv_j += sum_i p_ij dout_i, over the block's rows from the first that sees key j.
           for (int j = 0; j < W; j += 4) {
             const int rmin = causal ? std::max(0, j - r0) : 0;
             if (rmin >= rows) break;
-            rows4(dk.data() + j * hp, hp, dS + rmin * W + j, 1, W, q.data() + (r0 + rmin) * hp, hp, rows - rmin, hp,
-                  true);
-            rows4(dv.data() + j * hp, hp, P + rmin * W + j, 1, W, dy.data() + (r0 + rmin) * hp, hp, rows - rmin, hp,
-                  true);
+            rows4(dk + j * hp, hp, dS + rmin * W + j, 1, W, q + (r0 + rmin) * hp, hp, rows - rmin, hp, true);
+            rows4(dv + j * hp, hp, P + rmin * W + j, 1, W, dy + (r0 + rmin) * hp, hp, rows - rmin, hp, true);
           }
         }
         for (int t = 0; t < T; t++) {
-          std::memcpy(dk_ + in + t * is.st, dk.data() + t * hp, hs * sizeof(float));
-          std::memcpy(dv_ + in + t * is.st, dv.data() + t * hp, hs * sizeof(float));
+          std::memcpy(dk_ + in + t * is.st, dk + t * hp, hs * sizeof(float));
+          std::memcpy(dv_ + in + t * is.st, dv + t * hp, hs * sizeof(float));
         }
       }
   }

@@ -110,6 +110,16 @@ GPT::GPT(const GPTConfig& cfg, uint64_t seed, std::unique_ptr<Backend> backend, 
       {"transformer.ln_f.weight", {C}, false, false, 0.f, 1.f},
       {"transformer.ln_f.bias", {C}, false, false, 0.f, 0.f},
   };
+  // The count in floating point first: a config whose count wraps int64 would allocate a small buffer and be
+  // written past its end.
+  double count = 0;
+  for (const Spec& s : specs) {
+    double n = s.per_layer ? (double)L : 1.0;
+    for (int64_t d : s.shape) n *= (double)d;
+    count += n;
+  }
+  if (count > 0x1p40)
+    throw std::invalid_argument("the config makes " + std::to_string(count) + " parameters, more than 2**40");
   int64_t offset = 0;
   for (const Spec& s : specs) {
     int64_t n = 1;

@@ -26,7 +26,7 @@ def as_float32(x, name):
     a = to_numpy(x, name)
     if not np.issubdtype(a.dtype, np.floating):
         raise TypeError(f"{name} must be a floating-point array, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return np.require(a, dtype=np.float32, requirements="C")  # (ascontiguousarray would make a 0-D array 1-D)
 
 
 def as_ids(x, name, ndim=None):
@@ -51,12 +51,17 @@ def check_int(value, name, low=None, high=None):
     return int(value)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_float(value, name, low=None, high=None, low_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
     if not np.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    if abs(value) > _F32_MAX:  # the engine takes it as a float32: it would become inf there
+        raise ValueError(f"{name} must be finite as a float32 (|{name}| <= {_F32_MAX:.4g}), got {value}")
     if low is not None and (value <= low if low_open else value < low):
         raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and value > high:

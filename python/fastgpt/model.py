@@ -37,7 +37,7 @@ class GPTConfig:
 
     def validate(self):
         for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            check_int(getattr(self, field), f"config.{field}", low=1)
+            check_int(getattr(self, field), f"config.{field}", low=1, high=2**31 - 1)
         if self.n_embd % self.n_head:
             raise ValueError(f"config.n_embd ({self.n_embd}) must be a multiple of config.n_head ({self.n_head})")
         return self
@@ -256,8 +256,8 @@ class GPT:
         self._engine.set_loss_scaler(check_float(init_scale, "init_scale", 0.0, low_open=True),
                                      check_float(growth_factor, "growth_factor", 1.0, low_open=True),
                                      check_float(backoff_factor, "backoff_factor", 0.0, 1.0, low_open=True),
-                                     check_int(growth_interval, "growth_interval", 1),
-                                     check_int(growth_tracker, "growth_tracker", 0))
+                                     check_int(growth_interval, "growth_interval", 1, 2**63 - 1),
+                                     check_int(growth_tracker, "growth_tracker", 0, 2**63 - 1))
 
     # ---- Hugging Face GPT-2 files (fastgpt.hf; local files only)
     @classmethod

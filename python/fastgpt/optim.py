@@ -204,5 +204,5 @@ class AdamW:
                 raise ValueError(f"optimizer state {key!r} holds {a.size} values, this optimizer {m.size}")
             arrays.append(np.ascontiguousarray(a))
         self._serial += 1
-        self._opt.load_state(arrays[0], arrays[1], check_int(state["step_count"], "step_count", low=0),
-                             check_int(state["skipped_steps"], "skipped_steps", low=0))
+        self._opt.load_state(arrays[0], arrays[1], check_int(state["step_count"], "step_count", 0, 2**63 - 1),
+                             check_int(state["skipped_steps"], "skipped_steps", 0, 2**63 - 1))
