@@ -306,13 +306,12 @@ int64_t rows_of(const View& a, int64_t cols, const std::string& name) {
   return a.size() / cols;
 }
 
-// targets for logits (..., V): one id per row, shaped as logits without V (or flat: (N,)), so that ids of another
-// layout ((T, B) for (B, T, V)) are refused, not read in the wrong order.
-void check_targets(const View& targets, const View& logits) {
+// targets for logits (..., V) of N rows: one id per row, shaped as logits without V (or flat: (N,)), so that ids of
+// another layout ((T, B) for (B, T, V)) are refused, not read in the wrong order.
+void check_targets(const View& targets, const View& logits, int64_t N) {
   const std::vector<int64_t> rows(logits.shape.begin(), logits.shape.end() - 1);
-  const int64_t n = logits.size() / logits.shape.back();
-  need(targets.shape == rows || (targets.ndim() == 1 && targets.shape[0] == n),
-       "targets must have shape " + shape_str(rows) + " (logits' without V) or (" + std::to_string(n) + ",), got " +
+  need(targets.shape == rows || targets.shape == std::vector<int64_t>{N},
+       "targets must have shape " + shape_str(rows) + " (logits' without V) or (" + std::to_string(N) + ",), got " +
            shape_str(targets.shape));
 }
 
@@ -751,7 +750,7 @@ void bind_ops(py::module_& m) {
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
-    check_targets(targets, logits);
+    check_targets(targets, logits, N);
     need(losses.size() == N && lse.size() == N, "losses and lse must hold one value per row");
     check_ids(targets, V, "targets");
     Ctx c = context({&losses, &lse, &logits, &targets}, stream);
@@ -765,7 +764,7 @@ void bind_ops(py::module_& m) {
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
-    check_targets(targets, logits);
+    check_targets(targets, logits, N);
     need(lse.size() == N, "lse must hold one value per row of logits");
     same_shape(dlogits, logits, "dlogits", "logits");
     check_ids(targets, V, "targets");
@@ -782,7 +781,7 @@ void bind_ops(py::module_& m) {
     need(logits.ndim() >= 1 && logits.shape.back() >= 1, "logits must be (..., V) with V >= 1");
     const int V = logits.shape.back();
     const int64_t N = rows_of(logits, V, "logits");
-    check_targets(targets, logits);
+    check_targets(targets, logits, N);
     need(losses.size() == N, "losses must hold one value per row of logits");
     same_shape(dlogits, logits, "dlogits", "logits");
     check_ids(targets, V, "targets");

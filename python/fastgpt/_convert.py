@@ -52,6 +52,7 @@ def check_int(value, name, low=None, high=None):
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the widest values the engine's int and int64_t arguments take
 
 
 def check_float(value, name, low=None, high=None, low_open=False):

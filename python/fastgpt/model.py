@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from . import _C, distributed
-from ._convert import as_ids, check_float, check_int, to_numpy
+from ._convert import INT32_MAX, INT64_MAX, as_ids, check_float, check_int, to_numpy
 
 DEVICES = ("cpu", "cuda")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -37,7 +37,7 @@ class GPTConfig:
 
     def validate(self):
         for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            check_int(getattr(self, field), f"config.{field}", low=1, high=2**31 - 1)
+            check_int(getattr(self, field), f"config.{field}", low=1, high=INT32_MAX)
         if self.n_embd % self.n_head:
             raise ValueError(f"config.n_embd ({self.n_embd}) must be a multiple of config.n_head ({self.n_head})")
         return self
@@ -256,8 +256,8 @@ class GPT:
         self._engine.set_loss_scaler(check_float(init_scale, "init_scale", 0.0, low_open=True),
                                      check_float(growth_factor, "growth_factor", 1.0, low_open=True),
                                      check_float(backoff_factor, "backoff_factor", 0.0, 1.0, low_open=True),
-                                     check_int(growth_interval, "growth_interval", 1, 2**63 - 1),
-                                     check_int(growth_tracker, "growth_tracker", 0, 2**63 - 1))
+                                     check_int(growth_interval, "growth_interval", 1, INT64_MAX),
+                                     check_int(growth_tracker, "growth_tracker", 0, INT64_MAX))
 
     # ---- Hugging Face GPT-2 files (fastgpt.hf; local files only)
     @classmethod
@@ -358,26 +358,24 @@ class GPT:
         return ids.astype(np.int64), squeeze
 
     def _generate_steps(self, ids, max_new_tokens, pick, stop_token, use_cache, squeeze):
-        # The engine has one KV cache. This generator continues it only while it holds it (_cache_owner) and the
-        # cache has the positions it put there: another generator may have taken or freed it between two tokens,
-        # and a change of the weights ends it (cache_length 0). Otherwise it starts over from its own tokens.
+        # The engine has one KV cache. This generator continues it only while it holds it (_cache_owner: another
+        # generator may have taken or freed it between two tokens) and the cache goes on (a change of the weights
+        # ends it: cache_length 0). Otherwise it starts over from its own tokens.
         engine, window = self._engine, self.config.block_size
         tokens = np.empty((len(ids), ids.shape[1] + max_new_tokens), np.int32)  # the engine's id type, filled as we go
         end = ids.shape[1]
         tokens[:, :end] = ids
         done = np.zeros(len(ids), bool)
-        me, cached = object(), 0  # this generator, and the positions it has in the cache
+        me = object()  # this generator, as the cache's owner
         try:
             for step in range(max_new_tokens):
-                if use_cache and self._cache_owner is me and engine.cache_length == cached < window:  # one new position
-                    engine.decode(np.ascontiguousarray(tokens[:, end - 1:end]), cached)
-                    cached += 1
+                if use_cache and self._cache_owner is me and 0 < engine.cache_length < window:  # one new position
+                    engine.decode(np.ascontiguousarray(tokens[:, end - 1:end]), engine.cache_length)
                 else:  # the prompt, a window that slid (every position moved), or a cache lost: the last block_size
                     cond = np.ascontiguousarray(tokens[:, max(0, end - window):end])
                     if use_cache:
                         self._cache_owner = me
                         engine.decode(cond, 0)
-                        cached = cond.shape[1]
                     else:
                         engine.forward(cond, None, True)
                 nxt = pick(engine.logits()[:, 0, :])

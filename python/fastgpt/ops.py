@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _C
-from ._convert import as_float32, as_ids, check_float, check_int, to_numpy
+from ._convert import INT32_MAX, INT64_MAX, as_float32, as_ids, check_float, check_int, to_numpy
 
 _ops = _C.ops
 _CUDA_DEVICES = (2, 13)  # DLPack kDLCUDA, kDLCUDAManaged
@@ -348,7 +348,7 @@ def attention_forward(qkv, n_head, causal=True):
     """Scaled dot-product attention on the fused projection qkv (B, T, 3C) = q | k | v, n_head heads.
     -> (out (B, T, C), lse (B, n_head, T)): lse is all backward needs besides the inputs."""
     d = _where(qkv)
-    qkv, n_head = d.storage(qkv, "qkv"), check_int(n_head, "n_head", 1, 2**31 - 1)
+    qkv, n_head = d.storage(qkv, "qkv"), check_int(n_head, "n_head", 1, INT32_MAX)
     B, T, C3 = _shape(qkv) if len(_shape(qkv)) == 3 else (0, 0, 0)
     out, lse = d.empty((B, T, C3 // 3), like=qkv), d.empty((B, n_head, T))
     _ops.attention_forward(d.arg(out), d.arg(lse), d.arg(qkv), n_head, bool(causal), d.stream)
@@ -362,7 +362,7 @@ def attention_backward(dout, qkv, out, lse, n_head, causal=True):
     lse = d.f32(lse, "lse")
     dqkv = d.empty(_shape(qkv), like=qkv)
     _ops.attention_backward(d.arg(dqkv), d.arg(dout), d.arg(qkv), d.arg(out), d.arg(lse),
-                            check_int(n_head, "n_head", 1, 2**31 - 1), bool(causal), d.stream)
+                            check_int(n_head, "n_head", 1, INT32_MAX), bool(causal), d.stream)
     return dqkv
 
 
@@ -379,7 +379,7 @@ def attention_decode_append(k_cache, v_cache, qkv, pos):
         if not in_place:  # a converted copy would take the write and be thrown away
             raise TypeError(f"{name} is written in place: it must be a writeable contiguous array of qkv's dtype "
                             f"({qkv.dtype}), got {type(cache).__name__} of dtype {getattr(cache, 'dtype', None)}")
-    pos = check_int(pos, "pos", 0, 2**31 - 1)
+    pos = check_int(pos, "pos", 0, INT32_MAX)
     _ops.attention_decode_append(d.arg(k_cache), d.arg(v_cache), d.arg(qkv), pos, d.stream)
 
 
@@ -390,7 +390,7 @@ def attention_decode_forward(qkv, k_cache, v_cache, pos):
     d = _where(qkv, k_cache, v_cache)
     qkv, k_cache, v_cache = d.storage(qkv, "qkv"), d.storage(k_cache, "k_cache"), d.storage(v_cache, "v_cache")
     out = d.empty(_shape(qkv)[:2] + (_shape(qkv)[2] // 3,) if len(_shape(qkv)) == 3 else (0, 0, 0), like=qkv)
-    pos = check_int(pos, "pos", 0, 2**31 - 1)
+    pos = check_int(pos, "pos", 0, INT32_MAX)
     _ops.attention_decode_forward(d.arg(out), d.arg(qkv), d.arg(k_cache), d.arg(v_cache), pos, d.stream)
     return out
 
@@ -564,7 +564,7 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr=6e-4, betas=(0.9, 0.
     _ops.adamw_update(d.arg(param), d.arg(d.f32(grad, "grad")), d.arg(exp_avg), d.arg(exp_avg_sq),
                       check_float(lr, "lr", 0.0), check_float(betas[0], "betas[0]", 0.0, 0.999999),
                       check_float(betas[1], "betas[1]", 0.0, 0.999999), check_float(eps, "eps", 0.0, low_open=True),
-                      check_float(weight_decay, "weight_decay", 0.0), check_int(step, "step", 1, 2**63 - 1), d.stream)
+                      check_float(weight_decay, "weight_decay", 0.0), check_int(step, "step", 1, INT64_MAX), d.stream)
 
 
 _CAST_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",

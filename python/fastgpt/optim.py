@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from . import _C
-from ._convert import as_ids, check_float, check_int
+from ._convert import INT64_MAX, as_ids, check_float, check_int
 
 
 class StepStats:
@@ -204,5 +204,5 @@ class AdamW:
                 raise ValueError(f"optimizer state {key!r} holds {a.size} values, this optimizer {m.size}")
             arrays.append(np.ascontiguousarray(a))
         self._serial += 1
-        self._opt.load_state(arrays[0], arrays[1], check_int(state["step_count"], "step_count", 0, 2**63 - 1),
-                             check_int(state["skipped_steps"], "skipped_steps", 0, 2**63 - 1))
+        self._opt.load_state(arrays[0], arrays[1], check_int(state["step_count"], "step_count", 0, INT64_MAX),
+                             check_int(state["skipped_steps"], "skipped_steps", 0, INT64_MAX))
