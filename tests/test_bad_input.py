@@ -261,6 +261,29 @@ def test_op_matmul_backward_dout_of_another_layout():
         ops.matmul_backward(rng.standard_normal((3, 2, 6)).astype(np.float32), x, w)
 
 
+def test_op_layernorm_backward_stats_of_another_layout():
+    # mean/rstd laid out (T, B) for x (B, T, C) hold the right count in the wrong order: refused; x.shape[:-1],
+    # torch's (B, T, 1) and the flat (B*T,) that layernorm_forward returns are taken.
+    rng = np.random.default_rng()
+    x, dout = (rng.standard_normal((2, 3, 4)).astype(np.float32) for _ in range(2))
+    w, b = rng.standard_normal(4).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    _, mean, rstd = ops.layernorm_forward(x, w, b)
+    with pytest.raises(ValueError, match=r"mean must be x.shape\[:-1\] \(2, 3\).*got shape \(3, 2\)"):
+        ops.layernorm_backward(dout, x, w, mean.reshape(3, 2), rstd)
+    with pytest.raises(ValueError, match=r"rstd must be .*got shape \(6, 1, 1\)"):
+        ops.layernorm_backward(dout, x, w, mean, rstd.reshape(6, 1, 1))
+    want = ops.layernorm_backward(dout, x, w, mean, rstd)
+    for shape in ((2, 3), (2, 3, 1)):
+        got = ops.layernorm_backward(dout, x, w, mean.reshape(shape), rstd.reshape(shape))
+        assert all(np.array_equal(g, r) for g, r in zip(got, want)), shape
+
+
+def test_op_embedding_backward_longer_than_block_size():
+    dout = np.random.default_rng().standard_normal((2, 8, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"idx has 8 positions per row, more than block_size \(4\)"):
+        ops.embedding_backward(dout, ids(2, 8, high=10), 10, 4)
+
+
 def test_op_zero_sized_features():
     # A zero-width dimension is refused with its name (it was a division by zero that killed the process).
     x = np.ones((2, 4), np.float32)

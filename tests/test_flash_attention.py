@@ -125,6 +125,21 @@ def test_cpu_takes_torch_tensors_and_mixed_dtypes(rng):
     assert isinstance(out2, np.ndarray) and np.array_equal(out, out2) and np.array_equal(lse, lse2)
 
 
+def test_cpu_takes_half_arrays_widened(rng):
+    # bfloat16 (ml_dtypes, NumPy's only bfloat16) and float16 arrays are widened exactly to float32, as torch's
+    # half tensors are: the result is that of their float32 values.
+    import ml_dtypes
+    for dtype in (ml_dtypes.bfloat16, np.float16):
+        q, k, v, dout = (randn(rng, (1, 2, 9, 8)).astype(dtype) for _ in range(4))
+        q32, k32, v32, dout32 = (a.astype(np.float32) for a in (q, k, v, dout))
+        out, lse = ops.flash_attention_forward(q, k, v)
+        ref_out, ref_lse = ops.flash_attention_forward(q32, k32, v32)
+        assert out.dtype == np.float32 and np.array_equal(out, ref_out) and np.array_equal(lse, ref_lse)
+        grads = ops.flash_attention_backward(dout, q, k, v, out, lse)
+        ref = ops.flash_attention_backward(dout32, q32, k32, v32, ref_out, ref_lse)
+        assert all(np.array_equal(g, r) for g, r in zip(grads, ref)), dtype
+
+
 def test_cpu_backward_repeats_bitwise(rng):
     q, k, v, dout = (randn(rng, (1, 2, 70, 16)) for _ in range(4))
     out, lse = ops.flash_attention_forward(q, k, v)

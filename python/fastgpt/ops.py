@@ -33,7 +33,9 @@ class _Host:
         return as_float32(x, name)
 
     def floating(self, x, name):
-        return as_float32(x, name)  # the CPU flash kernel computes in float32: half inputs are widened exactly
+        # The CPU flash kernel computes in float32: half inputs (ml_dtypes bfloat16 too) are widened exactly.
+        half = _host_half(x)
+        return half.astype(np.float32) if half is not None else as_float32(x, name)
 
     def storage(self, x, name):
         """float32, or a 16-bit array kept in its dtype (bfloat16 as ml_dtypes, float16)."""
@@ -183,6 +185,8 @@ def embedding_backward(dout, idx, vocab_size, block_size):
     d = _where(dout, idx)
     dout, idx = d.storage(dout, "dout"), d.ids(idx, "idx", ndim=2)
     V, maxT = check_int(vocab_size, "vocab_size", 1), check_int(block_size, "block_size", 1)
+    if len(_shape(idx)) == 2 and _shape(idx)[1] > maxT:
+        raise ValueError(f"idx has {_shape(idx)[1]} positions per row, more than block_size ({maxT})")
     if isinstance(d, _Device):
         d.check_vocab(V, "idx")
     C = _shape(dout)[-1]
@@ -220,6 +224,12 @@ def layernorm_backward(dout, x, weight, mean, rstd):
     d = _where(dout, x, weight, mean, rstd)
     dout, x, weight = d.storage(dout, "dout"), d.storage(x, "x"), d.storage(weight, "weight")
     mean, rstd = d.f32(mean, "mean"), d.f32(rstd, "rstd")
+    rows = _shape(x)[:-1]
+    n = int(np.prod(rows, dtype=np.int64))
+    for a, name in ((mean, "mean"), (rstd, "rstd")):  # another layout of the rows would be read in the wrong order
+        if _shape(a) not in (rows, rows + (1,), (n,)):
+            raise ValueError(f"{name} must be x.shape[:-1] {rows}, with or without a trailing 1, or flat ({n},), "
+                             f"got shape {_shape(a)}")
     dx, dw, db = d.zeros(_shape(x), like=x), d.zeros(_shape(weight)), d.zeros(_shape(weight))
     _ops.layernorm_backward(d.arg(dx), d.arg(dw), d.arg(db), d.arg(dout), d.arg(x), d.arg(weight), d.arg(mean),
                             d.arg(rstd), d.stream)
