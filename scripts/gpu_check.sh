@@ -16,7 +16,10 @@
 #             by side (table in ladder.log, rows in ladder.json, bar chart ladder.png when matplotlib is there)
 # TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py with a GPU case; the CPU-only
 # ones are CI's), SANITIZERS="memcheck ..." the sanitize part.
-# A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each.
+# A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each. A
+# session has 15 minutes of device time in all, the machine's start (a minute or more) included: `tests sanitize`
+# first; `bench` next only at once (the machine stays warm 30 s, the build folder is kept) with CALL_BUDGET cut to
+# what is left, e.g. `CALL_BUDGET=150 bash scripts/gpu_check.sh bench` (steps past the budget time out: FAIL).
 # Raw evidence goes to $OUT (or ./gpu_out): logs, benchmark JSON, nvidia-smi line (at most 8 files come back).
 # Before calling: copy ../shared/data into .device/shared/data here (ignored by git) and carry .device.
 set -uo pipefail
