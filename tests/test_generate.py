@@ -227,6 +227,21 @@ def test_generate_iter_streams_the_tokens_of_generate(rng):
     np.testing.assert_array_equal(model.generate(prompt, 10, top_k=10, seed=3), np.concatenate([prompt, steps]))
 
 
+def test_long_generation_keeps_only_the_window(rng):
+    # The token buffer holds the prompt and at most max(block_size, 1024) more, then drops the older tokens: a huge
+    # max_new_tokens allocates nothing up front, and past the buffer's end each token is still the argmax of a
+    # forward over the last block_size tokens (the cached and the sliding paths).
+    import itertools
+    model = _context_model(int(rng.integers(1 << 31)))
+    prompt = rng.integers(0, SMALL.vocab_size, (2, 3))
+    steps = itertools.islice(model.generate_iter(prompt, 10**15, temperature=0.0), 1100)
+    out = np.concatenate([prompt] + [s[:, None] for s in steps], axis=1)
+    window = SMALL.block_size
+    for t in list(range(3, 40)) + list(range(1000, out.shape[1])):
+        logits, _ = model.forward(out[:, max(0, t - window):t])
+        assert np.array_equal(out[:, t], logits[:, -1].argmax(-1)), t
+
+
 def _context_model(seed, device="cpu"):
     # Weights of std 0.5 instead of GPT-2's 0.02: sharp attention, so that the next token depends on the whole
     # context (at the initial scale it is nearly a function of the last token alone, and a wrong cache goes unseen).

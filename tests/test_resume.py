@@ -295,3 +295,38 @@ def test_adamw_state_round_trip(rng):
     bad["exp_avg"] = bad["exp_avg"][:-1]
     with pytest.raises(ValueError, match="exp_avg"):
         opt_b.load_state_dict(bad)
+
+
+def test_resume_from_another_working_directory(shakespeare_txt, encoder_json, tmp_path, monkeypatch):
+    # Relative --input and --encoder are saved with the run as absolute paths: --resume works from anywhere.
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("w")
+    shutil.copy(shakespeare_txt, "play.txt")
+    main(["--input", "play.txt", "--encoder", os.path.relpath(encoder_json), *TINY, "--max-steps", "2",
+          "--save-every", "1", "--out-dir", "w/run"])
+    monkeypatch.chdir(tmp_path / "w")
+    result = main(["--resume", os.path.join("run", "step_000001")])
+    assert result["steps"] == 2 and result["resumed_from"].endswith("step_000001")
+    assert resume.read_state(os.path.join("run", "step_000002"))["args"]["input"] == str(tmp_path / "play.txt")
+
+
+def test_a_finished_run_is_not_run_again(shards, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    main([*shards, *TINY, "--max-steps", "2", "--save-every", "1", "--out-dir", run])
+    before = open(os.path.join(run, "log.jsonl")).read()
+    with pytest.raises(SystemExit):
+        main(["--resume", run])
+    assert "finished (step 2 of 2" in capsys.readouterr().err
+    assert open(os.path.join(run, "log.jsonl")).read() == before
+    # Stopped at its last step before the final pass (no model.safetensors yet): the resume does that pass, and its
+    # summary, with no step timed, holds nulls, not NaN (strict JSON).
+    os.remove(os.path.join(run, "model.safetensors"))
+    result = main(["--resume", run])
+    assert result["mean_tok_per_s"] is None and os.path.isfile(os.path.join(run, "model.safetensors"))
+
+    def no_constants(name):
+        raise ValueError(f"{name} in the log")
+
+    with open(os.path.join(run, "log.jsonl")) as f:
+        summary = [json.loads(line, parse_constant=no_constants) for line in f][-1]["summary"]
+    assert summary["mean_tok_per_s"] is None and summary["steps"] == 2

@@ -80,3 +80,47 @@ def test_bad_arguments(tmp_path, model, encoder_json, capsys):
         with pytest.raises(SystemExit) as e:
             sample.main([str(tmp_path / "m.safetensors"), "--encoder", str(encoder_json), *extra], out=io.StringIO())
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_device_and_damaged_files_are_named(tmp_path, model, encoder_json, capsys):
+    save_checkpoint(model, tmp_path / "m.safetensors")
+    with pytest.raises(SystemExit) as e:
+        sample.main([str(tmp_path / "m.safetensors"), "--device", "gpu"], out=io.StringIO())
+    assert e.value.code == 2 and "--device/--precision: device must be 'cpu' or 'cuda'" in capsys.readouterr().err
+    if not (fastgpt._C.built_with_cuda and fastgpt._C.cuda_device_count()):  # where no GPU is, say so
+        with pytest.raises(SystemExit) as e:
+            sample.main([str(tmp_path / "m.safetensors"), "--device", "cuda"], out=io.StringIO())
+        assert e.value.code == 2 and "--device/--precision: device='cuda'" in capsys.readouterr().err
+    # A run folder whose model.safetensors was cut short: said so, not "no config.json" of the Hugging Face reader.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.safetensors").write_bytes((tmp_path / "m.safetensors").read_bytes()[:1000])
+    with pytest.raises(SystemExit) as e:
+        sample.main([str(run), "--encoder", str(encoder_json)], out=io.StringIO())
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "not a safetensors file, or a damaged one" in err and "config.json" not in err
+
+
+def test_a_run_stopped_early_samples_from_its_latest_checkpoint(tmp_path, model, encoder_json, capsys):
+    # train.py writes model.safetensors at the end only; a run stopped before has its step_NNNNNN checkpoints.
+    run = tmp_path / "run"
+    for step, seed in ((2, 1), (4, None)):
+        (run / f"step_00000{step}").mkdir(parents=True)
+        save_checkpoint(model if seed is None else fastgpt.GPT(CONFIG, seed=seed),
+                        run / f"step_00000{step}" / "model.safetensors")
+    out = io.StringIO()
+    sample.main([str(run), "--prompt", "Hello", "-n", "6", "--temperature", "0", "--stop", "",
+                 "--encoder", str(encoder_json)], out=out)
+    assert out.getvalue() == _expected(model, get_gpt2_encoding(encoder_json), "Hello", 6) + "\n"
+    note = capsys.readouterr().err
+    assert "no final model.safetensors" in note and "step_000004" in note
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path, model, encoder_json):
+    save_checkpoint(model, tmp_path / "m.safetensors")
+    proc = subprocess.Popen([sys.executable, "-m", "fastgpt.sample", str(tmp_path / "m.safetensors"), "-n", "300",
+                             "--stop", "", "--num-samples", "3", "--encoder", str(encoder_json)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # `| head` that has read enough
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + 13 and "Traceback" not in err, err

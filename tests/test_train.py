@@ -203,6 +203,11 @@ def test_load_errors(tmp_path):
     (["--n-embd", "65"], "--n-head"),
     (["--vocab-size", "1000"], "--vocab-size"),
     (["--model", "huge"], "--model"),
+    (["--max-lr", "inf"], "--max-lr: must be a finite number"),
+    (["--min-lr-ratio", "nan"], "--min-lr-ratio: must be a finite number"),
+    (["--peak-tflops", "nan"], "--peak-tflops: must be a finite number"),
+    (["--hellaswag-examples", "5"], "--hellaswag-examples needs --hellaswag"),
+    (["--block-size", str(10**9)], "weights, gradients and AdamW moments alone"),  # terabytes: not the OOM killer
 ])
 def test_bad_flags(flags, named, shakespeare_txt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -229,7 +234,7 @@ def test_bad_shards(tmp_path, capsys):
     assert "no shards" in capsys.readouterr().err
 
 
-def test_existing_run_is_not_overwritten(tmp_path, shakespeare_txt, encoder_json):
+def test_existing_run_is_not_overwritten(tmp_path, shakespeare_txt, encoder_json, capsys):
     out = tmp_path / "run"
     out.mkdir()
     (out / "log.jsonl").write_text("earlier run\n")
@@ -237,6 +242,95 @@ def test_existing_run_is_not_overwritten(tmp_path, shakespeare_txt, encoder_json
         main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), "--max-steps", "1",
                     "--out-dir", str(out), "--no-progress"])
     assert (out / "log.jsonl").read_text() == "earlier run\n"
+    # nor a folder's weights (here a Hugging Face model's); --resume is suggested only where there is a checkpoint
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"weights")
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["--input", str(shakespeare_txt), *TINY, "--max-steps", "1", "--out-dir", str(hf)])
+    err = capsys.readouterr().err
+    assert "already holds a run (model.safetensors)" in err and f"--resume {hf}" not in err
+    assert (hf / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_out_dir_errors_name_the_flag(tmp_path, shakespeare_txt, capsys):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main(["--input", str(shakespeare_txt), *TINY, "--out-dir", str(tmp_path / "afile" / "sub")])
+    assert e.value.code == 2 and f"--out-dir {tmp_path / 'afile' / 'sub'}: cannot make the folder" in \
+        capsys.readouterr().err
+
+
+def test_refused_launches_make_no_run_folder(tmp_path, shakespeare_txt, monkeypatch, capsys):
+    # Flags refused without the data are refused before runs/<timestamp> is made and the text tokenized into it.
+    monkeypatch.chdir(tmp_path)
+    for flags, named in ((["--zero-stage", "1"], "--zero-stage 1"), (["--device", "tpu"], "--device")):
+        with pytest.raises(SystemExit):
+            main(["--input", str(shakespeare_txt), *TINY, *flags])
+        assert named in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_weights_are_saved_before_the_final_sample(tmp_path, shakespeare_txt, encoder_json, monkeypatch):
+    # A failure in the final sample (or HellaSwag) comes after the weights are on disk.
+    from fastgpt import train
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("sampling failed (simulated)")
+
+    monkeypatch.setattr(train.GPT, "generate", failing)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="simulated"):
+        main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "2",
+              "--eval-steps", "1", "--out-dir", str(out)])
+    assert load_checkpoint(out / "model.safetensors").config.n_embd == 64
+
+
+def test_sample_tokens_0_prints_no_samples(tmp_path, shakespeare_txt, encoder_json, capsys):
+    result = main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), *TINY, "--max-steps", "2",
+                   "--eval-steps", "1", "--sample-interval", "1", "--sample-tokens", "0",
+                   "--out-dir", str(tmp_path / "run")])
+    assert result["samples"] == [] and "sample at step" not in capsys.readouterr().out
+
+
+def test_a_closed_stdout_does_not_end_the_run(tmp_path, shakespeare_txt, encoder_json):
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(repo, "train.py"), "--input", str(shakespeare_txt),
+                             "--encoder", str(encoder_json), *TINY, "--max-steps", "3", "--eval-steps", "1",
+                             "--sample-tokens", "4", "--out-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # `| head` that has read enough, before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err
+    assert (out / "model.safetensors").exists() and "summary" in _read_log(out)[-1]
+
+
+def test_a_second_signal_waits_for_the_checkpoint_being_written():
+    import signal
+    from fastgpt.train import _StopSignal
+    with _StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # the first: noted
+        assert stop.signum == signal.SIGINT
+        stop.saving = True
+        os.kill(os.getpid(), signal.SIGINT)  # the second, during the write: deferred
+        stop.saving = False
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # after it (or a third): at once
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_cli_reports_a_second_ctrl_c_without_a_traceback(monkeypatch, capsys):
+    from fastgpt import train
+
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "main", interrupted)
+    assert train.cli() == 130 and "stopped at once" in capsys.readouterr().err
 
 
 def test_shards_are_read_even_with_fastgpt_data_set(tmp_path, shakespeare_txt, encoder_json, monkeypatch):

@@ -362,7 +362,10 @@ class GPT:
         # generator may have taken or freed it between two tokens) and the cache goes on (a change of the weights
         # ends it: cache_length 0). Otherwise it starts over from its own tokens.
         engine, window = self._engine, self.config.block_size
-        tokens = np.empty((len(ids), ids.shape[1] + max_new_tokens), np.int32)  # the engine's id type, filled as we go
+        # The engine's id type, filled as we go. Only the last block_size tokens condition the next one, so the
+        # buffer holds the prompt and at most max(window, 1024) more; when full, the older tokens are dropped (a
+        # huge max_new_tokens, e.g. streaming until a stop token, must not allocate them all up front).
+        tokens = np.empty((len(ids), ids.shape[1] + min(max_new_tokens, max(window, 1024))), np.int32)
         end = ids.shape[1]
         tokens[:, :end] = ids
         done = np.zeros(len(ids), bool)
@@ -382,6 +385,9 @@ class GPT:
                 if stop_token is not None:
                     nxt[done] = stop_token
                     done |= nxt == stop_token
+                if end == tokens.shape[1]:  # full (its size exceeds window): keep the last window tokens
+                    tokens[:, :window] = tokens[:, end - window:end].copy()
+                    end = window
                 tokens[:, end] = nxt
                 end += 1
                 yield nxt[0] if squeeze else nxt

@@ -11,23 +11,32 @@ import codecs
 import os
 import sys
 
-from .checkpoint import load_checkpoint, read_metadata
-from .model import GPT
+from . import resume
+from .checkpoint import NotSafetensorsError, load_checkpoint, read_metadata
+from .model import GPT, _check_device
 from .tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 
 
 def _is_fastgpt_checkpoint(path):
     try:
         read_metadata(path)
-    except ValueError:  # another safetensors file, or none at all: the Hugging Face reader says which
+    except NotSafetensorsError:
+        raise  # damaged: no reader takes it, and the Hugging Face one would only ask for a config.json
+    except ValueError:  # a safetensors file of another kind: the Hugging Face reader's
         return False
     return True
 
 
 def load_model(path, device="cpu", precision="fp32", n_head=None):
-    """A fastgpt.GPT from a train.py checkpoint (file or run folder) or a Hugging Face GPT-2 (folder or file)."""
+    """A fastgpt.GPT from a train.py checkpoint (file, run folder, or, for a run stopped before its end, the run's
+    latest step_NNNNNN checkpoint) or a Hugging Face GPT-2 (folder or file)."""
     path = os.fspath(path)
     ours = os.path.join(path, "model.safetensors") if os.path.isdir(path) else path
+    steps = resume.list_checkpoints(path) if os.path.isdir(path) and not os.path.exists(ours) else []
+    if steps and not os.path.isfile(os.path.join(path, "config.json")):  # a train.py run that did not finish
+        ours = os.path.join(steps[-1][1], "model.safetensors")
+        print(f"note: {path} has no final model.safetensors (the run stopped early): loading its latest "
+              f"checkpoint, {steps[-1][1]}", file=sys.stderr)
     if os.path.isfile(ours) and _is_fastgpt_checkpoint(ours):
         return load_checkpoint(ours, device=device, precision=precision)
     return GPT.from_pretrained(path, device=device, precision=precision, n_head=n_head)
@@ -68,9 +77,15 @@ def main(argv=None, out=None):
     if args.num_samples < 1:
         parser.error(f"--num-samples must be >= 1, got {args.num_samples}")
     try:
+        _check_device(args.device, args.precision)
+    except (ValueError, RuntimeError) as e:
+        parser.error(f"--device/--precision: {e}")
+    try:
         model = load_model(args.checkpoint, args.device, args.precision, args.n_head)
     except (OSError, ValueError, KeyError, ImportError) as e:
         parser.error(f"checkpoint: {e}")
+    except (RuntimeError, MemoryError) as e:  # the device: a GPU that cannot take this precision, out of memory
+        parser.error(f"--device/--precision: {e}")
     try:
         enc = _encoding(args)
     except (OSError, ValueError, RuntimeError) as e:
@@ -113,7 +128,13 @@ def main(argv=None, out=None):
 
 
 def cli():
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a shell tool does on SIGPIPE
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that Python's own flush at exit does not complain again
+        os.close(devnull)
+        return 128 + 13  # SIGPIPE's number: what `yes | head` reports for yes
     return 0
 
 

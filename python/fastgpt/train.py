@@ -33,7 +33,7 @@ from . import mfu as mfu_
 from ._io import atomic_write_bytes
 from .checkpoint import save_checkpoint
 from .data import DataLoader, tokenize_file
-from .model import GPT, GPTConfig
+from .model import GPT, GPTConfig, _check_device
 from .optim import AdamW
 from .tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 
@@ -63,6 +63,8 @@ def _number(kind, low, low_open=False, high=None):
     # argparse type: its error names the flag ("argument --max-steps: must be >= 1, got -5").
     def parse(text):
         value = kind(text)
+        if not math.isfinite(value):  # float("nan") and float("inf") parse, and nan passes every comparison
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (low_open and value == low) or (high is not None and value > high):
             bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
             raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
@@ -150,18 +152,22 @@ def _claim_out_dir(out_dir, resuming, held):
     for main() to release; the kernel releases it if the process dies), so a second run cannot write into it at the
     same time, and a fresh run never writes into one that holds a run. The default folder is runs/<timestamp>, with
     -2, -3, ... when another run took that second."""
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    else:
-        base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-        os.makedirs("runs", exist_ok=True)
-        for n in range(1, 1000):
-            out_dir = base if n == 1 else f"{base}-{n}"
-            try:
-                os.mkdir(out_dir)  # atomic: exactly one run makes it
-                break
-            except FileExistsError:
-                continue
+    named = out_dir or "runs/<timestamp> (the default)"
+    try:
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+        else:
+            base = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+            os.makedirs("runs", exist_ok=True)
+            for n in range(1, 1000):
+                out_dir = base if n == 1 else f"{base}-{n}"
+                try:
+                    os.mkdir(out_dir)  # atomic: exactly one run makes it
+                    break
+                except FileExistsError:
+                    continue
+    except OSError as e:  # a file of that name, no permission, a read-only file system
+        raise ValueError(f"--out-dir {named}: cannot make the folder ({e.strerror or e})") from None
     try:
         import fcntl
     except ImportError:  # no POSIX locks (Windows): the log check below still guards a finished run
@@ -174,9 +180,13 @@ def _claim_out_dir(out_dir, resuming, held):
             os.close(fd)
             raise ValueError(f"--out-dir {out_dir} is in use by another run") from None
         held.append(fd)
-    if not resuming and os.path.exists(os.path.join(out_dir, "log.jsonl")):  # never overwrite an earlier run
-        raise ValueError(f"--out-dir {out_dir} already holds a run (log.jsonl); choose another folder, or "
-                         f"continue it with --resume {out_dir}")
+    # A fresh run never writes over an earlier run's log, weights or checkpoints (nor a Hugging Face model's weights).
+    found = [n for n in ("log.jsonl", "model.safetensors") if os.path.exists(os.path.join(out_dir, n))]
+    checkpoints = resume.list_checkpoints(out_dir)
+    if not resuming and (found or checkpoints):
+        what = ", ".join(found + ([f"{len(checkpoints)} step_NNNNNN checkpoints"] if checkpoints else []))
+        go_on = f", or continue it with --resume {out_dir}" if checkpoints else ""
+        raise ValueError(f"--out-dir {out_dir} already holds a run ({what}); choose another folder{go_on}")
     return out_dir
 
 
@@ -200,10 +210,12 @@ def _resume_args(parser, argv, args, state):
 
 class _StopSignal:
     """Ctrl-C (SIGINT) or SIGTERM: noted, and the run stops after the current step with a checkpoint; a second one
-    stops at once. Only the main thread may own handlers; elsewhere the signals keep theirs."""
+    stops at once, except while a checkpoint is being written (`saving`): cut there, the run would end with none, so
+    it waits for the write (a third stops at once). Only the main thread may own handlers; elsewhere the signals
+    keep theirs."""
 
     def __init__(self):
-        self.signum, self._previous = None, {}
+        self.signum, self._previous, self.saving, self._deferred = None, {}, False, 0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -217,6 +229,10 @@ class _StopSignal:
         self._previous = {}
 
     def _handle(self, signum, frame):
+        if self.signum is not None and self.saving and not self._deferred:
+            self._deferred += 1
+            os.write(2, b"\nwriting the checkpoint; the run stops once it is on disk (again to stop at once)\n")
+            return
         if self.signum is not None:
             self.__exit__()
             raise KeyboardInterrupt
@@ -247,7 +263,7 @@ def _main(argv, held):
     if world_size > 1 and args.device == "cpu" and distributed.launcher() != "mpi":
         parser.error(f"--device cpu with {world_size} ranks reduces gradients over MPI: launch with "
                      f"mpiexec -n {world_size} python train.py ... ({distributed.launcher()} started this job)")
-    say = tqdm.write if master else (lambda *a, **k: None)  # above a live progress bar; rank 0 only
+    say = (lambda *a, **k: _print(*a, write=tqdm.write, **k)) if master else (lambda *a, **k: None)  # rank 0 only
 
     def agreed(check):
         # Work only rank 0 does (the file system, the tokenizer): its result on rank 0, and its verdict on every
@@ -301,8 +317,35 @@ def _main(argv, held):
         args.input = os.environ.get("FASTGPT_DATA") or None
     if not args.shards and not args.input:
         parser.error("no data: pass --input TEXT_FILE (or set FASTGPT_DATA), or --shards GLOB")
+    # Saved with the run as absolute paths: --resume from another working directory finds the same files.
+    for name in ("input", "shards", "encoder", "hellaswag"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(os.path.expanduser(getattr(args, name))))
     if args.input and not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: file not found")
+    if args.hellaswag_examples and not args.hellaswag:
+        parser.error("--hellaswag-examples needs --hellaswag JSONL")
+    # What can be refused without the data is refused before the run folder is made and the text tokenized into it.
+    if args.zero_stage and world_size == 1:
+        parser.error("--zero-stage 1 shards the optimizer over data-parallel ranks: launch more than one")
+    try:
+        _check_device(args.device, args.precision)
+    except (ValueError, RuntimeError) as e:
+        parser.error(f"--device/--precision: {e}")
+    config = GPTConfig(block_size=block_size, vocab_size=args.vocab_size, n_layer=n_layer, n_head=n_head,
+                       n_embd=n_embd)
+    if not args.device.startswith("cuda"):  # a GPU's allocator says so itself; the CPU's would end in the OOM killer
+        need, have = 16 * _num_parameters(config), _physical_memory()
+        if have and need > have:
+            parser.error(f"the model (L{n_layer} C{n_embd}, block size {block_size}, vocab {args.vocab_size}: "
+                         f"{_num_parameters(config):,} parameters) needs about {need / 2**30:.1f} GiB for its "
+                         f"weights, gradients and AdamW moments alone; this machine has {have / 2**30:.1f} GiB")
+    examples = None
+    if args.hellaswag:
+        try:
+            examples = hellaswag.load(args.hellaswag, args.hellaswag_examples)
+        except (OSError, ValueError) as e:
+            parser.error(f"--hellaswag: {e}")
 
     # Rank 0 claims the run folder (the others' clocks may read another second) and tokenizes first; the others
     # then reuse its cached tokens.
@@ -342,20 +385,12 @@ def _main(argv, held):
             parser.error(f"--encoder: {e}")
         enc = None  # shards train without a tokenizer; samples then print as token ids
         say(f"warning: no GPT-2 tokenizer ({e}); samples will be token ids")
-    examples = None
-    if args.hellaswag:
-        try:
-            examples = hellaswag.load(args.hellaswag, args.hellaswag_examples)
-        except (OSError, ValueError) as e:
-            parser.error(f"--hellaswag: {e}")
-    config = GPTConfig(block_size=block_size, vocab_size=args.vocab_size, n_layer=n_layer, n_head=n_head,
-                       n_embd=n_embd)
     try:
         model = GPT(config, device=args.device, precision=args.precision, seed=args.seed, recompute=args.recompute)
     except (ValueError, RuntimeError, NotImplementedError) as e:
         parser.error(f"--device/--precision: {e}")
-    if args.zero_stage and world_size == 1:
-        parser.error("--zero-stage 1 shards the optimizer over data-parallel ranks: launch more than one")
+    except MemoryError as e:
+        parser.error(f"the model ({config}) does not fit in memory: {e}")
     opt = AdamW(model, lr=args.max_lr, weight_decay=args.weight_decay, zero_stage=args.zero_stage)
     min_lr = args.max_lr * args.min_lr_ratio
     start, history = 0, {"first_val_loss": None, "train_loss": None, "nonfinite_skips": 0}
@@ -365,6 +400,9 @@ def _main(argv, held):
         except (OSError, ValueError, KeyError) as e:
             parser.error(f"--resume: {e}")
         start, history = state["step"], state["history"]
+        if start >= args.max_steps and os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+            parser.error(f"--resume: the run in {out_dir} finished (step {start} of {args.max_steps}; its weights "
+                         f"are {os.path.join(out_dir, 'model.safetensors')}): nothing to do")
 
     # ---- MFU: nanoGPT's FLOPs per token over the device's peak
     token_flops = mfu_.flops_per_token(config, T, model.num_parameters())
@@ -420,7 +458,11 @@ def _main(argv, held):
 
     def save_state(done):
         info = {"args": {**vars(args), "resume": None}, "config": vars(config), "history": history}
-        return resume.save(out_dir, done, model, opt, train_loader, info, keep=args.keep)
+        stop_signal.saving = True
+        try:
+            return resume.save(out_dir, done, model, opt, train_loader, info, keep=args.keep)
+        finally:
+            stop_signal.saving = False
 
     # ---- training: step == max_steps is the extra pass that evaluates and samples the final weights
     val_losses, samples, times, losses, mfus, swag = [], [], [], [], [], None
@@ -439,12 +481,16 @@ def _main(argv, held):
                         history["first_val_loss"] = val_loss
                     record({"step": step, "val_loss": val_loss})
                     say(f"step {step:5d} | val loss {val_loss:.4f}")
+                    if last and master:  # the weights first: a failing HellaSwag or sample below cannot lose them
+                        ckpt = save_checkpoint(model, os.path.join(out_dir, "model.safetensors"), metadata={
+                            "step": args.max_steps, "train_loss": history["train_loss"], "val_loss": val_loss})
+                        say(f"saved {ckpt}")
                     if examples:
                         swag = hellaswag.evaluate(model, examples, enc, rank, world_size)
                         record({"step": step, "hellaswag": swag["accuracy"], "hellaswag_correct": swag["correct"],
                                 "hellaswag_total": swag["total"]})
                         say(f"step {step:5d} | hellaswag {swag['correct']}/{swag['total']} = {swag['accuracy']:.4f}")
-                if master and ((step > 0 and step % args.sample_interval == 0) or (last and args.sample_tokens > 0)):
+                if master and args.sample_tokens > 0 and ((step > 0 and step % args.sample_interval == 0) or last):
                     text = sample()
                     samples.append(text)
                     say(f"---- sample at step {step} ----\n{text}\n----")
@@ -495,7 +541,7 @@ def _main(argv, held):
                     shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "norm": f"{norm:.3f}", "ms": f"{dt * 1e3:.1f}",
                              "tok/s": f"{tok_per_s:.0f}", **({"mfu": f"{100 * entry['mfu']:.1f}%"} if peak else {})}
                     if args.no_progress and master:
-                        print(f"step {step:5d} | " + " | ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+                        _print(f"step {step:5d} | " + " | ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
                     else:
                         bar.set_postfix(shown, refresh=False)
                 bar.update(1)
@@ -510,7 +556,7 @@ def _main(argv, held):
                     interrupted = stop_signal.signum or signal.SIGTERM
                     name = signal.Signals(interrupted).name
                     record({"interrupted": {"signal": name, "steps_done": done, "checkpoint": last_ckpt}})
-                    say(f"stopped by {name} after step {step}; go on with: python train.py --resume {out_dir}")
+                    say(f"stopped by {name} after step {step}; go on with: {_prog()} --resume {out_dir}")
                     break
     except BaseException:
         if log:
@@ -526,17 +572,14 @@ def _main(argv, held):
         return {"interrupted": int(interrupted), "checkpoint": last_ckpt, "out_dir": out_dir, "steps": done,
                 "model": model, "rank": rank}
 
-    # ---- the end: weights, summary
+    # ---- the end: the summary (the weights were saved at the last step)
     ckpt = os.path.join(out_dir, "model.safetensors")
-    if master:
-        ckpt = save_checkpoint(model, ckpt, metadata={
-            "step": args.max_steps, "train_loss": history["train_loss"], "val_loss": val_losses[-1]})
-        print(f"saved {ckpt}")
     steady = times[1:] or times  # the first step pays one-off costs (allocations, page faults)
-    mean_tok_per_s = total * len(steady) / sum(steady) if steady else float("nan")
+    # None, not NaN, where no step was timed (a resume at the last step): NaN is not JSON for strict readers
+    mean_tok_per_s = total * len(steady) / sum(steady) if steady else None
     result = {"final_train_loss": history["train_loss"], "first_val_loss": history["first_val_loss"],
               "last_val_loss": val_losses[-1], "mean_tok_per_s": mean_tok_per_s,
-              "mean_ms_per_step": 1e3 * sum(steady) / len(steady) if steady else float("nan"),
+              "mean_ms_per_step": 1e3 * sum(steady) / len(steady) if steady else None,
               "mean_mfu": float(np.mean(mfus[1:] or mfus)) if mfus else None,
               "hellaswag": swag["accuracy"] if swag else None, "nonfinite_skips": history["nonfinite_skips"],
               "grad_accum": grad_accum, "steps": args.max_steps, "num_parameters": model.num_parameters(),
@@ -553,10 +596,40 @@ def _main(argv, held):
         return result
     log.close()
     train_loss = f"{history['train_loss']:.4f}" if history["train_loss"] is not None else "-"
-    print(f"done: train loss {train_loss} | val loss {history['first_val_loss']:.4f} -> "
-          f"{val_losses[-1]:.4f} | {mean_tok_per_s:.0f} tok/s | {result['mean_ms_per_step']:.1f} ms/step" +
-          (f" | MFU {100 * result['mean_mfu']:.1f}%" if mfus else ""))
+    speed = f" | {mean_tok_per_s:.0f} tok/s | {result['mean_ms_per_step']:.1f} ms/step" if steady else ""
+    _print(f"done: train loss {train_loss} | val loss {history['first_val_loss']:.4f} -> {val_losses[-1]:.4f}" +
+           speed + (f" | MFU {100 * result['mean_mfu']:.1f}%" if mfus else ""))
     return result
+
+
+def _print(*args, write=None, **kwargs):
+    """print (or tqdm.write, above a live progress bar) that outlives its reader: a closed stdout (`| head`, a
+    terminal gone) must not end a run, whose log and checkpoints are on disk; what follows goes to /dev/null."""
+    try:
+        (write or print)(*args, **kwargs)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _prog():
+    """How this trainer was started, for the message that says how to go on."""
+    return "python train.py" if os.path.basename(sys.argv[0]) == "train.py" else "fastgpt-train"
+
+
+def _num_parameters(c):
+    """GPT-2's parameter count for a GPTConfig (lm_head tied to wte): what the engine allocates, in float32s."""
+    per_layer = 12 * c.n_embd * c.n_embd + 13 * c.n_embd  # attention and MLP weights, biases, two LayerNorms
+    return (c.vocab_size + c.block_size) * c.n_embd + c.n_layer * per_layer + 2 * c.n_embd
+
+
+def _physical_memory():
+    """Bytes of RAM, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _log_before(path, step):
@@ -586,6 +659,9 @@ def cli():
         if distributed.rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, as asked; no traceback for it
+        print("stopped at once (no checkpoint of the step in flight)", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 128 + result["interrupted"] if result.get("interrupted") else 0
 
 
