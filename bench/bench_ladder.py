@@ -1,7 +1,8 @@
 """The speed-up ladder of build-nanogpt, PyTorch and fastgpt side by side: fp32 -> tf32 -> bf16 -> compile -> flash
 attention -> vocab 50304 -> fused AdamW -> DDP. Each rung adds its switch to those before it and is run on both sides
 from the same weights on the same batches: ms/step, tok/s, MFU, peak memory and the losses. A rung a side cannot
-run here (no GPU, no bf16, a fastgpt switch not implemented yet) is a row with the reason, never left out.
+run here (no GPU, no bf16, a fastgpt switch not implemented yet, not enough GPU memory) is a row with the reason,
+never left out.
 
 notebooks/02_speedup_progression.ipynb runs it rung by rung with the text; as a script it prints the table and writes
 the results as JSON (scripts/gpu_check.sh keeps them under bench/results/):
@@ -12,6 +13,7 @@ the results as JSON (scripts/gpu_check.sh keeps them under bench/results/):
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -48,7 +50,8 @@ RUNGS = [
     Rung("bf16", {"autocast": True}, {"precision": "bf16"}),
     Rung("compile", {"compile": True}, {"fused": True},
          note="GPT(fused=True): chunked classifier (no (B, T, V) logits), residual + LayerNorm fused, GELU "
-              "epilogues (GPU), the step one train_step call; CUDA graphs to come"),
+              "epilogues (GPU, 16-bit), the step one train_step call (eager: torch.compile's default mode "
+              "records no CUDA graph either)"),
     Rung("flash attention", {"flash": True}, {},
          note="fastgpt's attention is a flash kernel at every rung (only the log-sum-exp is kept for backward)"),
     Rung("vocab 50304", {"vocab": 50304}, {"vocab": 50304}),
@@ -203,8 +206,11 @@ def run_torch(setup, s, wrap=None):
 
 def run_fastgpt(setup, s):
     """fastgpt's training step with the switches in `s`: unfused (one kernel per op, the full logits kept;
-    forward_backward, clip, AdamW: three calls into the engine) until the compile rung switches fused on, which
-    also takes the whole step as one AdamW.train_step call (the loss read back inside the timer, as torch's)."""
+    forward_backward, clip, AdamW, zero_grad: four calls into the engine) until the compile rung switches fused on,
+    which also takes the whole step as one AdamW.train_step call (the loss read back inside the timer, as torch's).
+    memory: the engine's buffers and, on a GPU, its scratch workspace (GEMM workspace, partial sums, flash
+    attention's backward; model.memory()'s 'total' leaves it out), so that it compares with torch's allocator peak,
+    which counts such temporaries too."""
     model = fastgpt.GPT(setup.config(s.get("vocab", 50257)), device=setup.device,
                         precision=s.get("precision", "fp32"), seed=setup.seed, fused=bool(s.get("fused")))
     opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -220,7 +226,8 @@ def run_fastgpt(setup, s):
             model.zero_grad()
         losses.append(float(loss))
         times.append(time.perf_counter() - t0)
-    return {"ms": _median_ms(times[setup.warmup:]), "losses": losses, "memory": model.memory()["total"]}
+    memory = model.memory()
+    return {"ms": _median_ms(times[setup.warmup:]), "losses": losses, "memory": memory["total"] + memory["scratch"]}
 
 
 def run_ddp(setup, s, side):
@@ -268,35 +275,81 @@ def device_name(setup):
     return _C.cuda_device_name(torch.cuda.current_device()) if setup.gpu else "CPU"
 
 
+def settings_for(rung, side, setup):
+    """The switches `side` runs `rung` with: those of every rung up to it in RUNGS order that the side can run here
+    (a rung skipped for a reason adds none). Computed from RUNGS, not from the rungs run so far, so that a rung run
+    again after later ones (a notebook cell re-run) runs as it did the first time."""
+    settings = {}
+    for r in RUNGS[:[r.name for r in RUNGS].index(rung.name) + 1]:
+        if why_not(r, side, setup) is None:
+            settings.update(r.torch if side == "torch" else r.fastgpt)
+    return settings
+
+
+def out_of_memory(error):
+    """The skipped row's reason when `error` is a side running out of memory, else None. torch raises
+    torch.cuda.OutOfMemoryError; fastgpt a RuntimeError naming the failed CUDA call with CUDA's message, "out of
+    memory" (csrc/cuda/check.h), and MemoryError for a failed host allocation."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or (
+            isinstance(error, RuntimeError) and "out of memory" in str(error)):
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"out of memory: {first[:200]}"
+    return None
+
+
+def _free_memory(setup, settings):
+    """After a side ran out of memory: its model and activations (the locals of the failed run) are collected and
+    torch's cached blocks go back to the device, so that the next rung, on either side, finds the memory free."""
+    if settings.get("compile"):
+        torch.compiler.reset()  # dynamo's caches keep the compiled model alive
+    gc.collect()
+    if setup.gpu:
+        torch.cuda.empty_cache()
+
+
+def _run_side(setup, settings, side):
+    """-> (the run's measurements, None), or (None, the reason) when it ran out of memory."""
+    try:
+        if settings.get("ddp"):
+            return run_ddp(setup, settings, side), None
+        return (run_torch if side == "torch" else run_fastgpt)(setup, settings), None
+    except Exception as e:  # anything but running out of memory is raised again
+        reason = out_of_memory(e)
+        if reason is None:
+            raise
+    return None, reason  # outside the handler: the traceback, which holds the failed run's locals, is gone
+
+
 def run_rung(rung, setup, state):
-    """Runs one rung on both sides. `state` carries the switches of the rungs before (per side) and the rows so far;
-    returns this rung's two rows."""
+    """Runs one rung on both sides with settings_for's switches. state["rows"] holds the rows of the rungs run so
+    far, in RUNGS order; this rung's replace any it had. Returns this rung's two rows."""
     rows = []
     for side in ("torch", "fastgpt"):
-        switch = rung.torch if side == "torch" else rung.fastgpt
-        settings = state.setdefault(side, {})
         reason = why_not(rung, side, setup)
         row = {"rung": rung.name, "side": side, "status": "skipped" if reason else "ran", "note": reason or "",
                "settings": {}}
         if not reason:
-            settings = {**settings, **switch}
-            state[side] = settings  # later rungs build on what ran
+            settings = settings_for(rung, side, setup)
             row["settings"] = dict(settings)
-            if side == "fastgpt":
-                row["note"] = rung.note
-            ddp = settings.get("ddp")
-            runner = run_torch if side == "torch" else run_fastgpt
-            result = run_ddp(setup, settings, side) if ddp else runner(setup, settings)
-            world = result.get("world", 1)
-            row.update(result)
-            row["tok_s"] = setup.B * setup.T * world / (result["ms"] / 1000)
-            row["loss"] = result["losses"][-1]
-            cfg = setup.config(settings.get("vocab", 50257))
-            peak = _peak(setup)
-            row["mfu"] = (flops_per_token(cfg, setup.T, param_count(cfg)) * row["tok_s"] / (peak * 1e12 * world)
-                          if peak else None)
+            result, reason = _run_side(setup, settings, side)
+            if reason:
+                _free_memory(setup, settings)
+                row.update(status="skipped", note=reason)
+            else:
+                if side == "fastgpt":
+                    row["note"] = rung.note
+                world = result.get("world", 1)
+                row.update(result)
+                row["tok_s"] = setup.B * setup.T * world / (result["ms"] / 1000)
+                row["loss"] = result["losses"][-1]
+                cfg = setup.config(settings.get("vocab", 50257))
+                peak = _peak(setup)
+                row["mfu"] = (flops_per_token(cfg, setup.T, param_count(cfg)) * row["tok_s"] / (peak * 1e12 * world)
+                              if peak else None)
         rows.append(row)
-    state.setdefault("rows", []).extend(rows)
+    order = [r.name for r in RUNGS]
+    kept = [r for r in state.get("rows", []) if r["rung"] != rung.name]
+    state["rows"] = sorted(kept + rows, key=lambda r: order.index(r["rung"]))  # stable: torch before fastgpt
     return rows
 
 
@@ -316,7 +369,7 @@ def _peak(setup):
 
 def table(rows):
     """The rows as a text table: one line per rung and side."""
-    head = f"{'rung':<16} {'side':<8} {'ms/step':>9} {'tok/s':>10} {'MFU':>6} {'mem MB':>8} {'loss':>8}  note"
+    head = f"{'rung':<16} {'side':<8} {'ms/step':>9} {'tok/s':>10} {'MFU':>6} {'mem MiB':>8} {'loss':>8}  note"
     lines = [head, "-" * len(head)]
     for r in rows:
         if r["status"] == "skipped":
@@ -385,8 +438,7 @@ def main(argv=None):
           f"{setup.steps} timed steps after {setup.warmup}", flush=True)
     state = {}
     for rung in RUNGS:
-        run_rung(rung, setup, state)
-        print(table(state["rows"][-2:]).split("\n", 2)[2], flush=True)
+        print(table(run_rung(rung, setup, state)).split("\n", 2)[2], flush=True)
     print(table(state["rows"]))
     if args.json:
         payload = {"device": device_name(setup), "preset": preset, "B": setup.B, "T": setup.T,
