@@ -162,3 +162,54 @@ def test_bad_files_are_clear_errors(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         fastgpt.GPT(CONFIG, seed=0).save_pretrained(tmp_path / "file")
+
+
+def _cut(path):
+    # A copy cut short (disk full, an interrupted scp): its first half.
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def test_damaged_safetensors_is_a_clear_error(rng, tmp_path):
+    # ValueErrors naming the file, which the CLIs turn into "error: ..." (safetensors' own error names no file and
+    # is neither a ValueError nor an OSError).
+    fastgpt.GPT(CONFIG, seed=int(rng.integers(1 << 31))).save_pretrained(tmp_path)
+    _cut(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        fastgpt.GPT.from_pretrained(tmp_path / "model.safetensors", n_head=2)
+    # no config.json: the damage is reported, not a request for n_head (a cut-short train.py checkpoint)
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_damaged_pytorch_bin_is_a_clear_error(tmp_path, damage):
+    # torch's own errors name no file, and one advises weights_only=False: running code from a damaged file.
+    hf = _hf_model(0)
+    hf.config.to_json_file(tmp_path / "config.json")
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    if damage == "cut":
+        _cut(tmp_path / "pytorch_model.bin")
+    else:
+        (tmp_path / "pytorch_model.bin").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin: not a readable PyTorch file") as e:
+        fastgpt.GPT.from_pretrained(tmp_path)
+    assert "weights_only" not in str(e.value)
+
+
+def test_damaged_config_and_index_are_clear_errors(rng, tmp_path):
+    fastgpt.GPT(CONFIG, seed=int(rng.integers(1 << 31))).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"n_layer": 2,')
+    with pytest.raises(ValueError, match=r"config\.json: not a JSON file"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"config\.json: expected a JSON object"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+    _hf_model(0).config.to_json_file(tmp_path / "config.json")
+    os.remove(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": []}')
+    with pytest.raises(ValueError, match=r"index\.json: expected a JSON object whose 'weight_map'"):
+        fastgpt.GPT.from_pretrained(tmp_path)
