@@ -213,3 +213,16 @@ def test_damaged_config_and_index_are_clear_errors(rng, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": []}')
     with pytest.raises(ValueError, match=r"index\.json: expected a JSON object whose 'weight_map'"):
         fastgpt.GPT.from_pretrained(tmp_path)
+
+
+def test_folder_with_bin_and_shards_loads_what_transformers_loads(rng, tmp_path):
+    # An old pytorch_model.bin left beside a newer sharded save: transformers reads the shards, so must fastgpt.
+    old, new = _hf_model(1), _hf_model(2)
+    torch.save(old.state_dict(), tmp_path / "pytorch_model.bin")
+    new.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert not os.path.isfile(tmp_path / "model.safetensors")
+    x = rng.integers(0, CONFIG.vocab_size, (2, 12))
+    ours = fastgpt.GPT.from_pretrained(tmp_path).forward(x)[0]
+    assert rel_err(ours, _hf_logits(GPT2LMHeadModel.from_pretrained(tmp_path).eval(), x)) < 1e-5
+    assert rel_err(ours, _hf_logits(new, x)) < 1e-5

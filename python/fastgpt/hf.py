@@ -109,9 +109,11 @@ def _read_torch_bin(path):
 
 
 def _weights_file(folder):
-    for name, reader in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", _read_torch_bin)):
-        if os.path.isfile(os.path.join(folder, name)):
-            return lambda: reader(os.path.join(folder, name))
+    # transformers' order (model.safetensors, its sharded index, then pytorch_model.bin), so a folder holding more
+    # than one of them gives fastgpt the weights transformers would load.
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return lambda: _read_safetensors(single)
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -123,6 +125,9 @@ def _weights_file(folder):
             raise ValueError(f"{index}: expected a JSON object whose 'weight_map' maps tensor names to shard files")
         files = sorted(set(weight_map.values()))
         return lambda: {k: v for shard in files for k, v in _read_safetensors(os.path.join(folder, shard)).items()}
+    pickled = os.path.join(folder, "pytorch_model.bin")
+    if os.path.isfile(pickled):
+        return lambda: _read_torch_bin(pickled)
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
