@@ -226,3 +226,14 @@ def test_folder_with_bin_and_shards_loads_what_transformers_loads(rng, tmp_path)
     ours = fastgpt.GPT.from_pretrained(tmp_path).forward(x)[0]
     assert rel_err(ours, _hf_logits(GPT2LMHeadModel.from_pretrained(tmp_path).eval(), x)) < 1e-5
     assert rel_err(ours, _hf_logits(new, x)) < 1e-5
+
+
+@pytest.mark.parametrize("vocab_size,eot", [(96, None), (50304, 50256)])
+def test_bos_eos_ids_only_inside_the_vocabulary(tmp_path, vocab_size, eot):
+    # Left out, transformers would fill in GPT-2's 50256 for a smaller vocabulary (and warn on every load).
+    cfg = fastgpt.GPTConfig(block_size=8, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16)
+    fastgpt.GPT(cfg, seed=0).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["bos_token_id"] == saved["eos_token_id"] == eot
+    loaded = GPT2Config.from_pretrained(tmp_path)
+    assert loaded.bos_token_id == loaded.eos_token_id == eot

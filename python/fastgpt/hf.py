@@ -205,8 +205,10 @@ def hf_config(config):
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
         "tie_word_embeddings": True, "use_cache": True, "torch_dtype": "float32",
     }
-    if config.vocab_size > EOT:  # GPT-2's <|endoftext|>, where the vocabulary has it
-        cfg.update(bos_token_id=EOT, eos_token_id=EOT)
+    # GPT-2's <|endoftext|>, where the vocabulary has it. Otherwise None, written out: a missing key would get
+    # GPT2Config's default 50256, an id outside the vocabulary, which transformers warns about on every load.
+    eot = EOT if config.vocab_size > EOT else None
+    cfg.update(bos_token_id=eot, eos_token_id=eot)
     return cfg
 
 
