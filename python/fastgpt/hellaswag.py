@@ -52,6 +52,8 @@ def load(path, limit=None):
             ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
             if not isinstance(ctx, str):
                 raise ValueError(f"{where}: 'ctx' must be a string, got {ctx!r:.60}")
+            if not ctx:  # each ending token is scored from the tokens before it: the first would have none
+                raise ValueError(f"{where}: 'ctx' is empty; an ending's first token needs a context to be scored")
             if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
                 raise ValueError(f"{where}: 'endings' must be a list of 4 strings, got {endings!r:.80}")
             if isinstance(label, str) and label.isdigit():  # some copies of the data store it as text
