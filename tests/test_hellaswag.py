@@ -112,6 +112,15 @@ def test_bad_files_name_file_and_line(tmp_path, line, named):
         hellaswag.load(tmp_path / "missing.jsonl")
 
 
+def test_non_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "h.jsonl"
+    first = open(MINI, "rb").readline()
+    path.write_bytes(first + first.replace(b'"ctx": "', b'"ctx": "caf\xe9 '))  # line 2 in Latin-1
+    with pytest.raises(ValueError, match="not UTF-8") as e:
+        hellaswag.load(path)
+    assert f"{path}:2" in str(e.value)
+
+
 def test_train_py_refuses_an_empty_ctx_before_training(shakespeare_txt, encoder_json, tmp_path, capsys):
     # The example would pass until the first eval and end the run there; it is refused before any step.
     path = tmp_path / "h.jsonl"

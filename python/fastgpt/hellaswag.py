@@ -36,13 +36,18 @@ def load(path, limit=None):
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, decoded line by line below, so that a bad byte's error names its line
+        for lineno, raw in enumerate(f, 1):
             if limit is not None and len(examples) == limit:
                 break
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start} of the line); "
+                                 "the official files are UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except ValueError as e:
