@@ -121,6 +121,20 @@ def test_non_utf8_names_file_and_line(tmp_path):
     assert f"{path}:2" in str(e.value)
 
 
+def test_evaluate_refuses_what_it_cannot_score(encoder_json, tmp_path, capsys):
+    enc = get_gpt2_encoding(encoder_json)
+    with pytest.raises(ValueError, match="examples is empty"):
+        hellaswag.evaluate(_model(0), [], enc)
+    # GPT-2's token ids past a small model's vocabulary: refused by name, by the API and the command line
+    small = fastgpt.GPT(fastgpt.GPTConfig(block_size=64, vocab_size=96, n_layer=1, n_head=2, n_embd=16), seed=0)
+    with pytest.raises(ValueError, match="vocab_size is 96"):
+        hellaswag.evaluate(small, hellaswag.load(MINI, 1), enc)
+    fastgpt.checkpoint.save_checkpoint(small, tmp_path / "m.safetensors")
+    with pytest.raises(SystemExit) as e:
+        hellaswag.main([str(tmp_path / "m.safetensors"), "--data", MINI, "--encoder", str(encoder_json)])
+    assert e.value.code == 2 and "vocab_size is 96" in capsys.readouterr().err
+
+
 def test_train_py_refuses_an_empty_ctx_before_training(shakespeare_txt, encoder_json, tmp_path, capsys):
     # The example would pass until the first eval and end the run there; it is refused before any step.
     path = tmp_path / "h.jsonl"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import distributed
+from .tokenizer import EOT
 
 
 @dataclass
@@ -128,6 +129,11 @@ def evaluate(model, examples, enc, rank=None, world_size=None, tokens_per_batch=
     prediction is the ending with the lowest mean loss. Data parallel: each rank scores its share, counts summed."""
     if not isinstance(examples, list):
         examples = load(examples)
+    if not examples:
+        raise ValueError("examples is empty")
+    if model.config.vocab_size <= EOT:  # GPT-2's tokens would index past the model's embedding table
+        raise ValueError(f"the model's vocab_size is {model.config.vocab_size}: HellaSwag is scored in GPT-2's "
+                         f"tokens, which need a vocabulary of at least {EOT + 1}")
     rank = distributed.rank() if rank is None else rank
     world_size = distributed.world_size() if world_size is None else world_size
     mine = examples[rank::world_size]
@@ -156,7 +162,10 @@ def main(argv=None):
         model = load_model(args.checkpoint, device=args.device, precision=args.precision)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         p.error(str(e))
-    result = evaluate(model, examples, enc)
+    try:
+        result = evaluate(model, examples, enc)
+    except ValueError as e:  # the model cannot score these examples (its vocabulary, say)
+        p.error(f"{args.checkpoint}: {e}")
     print(f"hellaswag: {result['correct']}/{result['total']} = {result['accuracy']:.4f}")
     return result
 
