@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from . import distributed
-from ._io import fsync_path, public_mode
+from ._io import atomic_path, fsync_path, make_temp_folder
 from .checkpoint import save_checkpoint
 
 FORMAT, VERSION = "fastgpt-train-state", 1
@@ -195,25 +195,23 @@ def save(run_dir, step, model, opt, loader, info, keep=0):
     rank, world = distributed.rank(), distributed.world_size()
     tmp, error = None, None
     if rank == 0:
-        tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.", suffix=".tmp", dir=run_dir)
-        public_mode(tmp, folder=True)
+        tmp = make_temp_folder(run_dir, f".step_{step:06d}.", ".tmp")  # a leftover: set_aside_later removes it
     tmp = distributed.broadcast_object(tmp)
     written = {}
     try:
         if opt.zero_stage == 1 or rank == 0:  # moments: each rank's shard, or rank 0's (identical on all)
             name = _optimizer_file(opt)
             m, v = opt.moments()  # views on the CPU, host copies from a GPU: written as they are
-            save_file({"exp_avg": m, "exp_avg_sq": v}, os.path.join(tmp, name))
+            with atomic_path(os.path.join(tmp, name)) as part:  # fsynced; a plain mode, not 0600
+                save_file({"exp_avg": m, "exp_avg_sq": v}, part)
             written[name] = _digest(os.path.join(tmp, name))
         if rank == 0:
             save_checkpoint(model, os.path.join(tmp, "model.safetensors"), metadata={"step": step})
             written["model.safetensors"] = _digest(os.path.join(tmp, "model.safetensors"))
             if model.precision in ("bf16", "fp16"):
-                save_file({"compute_weights": _compute_bits(model)}, os.path.join(tmp, "compute_weights.safetensors"))
+                with atomic_path(os.path.join(tmp, "compute_weights.safetensors")) as part:
+                    save_file({"compute_weights": _compute_bits(model)}, part)
                 written["compute_weights.safetensors"] = _digest(os.path.join(tmp, "compute_weights.safetensors"))
-        for name in written:
-            public_mode(os.path.join(tmp, name))  # safetensors makes its files 0600
-            fsync_path(os.path.join(tmp, name))
     except OSError as e:
         error = f"rank {rank}: {e}"
     files, errors = {}, []
