@@ -1,5 +1,6 @@
 """Atomic writes (fastgpt._io), which shards, checkpoints, Hugging Face folders and train.py's log go through: the
-mode a new file gets comes from the kernel (the umask is never set, not even for a moment)."""
+mode a new file gets comes from the kernel (the umask is never set, not even for a moment), and a final name as long
+as the file system allows still gets a temp file beside it."""
 import os
 import re
 import stat
@@ -41,6 +42,23 @@ def test_new_files_get_a_plain_files_mode_without_touching_the_umask(tmp_path, u
     # the name resume's clean-up of what a crash mid-save left behind looks for
     assert re.match(r"^\.step_\d+\..*\.(tmp|old)$", os.path.basename(folder))
     assert sorted(os.listdir(tmp_path)) == sorted(["a.bin", "w.safetensors", os.path.basename(folder)])
+
+
+def test_a_final_name_of_255_bytes_is_written(tmp_path):
+    name = "m" * 243 + ".safetensors"  # NAME_MAX: the longest name most file systems take
+    assert len(name) == 255
+    _io.atomic_write_bytes(tmp_path / name, [b"abc"])
+    assert os.listdir(tmp_path) == [name] and (tmp_path / name).read_bytes() == b"abc"
+    wide = "é" * 120 + ".bin"  # 244 bytes in UTF-8, in 124 characters
+    _io.atomic_write_bytes(tmp_path / wide, [b"xyz"])
+    assert (tmp_path / wide).read_bytes() == b"xyz"
+
+    # a failure midway removes the temp file (shortened name and all) and leaves the old file
+    with pytest.raises(OSError, match="disk full"):
+        with _io.atomic_path(tmp_path / name) as tmp:
+            assert len(os.path.basename(tmp)) < 100
+            raise OSError("disk full")
+    assert sorted(os.listdir(tmp_path)) == sorted([name, wide]) and (tmp_path / name).read_bytes() == b"abc"
 
 
 def test_resume_checkpoint_files_get_plain_modes(tmp_path, umask_027):

@@ -8,9 +8,15 @@ import os
 import secrets
 import stat
 
+# The temp file's name holds the final name, so a leftover one says whose it was; a long final name is shortened
+# in it (50 characters are at most 200 bytes), as the whole must stay within NAME_MAX (255 bytes) where the final
+# name itself may take all of it.
+_LONG_NAME = 200
+
+
 def _temp_name(folder, name, suffix):
-    # The final name in it: a leftover temp file says whose it was.
-    return os.path.join(folder, f".{name}.{secrets.token_hex(4)}{suffix}")
+    stem = name if len(os.fsencode(name)) <= _LONG_NAME else name[:50]
+    return os.path.join(folder, f".{stem}.{secrets.token_hex(4)}{suffix}")
 
 
 @contextlib.contextmanager
