@@ -1,6 +1,7 @@
 """Atomic writes (fastgpt._io), which shards, checkpoints, Hugging Face folders and train.py's log go through: the
-mode a new file gets comes from the kernel (the umask is never set, not even for a moment), and a final name as long
-as the file system allows still gets a temp file beside it."""
+mode a new file gets comes from the kernel (the umask is never set, not even for a moment), a file replaced keeps
+its mode, a symlink keeps pointing at the file that was written, and a final name as long as the file system allows
+still gets a temp file beside it."""
 import os
 import re
 import stat
@@ -42,6 +43,31 @@ def test_new_files_get_a_plain_files_mode_without_touching_the_umask(tmp_path, u
     # the name resume's clean-up of what a crash mid-save left behind looks for
     assert re.match(r"^\.step_\d+\..*\.(tmp|old)$", os.path.basename(folder))
     assert sorted(os.listdir(tmp_path)) == sorted(["a.bin", "w.safetensors", os.path.basename(folder)])
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path):
+    path = tmp_path / "private.bin"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o600)
+    _io.atomic_write_bytes(path, [b"new"])
+    assert path.read_bytes() == b"new" and _mode(path) == 0o600
+    os.chmod(path, 0o444)  # read-only: still replaced (the folder is writable), and still read-only
+    with _io.atomic_path(path) as tmp:
+        save_file({"x": np.ones(2, dtype=np.float32)}, tmp)
+    assert _mode(path) == 0o444 and load_file(path)["x"].tolist() == [1.0, 1.0]
+
+
+def test_writing_through_a_symlink_replaces_its_target(tmp_path):
+    (tmp_path / "disk").mkdir()
+    target = tmp_path / "disk" / "model.bin"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o600)
+    link = tmp_path / "model.bin"
+    os.symlink(target, link)
+    _io.atomic_write_bytes(link, [b"new"])
+    assert os.path.islink(link) and os.readlink(link) == str(target)
+    assert target.read_bytes() == b"new" and _mode(target) == 0o600
+    assert sorted(os.listdir(tmp_path / "disk")) == ["model.bin"]  # its temp file was beside the target
 
 
 def test_a_final_name_of_255_bytes_is_written(tmp_path):

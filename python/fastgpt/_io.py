@@ -23,8 +23,9 @@ def _temp_name(folder, name, suffix):
 def atomic_path(path):
     """Yields a temp path in the destination folder; on a clean exit the file is fsynced and renamed over `path`
     (one filesystem, so the rename is atomic); on an exception it is removed and the old `path` is untouched.
-    The file gets the mode a plain open() would give it."""
-    path = os.path.abspath(os.fspath(path))
+    A symlink at `path` stays: its target is what is replaced. The file gets the mode of the one it replaces, else
+    the mode a plain open() would give it."""
+    path = os.path.realpath(os.fspath(path))  # a rename over the link itself would leave its target as it was
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
     while True:
@@ -38,10 +39,14 @@ def atomic_path(path):
     try:
         os.close(fd)
         mode = stat.S_IMODE(os.stat(tmp).st_mode)
+        with contextlib.suppress(FileNotFoundError):
+            mode = stat.S_IMODE(os.stat(path).st_mode) & 0o777  # what the user had set on the file it replaces
         yield tmp
         with open(tmp, "rb+") as f:  # the bytes must be on disk before the rename makes them the real file
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # the writer may have made the file anew (safetensors does, 0600)
+        # The writer may have made the file anew (safetensors does, 0600): the mode is set on what it wrote, after
+        # the fsync, which a read-only mode (a 0444 file replaced) would not let open it for.
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
