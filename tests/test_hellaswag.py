@@ -99,6 +99,7 @@ def test_long_rows_keep_their_last_block_size_tokens(encoder_json):
     ('{"ctx": "a", "endings": ["b", "c", "d"], "label": 0}', "'endings' must be a list of 4 strings"),
     ('{"ctx": "a", "endings": ["b", "c", "d", "e"], "label": 7}', "'label' must be 0, 1, 2 or 3"),
     ('{"endings": ["b", "c", "d", "e"], "label": 1}', "'ctx' must be a string"),
+    ('{"ctx": "", "endings": ["b", "c", "d", "e"], "label": 1}', "'ctx' is empty"),
 ])
 def test_bad_files_name_file_and_line(tmp_path, line, named):
     path = tmp_path / "h.jsonl"
@@ -109,6 +110,41 @@ def test_bad_files_name_file_and_line(tmp_path, line, named):
     assert len(hellaswag.load(path, limit=1)) == 1  # the first line alone is fine
     with pytest.raises(FileNotFoundError):
         hellaswag.load(tmp_path / "missing.jsonl")
+
+
+def test_non_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "h.jsonl"
+    first = open(MINI, "rb").readline()
+    path.write_bytes(first + first.replace(b'"ctx": "', b'"ctx": "caf\xe9 '))  # line 2 in Latin-1
+    with pytest.raises(ValueError, match="not UTF-8") as e:
+        hellaswag.load(path)
+    assert f"{path}:2" in str(e.value)
+
+
+def test_evaluate_refuses_what_it_cannot_score(encoder_json, tmp_path, capsys):
+    enc = get_gpt2_encoding(encoder_json)
+    with pytest.raises(ValueError, match="examples is empty"):
+        hellaswag.evaluate(_model(0), [], enc)
+    # GPT-2's token ids past a small model's vocabulary: refused by name, by the API and the command line
+    small = fastgpt.GPT(fastgpt.GPTConfig(block_size=64, vocab_size=96, n_layer=1, n_head=2, n_embd=16), seed=0)
+    with pytest.raises(ValueError, match="vocab_size is 96"):
+        hellaswag.evaluate(small, hellaswag.load(MINI, 1), enc)
+    fastgpt.checkpoint.save_checkpoint(small, tmp_path / "m.safetensors")
+    with pytest.raises(SystemExit) as e:
+        hellaswag.main([str(tmp_path / "m.safetensors"), "--data", MINI, "--encoder", str(encoder_json)])
+    assert e.value.code == 2 and "vocab_size is 96" in capsys.readouterr().err
+
+
+def test_train_py_refuses_an_empty_ctx_before_training(shakespeare_txt, encoder_json, tmp_path, capsys):
+    # The example would pass until the first eval and end the run there; it is refused before any step.
+    path = tmp_path / "h.jsonl"
+    path.write_text(json.dumps({"ctx": "", "endings": ["a", "b", "c", "d"], "label": 0}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["--input", str(shakespeare_txt), "--encoder", str(encoder_json), "--n-layer", "1", "--n-head", "2",
+              "--n-embd", "32", "-B", "2", "-T", "16", "--no-progress", "--max-steps", "2", "--eval-interval", "1",
+              "--eval-steps", "1", "--sample-tokens", "0", "--hellaswag", str(path), "--out-dir", str(tmp_path / "r")])
+    assert f"--hellaswag: {path}:1: 'ctx' is empty" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "r" / "log.jsonl")
 
 
 def test_train_py_reports_hellaswag_at_every_eval(shakespeare_txt, encoder_json, tmp_path, capsys):

@@ -162,3 +162,78 @@ def test_bad_files_are_clear_errors(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         fastgpt.GPT(CONFIG, seed=0).save_pretrained(tmp_path / "file")
+
+
+def _cut(path):
+    # A copy cut short (disk full, an interrupted scp): its first half.
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def test_damaged_safetensors_is_a_clear_error(rng, tmp_path):
+    # ValueErrors naming the file, which the CLIs turn into "error: ..." (safetensors' own error names no file and
+    # is neither a ValueError nor an OSError).
+    fastgpt.GPT(CONFIG, seed=int(rng.integers(1 << 31))).save_pretrained(tmp_path)
+    _cut(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        fastgpt.GPT.from_pretrained(tmp_path / "model.safetensors", n_head=2)
+    # no config.json: the damage is reported, not a request for n_head (a cut-short train.py checkpoint)
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_damaged_pytorch_bin_is_a_clear_error(tmp_path, damage):
+    # torch's own errors name no file, and one advises weights_only=False: running code from a damaged file.
+    hf = _hf_model(0)
+    hf.config.to_json_file(tmp_path / "config.json")
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    if damage == "cut":
+        _cut(tmp_path / "pytorch_model.bin")
+    else:
+        (tmp_path / "pytorch_model.bin").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin: not a readable PyTorch file") as e:
+        fastgpt.GPT.from_pretrained(tmp_path)
+    assert "weights_only" not in str(e.value)
+
+
+def test_damaged_config_and_index_are_clear_errors(rng, tmp_path):
+    fastgpt.GPT(CONFIG, seed=int(rng.integers(1 << 31))).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"n_layer": 2,')
+    with pytest.raises(ValueError, match=r"config\.json: not a JSON file"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"config\.json: expected a JSON object"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+    _hf_model(0).config.to_json_file(tmp_path / "config.json")
+    os.remove(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": []}')
+    with pytest.raises(ValueError, match=r"index\.json: expected a JSON object whose 'weight_map'"):
+        fastgpt.GPT.from_pretrained(tmp_path)
+
+
+def test_folder_with_bin_and_shards_loads_what_transformers_loads(rng, tmp_path):
+    # An old pytorch_model.bin left beside a newer sharded save: transformers reads the shards, so must fastgpt.
+    old, new = _hf_model(1), _hf_model(2)
+    torch.save(old.state_dict(), tmp_path / "pytorch_model.bin")
+    new.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert not os.path.isfile(tmp_path / "model.safetensors")
+    x = rng.integers(0, CONFIG.vocab_size, (2, 12))
+    ours = fastgpt.GPT.from_pretrained(tmp_path).forward(x)[0]
+    assert rel_err(ours, _hf_logits(GPT2LMHeadModel.from_pretrained(tmp_path).eval(), x)) < 1e-5
+    assert rel_err(ours, _hf_logits(new, x)) < 1e-5
+
+
+@pytest.mark.parametrize("vocab_size,eot", [(96, None), (50304, 50256)])
+def test_bos_eos_ids_only_inside_the_vocabulary(tmp_path, vocab_size, eot):
+    # Left out, transformers would fill in GPT-2's 50256 for a smaller vocabulary (and warn on every load).
+    cfg = fastgpt.GPTConfig(block_size=8, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=16)
+    fastgpt.GPT(cfg, seed=0).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["bos_token_id"] == saved["eos_token_id"] == eot
+    loaded = GPT2Config.from_pretrained(tmp_path)
+    assert loaded.bos_token_id == loaded.eos_token_id == eot

@@ -186,6 +186,12 @@ def test_damaged_checkpoints_are_refused(shards, tmp_path, capsys):
     refused(flip, "optimizer.safetensors", "SHA-256")
     refused(lambda: os.unlink(os.path.join(latest, "state.json")), "incomplete", "state.json")
     refused(lambda: open(os.path.join(latest, "state.json"), "w").write('{"format": "fastgpt-train'), "damaged")
+
+    def drop_args():  # JSON as it should be, but not all of it: a CheckpointError, not a KeyError's traceback
+        state = json.loads(good["state.json"])
+        del state["args"]
+        open(os.path.join(latest, "state.json"), "w").write(json.dumps(state))
+    refused(drop_args, "damaged (no 'args')")
     refused(lambda: os.unlink(os.path.join(latest, "model.safetensors")), "model.safetensors is missing")
 
     # a damaged copy under another name: refused with the same reasons (no step in its name to point before)
@@ -199,6 +205,79 @@ def test_damaged_checkpoints_are_refused(shards, tmp_path, capsys):
     # asked for explicitly, the one before it is used
     result = main(["--resume", os.path.join(run, "step_000002")])
     assert result["resumed_from"].endswith("step_000002") and result["steps"] == 4
+
+
+def _state(folder, precision="fp32", world_size=1, zero_stage=0):
+    # state.json as resume.save writes it, over small stand-ins for the files it lists.
+    names = ["model.safetensors"] + (["compute_weights.safetensors"] if precision != "fp32" else [])
+    names += [f"optimizer_rank{r}.safetensors" for r in range(world_size)] if zero_stage else ["optimizer.safetensors"]
+    files = {}
+    for i, name in enumerate(names):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(bytes([i]) * (i + 3))
+        files[name] = resume._digest(os.path.join(folder, name))
+    loader = {"epoch": 0, "shard_pos": 0, "window_pos": 3, "B": 4, "T": 32, "world_size": world_size, "seed": 1,
+              "files": ["a.bin"], "tokens": [100]}
+    return {"format": resume.FORMAT, "version": resume.VERSION, "step": 3, "time": "", "world_size": world_size,
+            "zero_stage": zero_stage, "precision": precision, "seed": 1,
+            "optimizer": {"step_count": 3, "skipped_steps": 0},
+            "loss_scaler": {"scale": 65536.0, "growth_tracker": 3} if precision == "fp16" else None,
+            "loader": loader, "args": {"batch_size": 4}, "config": {}, "files": files,
+            "history": {"first_val_loss": 10.9, "train_loss": None, "nonfinite_skips": 0}}
+
+
+def _without(state, *keys):
+    *path, last = keys
+    for k in path:
+        state = state[k]
+    del state[last]
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda s: _without(s, "files"), "no 'files'"),
+    (lambda s: s.update(files=list(s["files"])), "'files' is [\"model.safetensors\""),
+    (lambda s: s["files"].update({"model.safetensors": {"size": 3}}), "files: 'model.safetensors' is {\"size\": 3}"),
+    (lambda s: _without(s, "files", "model.safetensors", "sha256"), "expected {\"bytes\": <integer>, \"sha256\""),
+    (lambda s: s["files"].update({"../x": s["files"]["model.safetensors"]}), "'../x' is not a file name"),
+    (lambda s: _without(s, "files", "optimizer.safetensors"), "files does not list optimizer.safetensors"),
+    (lambda s: _without(s, "args"), "no 'args'"),
+    (lambda s: s.update(args=["--batch-size", "4"]), "'args' is [\"--batch-size\""),
+    (lambda s: s["loader"].update(epoch=None), "'loader.epoch' is null, expected an integer >= 0"),
+    (lambda s: _without(s, "loader", "window_pos"), "no 'loader.window_pos'"),
+    (lambda s: s.update(step=True), "'step' is true"),
+    (lambda s: s["optimizer"].update(step_count="3"), "'optimizer.step_count' is \"3\""),
+    (lambda s: _without(s, "history", "train_loss"), "no 'history.train_loss'"),
+    (lambda s: s.update(precision="fp8"), "'precision' is \"fp8\""),
+    (lambda s: s.update(loss_scaler={"scale": 1.0, "growth_tracker": 0}), "loss_scaler is {\"scale\""),
+])
+def test_state_json_of_the_wrong_shape_is_damaged(tmp_path, damage, words):
+    # It parses, but lacks or mistypes what train.py and restore() read: refused by read_state, naming what.
+    state = _state(tmp_path)
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    assert resume.read_state(tmp_path) == state  # the intact one is read, so the damage below is what is refused
+    damage(state)
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    with pytest.raises(resume.CheckpointError, match="damaged") as e:
+        resume.read_state(tmp_path)
+    assert f"{tmp_path / 'state.json'}: damaged" in str(e.value) and words in str(e.value)
+
+
+@pytest.mark.parametrize("precision, world_size, zero_stage, damage, words", [
+    ("fp16", 1, 0, lambda s: s.update(loss_scaler=None), "loss_scaler is null with precision fp16"),
+    ("fp16", 1, 0, lambda s: s["loss_scaler"].update(scale=0), "'loss_scaler.scale' is 0"),
+    ("bf16", 1, 0, lambda s: _without(s, "files", "compute_weights.safetensors"), "does not list compute_weights"),
+    ("fp32", 2, 1, lambda s: _without(s, "files", "optimizer_rank1.safetensors"), "of ranks [0], expected 0 to 1"),
+    ("fp32", 2, 1, lambda s: s.update(world_size=10**12), "expected 0 to 999999999999"),
+])
+def test_state_json_of_other_setups_is_checked_too(tmp_path, precision, world_size, zero_stage, damage, words):
+    state = _state(tmp_path, precision, world_size, zero_stage)
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    assert resume.read_state(tmp_path) == state
+    damage(state)
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    with pytest.raises(resume.CheckpointError, match="damaged") as e:
+        resume.read_state(tmp_path)
+    assert words in str(e.value)
 
 
 def test_resume_from_inside_the_run_folder(shards, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import distributed
+from .tokenizer import EOT
 
 
 @dataclass
@@ -36,13 +37,18 @@ def load(path, limit=None):
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, decoded line by line below, so that a bad byte's error names its line
+        for lineno, raw in enumerate(f, 1):
             if limit is not None and len(examples) == limit:
                 break
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start} of the line); "
+                                 "the official files are UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except ValueError as e:
@@ -52,6 +58,8 @@ def load(path, limit=None):
             ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
             if not isinstance(ctx, str):
                 raise ValueError(f"{where}: 'ctx' must be a string, got {ctx!r:.60}")
+            if not ctx:  # each ending token is scored from the tokens before it: the first would have none
+                raise ValueError(f"{where}: 'ctx' is empty; an ending's first token needs a context to be scored")
             if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
                 raise ValueError(f"{where}: 'endings' must be a list of 4 strings, got {endings!r:.80}")
             if isinstance(label, str) and label.isdigit():  # some copies of the data store it as text
@@ -121,6 +129,11 @@ def evaluate(model, examples, enc, rank=None, world_size=None, tokens_per_batch=
     prediction is the ending with the lowest mean loss. Data parallel: each rank scores its share, counts summed."""
     if not isinstance(examples, list):
         examples = load(examples)
+    if not examples:
+        raise ValueError("examples is empty")
+    if model.config.vocab_size <= EOT:  # GPT-2's tokens would index past the model's embedding table
+        raise ValueError(f"the model's vocab_size is {model.config.vocab_size}: HellaSwag is scored in GPT-2's "
+                         f"tokens, which need a vocabulary of at least {EOT + 1}")
     rank = distributed.rank() if rank is None else rank
     world_size = distributed.world_size() if world_size is None else world_size
     mine = examples[rank::world_size]
@@ -149,7 +162,10 @@ def main(argv=None):
         model = load_model(args.checkpoint, device=args.device, precision=args.precision)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         p.error(str(e))
-    result = evaluate(model, examples, enc)
+    try:
+        result = evaluate(model, examples, enc)
+    except ValueError as e:  # the model cannot score these examples (its vocabulary, say)
+        p.error(f"{args.checkpoint}: {e}")
     print(f"hellaswag: {result['correct']}/{result['total']} = {result['accuracy']:.4f}")
     return result
 

@@ -14,10 +14,11 @@ transformers.GPT2LMHeadModel.from_pretrained loads as it is, atomically file by 
 """
 import json
 import os
+import pickle
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ._io import atomic_path, atomic_write_bytes
@@ -58,15 +59,18 @@ def _config_from_hf(cfg, where):
 def _read_safetensors(path):
     """name -> NumPy array. bfloat16 tensors (which safetensors' NumPy side cannot type) are read from the file's
     header and bytes as ml_dtypes.bfloat16."""
-    out, bf16 = {}, []
-    with safe_open(path, framework="np") as f:
-        for name in f.keys():
-            try:
-                out[name] = f.get_tensor(name)
-            except TypeError:
-                bf16.append(name)
+    try:
+        with safe_open(path, framework="np") as f:
+            out, bf16 = {}, []
+            for name in f.keys():
+                try:
+                    out[name] = f.get_tensor(name)
+                except TypeError:
+                    bf16.append(name)
+    except SafetensorError as e:  # a cut-short or damaged file; safetensors' own message names no file
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     if bf16:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f:  # safe_open has checked the header and the file's length against it
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
             for name in bf16:
@@ -75,7 +79,10 @@ def _read_safetensors(path):
                     raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which fastgpt cannot read")
                 begin, end = info["data_offsets"]
                 f.seek(8 + n + begin)
-                out[name] = np.frombuffer(f.read(end - begin), ml_dtypes.bfloat16).reshape(info["shape"])
+                data = f.read(end - begin)
+                if len(data) != end - begin:  # the file changed after safe_open checked it
+                    raise ValueError(f"{path}: not a readable safetensors file (tensor {name!r} is cut short)")
+                out[name] = np.frombuffer(data, ml_dtypes.bfloat16).reshape(info["shape"])
     return out
 
 
@@ -85,19 +92,42 @@ def _read_torch_bin(path):
     except ImportError:
         raise ImportError(f"{path} is a PyTorch pickle: reading it needs torch (pip install torch), or convert the "
                           "folder to model.safetensors") from None
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    with open(path, "rb") as f:  # open()'s own errors name the file; what fails past it is the file's content
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:  # damaged, cut short, not tensors
+            detail = str(e)
+            # torch wraps the unpickler's reason in advice to pass weights_only=False, which would run code from a
+            # file that is most likely just damaged: only the reason is kept.
+            if "WeightsUnpickler error:" in detail:
+                detail = detail.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+            detail = " ".join(detail.split()) or type(e).__name__
+            raise ValueError(f"{path}: not a readable PyTorch file ({detail})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: expected a PyTorch state dict (names to tensors), got {type(state).__name__}")
     return {k: v.detach().float().numpy() for k, v in state.items()}
 
 
 def _weights_file(folder):
-    for name, reader in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", _read_torch_bin)):
-        if os.path.isfile(os.path.join(folder, name)):
-            return lambda: reader(os.path.join(folder, name))
+    # transformers' order (model.safetensors, its sharded index, then pytorch_model.bin), so a folder holding more
+    # than one of them gives fastgpt the weights transformers would load.
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return lambda: _read_safetensors(single)
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError):  # not JSON (or not UTF-8), or JSON but not an object
+            weight_map = None
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+            raise ValueError(f"{index}: expected a JSON object whose 'weight_map' maps tensor names to shard files")
+        files = sorted(set(weight_map.values()))
         return lambda: {k: v for shard in files for k, v in _read_safetensors(os.path.join(folder, shard)).items()}
+    pickled = os.path.join(folder, "pytorch_model.bin")
+    if os.path.isfile(pickled):
+        return lambda: _read_torch_bin(pickled)
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
@@ -115,11 +145,21 @@ def read_pretrained(path, n_head=None):
     cfg_path = os.path.join(folder, "config.json")
     config = None
     if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            config = _config_from_hf(json.load(f), cfg_path)
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except ValueError as e:  # json's message gives line and column, not the file
+            raise ValueError(f"{cfg_path}: not a JSON file ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{cfg_path}: expected a JSON object (a transformers GPT2Config), got "
+                             f"{type(raw).__name__}")
+        config = _config_from_hf(raw, cfg_path)
         if n_head is not None and n_head != config["n_head"]:
             raise ValueError(f"n_head={n_head} disagrees with {cfg_path} (n_head {config['n_head']})")
     elif n_head is None:
+        # A damaged file is the thing to report (a cut-short train.py checkpoint, its header unreadable, lands
+        # here too): asking for n_head would send the user the wrong way.
+        read()
         raise ValueError(f"{path}: no config.json beside the weights, and n_head cannot be read from tensor shapes: "
                          "pass n_head=")
     tensors = {}
@@ -165,8 +205,10 @@ def hf_config(config):
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
         "tie_word_embeddings": True, "use_cache": True, "torch_dtype": "float32",
     }
-    if config.vocab_size > EOT:  # GPT-2's <|endoftext|>, where the vocabulary has it
-        cfg.update(bos_token_id=EOT, eos_token_id=EOT)
+    # GPT-2's <|endoftext|>, where the vocabulary has it. Otherwise None, written out: a missing key would get
+    # GPT2Config's default 50256, an id outside the vocabulary, which transformers warns about on every load.
+    eot = EOT if config.vocab_size > EOT else None
+    cfg.update(bos_token_id=eot, eos_token_id=eot)
     return cfg
 
 

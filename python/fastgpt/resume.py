@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from . import distributed
-from ._io import fsync_path, public_mode
+from ._io import atomic_path, fsync_path, make_temp_folder
 from .checkpoint import save_checkpoint
 
 FORMAT, VERSION = "fastgpt-train-state", 1
@@ -87,6 +87,7 @@ def read_state(ckpt):
         raise CheckpointError(f"{path}: not a fastgpt training checkpoint")
     if state.get("version") != VERSION:
         raise CheckpointError(f"{path}: format version {state.get('version')!r}, this fastgpt reads {VERSION}")
+    _check_fields(state, path)
     for name, want in state["files"].items():
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
@@ -98,6 +99,75 @@ def read_state(ckpt):
         if _digest(file)["sha256"] != want["sha256"]:
             raise CheckpointError(f"{ckpt}: damaged checkpoint: {name} does not match its SHA-256")
     return state
+
+
+def _count(v, low=0):
+    return type(v) is int and v >= low  # type(), not isinstance: JSON's true/false are no counts
+
+
+def _number(v):
+    return type(v) in (int, float)
+
+
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+OPTIMIZER_SHARD = re.compile(r"^optimizer_rank(\d+)\.safetensors$")
+# What train.py and restore() read from a state, each a check and what it expects: a state.json that parses but
+# lacks one of them, or holds another type, is a damaged checkpoint, not a KeyError or TypeError mid-resume.
+FIELDS = {
+    "": {"step": (_count, "an integer >= 0"), "world_size": (lambda v: _count(v, 1), "an integer >= 1"),
+         "zero_stage": (lambda v: v in (0, 1) and _count(v), "0 or 1"),
+         "precision": (lambda v: v in ("fp32", "tf32", "bf16", "fp16"), "fp32, tf32, bf16 or fp16"),
+         "args": (lambda v: isinstance(v, dict), "an object (the run's flags)"),
+         "history": (lambda v: isinstance(v, dict), "an object"),
+         "optimizer": (lambda v: isinstance(v, dict), "an object"),
+         "loader": (lambda v: isinstance(v, dict), "an object"),
+         "loss_scaler": (lambda v: v is None or isinstance(v, dict), "null or an object"),
+         "files": (lambda v: isinstance(v, dict) and v, "an object naming the checkpoint's files")},
+    "history": {"first_val_loss": (lambda v: v is None or _number(v), "null or a number"),
+                "train_loss": (lambda v: v is None or _number(v), "null or a number"),
+                "nonfinite_skips": (_count, "an integer >= 0")},
+    "optimizer": {"step_count": (_count, "an integer >= 0"), "skipped_steps": (_count, "an integer >= 0")},
+    "loader": {"epoch": (_count, "an integer >= 0"), "shard_pos": (_count, "an integer >= 0"),
+               "window_pos": (_count, "an integer >= 0")},
+    "loss_scaler": {"scale": (lambda v: _number(v) and v > 0, "a number > 0"),
+                    "growth_tracker": (_count, "an integer >= 0")},
+}
+
+
+def _check_fields(state, path):
+    def damaged(what):
+        return CheckpointError(f"{path}: damaged ({what})")
+
+    for section, fields in FIELDS.items():
+        obj = state[section] if section else state  # a section: already checked to be an object (or null)
+        if obj is None:
+            continue
+        for key, (ok, expected) in fields.items():
+            name = f"{section}.{key}" if section else key
+            if key not in obj:
+                raise damaged(f"no {name!r}")
+            if not ok(obj[key]):
+                raise damaged(f"{name!r} is {json.dumps(obj[key]):.60}, expected {expected}")
+    for name, entry in state["files"].items():
+        if name in ("", ".", "..") or os.path.basename(name) != name:  # files of this folder, by their names
+            raise damaged(f"files: {name!r} is not a file name")
+        if not (isinstance(entry, dict) and _count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
+                and SHA256.match(entry["sha256"])):
+            raise damaged(f"files: {name!r} is {json.dumps(entry):.80}, expected "
+                          '{"bytes": <integer>, "sha256": <64 hex digits>}')
+    if (state["loss_scaler"] is None) == (state["precision"] == "fp16"):  # fp16's scale goes on where it was
+        raise damaged(f"loss_scaler is {json.dumps(state['loss_scaler']):.60} with precision {state['precision']}")
+    # restore() reads these files: each must be listed, so that none is loaded unchecked
+    needed = ["model.safetensors"] + (["compute_weights.safetensors"] if state["precision"] in ("bf16", "fp16") else [])
+    needed += ["optimizer.safetensors"] if state["zero_stage"] == 0 else []
+    for name in needed:
+        if name not in state["files"]:
+            raise damaged(f"files does not list {name}")
+    if state["zero_stage"] == 1:  # one optimizer shard a rank; counted, not listed (world_size may be damaged too)
+        ranks = {int(m.group(1)) for m in map(OPTIMIZER_SHARD.match, state["files"]) if m}
+        if ranks != set(range(len(ranks))) or len(ranks) != state["world_size"]:
+            raise damaged(f"files lists the optimizer shards of ranks {sorted(ranks)}, expected 0 to "
+                          f"{state['world_size'] - 1}")
 
 
 def _optimizer_file(opt):
@@ -125,25 +195,23 @@ def save(run_dir, step, model, opt, loader, info, keep=0):
     rank, world = distributed.rank(), distributed.world_size()
     tmp, error = None, None
     if rank == 0:
-        tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.", suffix=".tmp", dir=run_dir)
-        public_mode(tmp, folder=True)
+        tmp = make_temp_folder(run_dir, f".step_{step:06d}.", ".tmp")  # a leftover: set_aside_later removes it
     tmp = distributed.broadcast_object(tmp)
     written = {}
     try:
         if opt.zero_stage == 1 or rank == 0:  # moments: each rank's shard, or rank 0's (identical on all)
             name = _optimizer_file(opt)
             m, v = opt.moments()  # views on the CPU, host copies from a GPU: written as they are
-            save_file({"exp_avg": m, "exp_avg_sq": v}, os.path.join(tmp, name))
+            with atomic_path(os.path.join(tmp, name)) as part:  # fsynced; a plain mode, not 0600
+                save_file({"exp_avg": m, "exp_avg_sq": v}, part)
             written[name] = _digest(os.path.join(tmp, name))
         if rank == 0:
             save_checkpoint(model, os.path.join(tmp, "model.safetensors"), metadata={"step": step})
             written["model.safetensors"] = _digest(os.path.join(tmp, "model.safetensors"))
             if model.precision in ("bf16", "fp16"):
-                save_file({"compute_weights": _compute_bits(model)}, os.path.join(tmp, "compute_weights.safetensors"))
+                with atomic_path(os.path.join(tmp, "compute_weights.safetensors")) as part:
+                    save_file({"compute_weights": _compute_bits(model)}, part)
                 written["compute_weights.safetensors"] = _digest(os.path.join(tmp, "compute_weights.safetensors"))
-        for name in written:
-            public_mode(os.path.join(tmp, name))  # safetensors makes its files 0600
-            fsync_path(os.path.join(tmp, name))
     except OSError as e:
         error = f"rank {rank}: {e}"
     files, errors = {}, []
