@@ -2,8 +2,9 @@
 
 All parameters live in one float32 buffer inside the engine (llm.c's layout); `state_dict()` and `grads()` hand out
 zero-copy NumPy views of it under build-nanogpt's names and nn.Linear (out, in) shapes, so the weights load into a
-PyTorch GPT-2 as they are. The training step is three calls into C++ (forward, backward, optimizer step); Python
-never loops over layers.
+PyTorch GPT-2 as they are. The training step is one call into C++ (`AdamW.train_step`: every micro-step's forward
+and backward, the clip and the update), or build-nanogpt's few (forward_backward, clip_grad_norm, step, zero_grad);
+Python never loops over layers.
 
 precision (llm.c's mixed-precision recipe, chosen at run time; one engine for all):
   "fp32"  float32 everywhere (on a GPU of sm_80 or newer, attention at head size 64/128 runs on TF32 tensor cores
