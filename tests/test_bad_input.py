@@ -273,7 +273,7 @@ def test_op_layernorm_backward_stats_of_another_layout():
     with pytest.raises(ValueError, match=r"rstd must be .*got shape \(6, 1, 1\)"):
         ops.layernorm_backward(dout, x, w, mean, rstd.reshape(6, 1, 1))
     want = ops.layernorm_backward(dout, x, w, mean, rstd)
-    for shape in ((2, 3), (2, 3, 1)):
+    for shape in ((2, 3), (2, 3, 1), (6, 1)):
         got = ops.layernorm_backward(dout, x, w, mean.reshape(shape), rstd.reshape(shape))
         assert all(np.array_equal(g, r) for g, r in zip(got, want)), shape
 

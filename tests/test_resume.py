@@ -397,11 +397,14 @@ def test_a_finished_run_is_not_run_again(shards, tmp_path, capsys):
         main(["--resume", run])
     assert "finished (step 2 of 2" in capsys.readouterr().err
     assert open(os.path.join(run, "log.jsonl")).read() == before
-    # Stopped at its last step before the final pass (no model.safetensors yet): the resume does that pass, and its
-    # summary, with no step timed, holds nulls, not NaN (strict JSON).
-    os.remove(os.path.join(run, "model.safetensors"))
+    # Stopped during the final pass (killed after the weights were saved, before the summary): the resume does that
+    # pass again, and its summary, with no step timed, holds nulls, not NaN (strict JSON).
+    with open(os.path.join(run, "log.jsonl"), "w") as f:
+        f.write("".join(before.splitlines(keepends=True)[:-1]))
     result = main(["--resume", run])
     assert result["mean_tok_per_s"] is None and os.path.isfile(os.path.join(run, "model.safetensors"))
+    # Eval flags given again run the final pass on a finished run (a new HellaSwag file, more val batches).
+    assert main(["--resume", run, "--eval-steps", "1"])["steps"] == 2
 
     def no_constants(name):
         raise ValueError(f"{name} in the log")

@@ -208,6 +208,7 @@ def test_load_errors(tmp_path):
     (["--peak-tflops", "nan"], "--peak-tflops: must be a finite number"),
     (["--hellaswag-examples", "5"], "--hellaswag-examples needs --hellaswag"),
     (["--block-size", str(10**9)], "weights, gradients and AdamW moments alone"),  # terabytes: not the OOM killer
+    (["--max-steps", "9" * 400], "--max-steps"),  # an int past float's range: no OverflowError traceback
 ])
 def test_bad_flags(flags, named, shakespeare_txt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -493,3 +494,12 @@ def test_peak_table_and_gpt2_flops():
     # GPT-2 124M with the padded vocab (124,475,904 parameters): about 0.855 GFLOP per token at T 1024
     gpt2 = fastgpt.GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
     assert mfu.flops_per_token(gpt2, 1024, 124_475_904) == pytest.approx(0.855e9, rel=1e-3)
+
+
+def test_the_stop_message_names_the_command_that_ran(monkeypatch):
+    from fastgpt import train
+    for argv0, want in ((train.__file__, "python -m fastgpt.train"),
+                        ("../fastgpt/train.py", "python ../fastgpt/train.py"),
+                        ("/usr/local/bin/fastgpt-train", "fastgpt-train")):
+        monkeypatch.setattr("sys.argv", [argv0])
+        assert train._prog() == want

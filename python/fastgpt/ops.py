@@ -227,9 +227,9 @@ def layernorm_backward(dout, x, weight, mean, rstd):
     rows = _shape(x)[:-1]
     n = int(np.prod(rows, dtype=np.int64))
     for a, name in ((mean, "mean"), (rstd, "rstd")):  # another layout of the rows would be read in the wrong order
-        if _shape(a) not in (rows, rows + (1,), (n,)):
-            raise ValueError(f"{name} must be x.shape[:-1] {rows}, with or without a trailing 1, or flat ({n},), "
-                             f"got shape {_shape(a)}")
+        if _shape(a) not in (rows, rows + (1,), (n,), (n, 1)):
+            raise ValueError(f"{name} must be x.shape[:-1] {rows} or flat ({n},), either with or without a trailing "
+                             f"1, got shape {_shape(a)}")
     dx, dw, db = d.zeros(_shape(x), like=x), d.zeros(_shape(weight)), d.zeros(_shape(weight))
     _ops.layernorm_backward(d.arg(dx), d.arg(dw), d.arg(db), d.arg(dout), d.arg(x), d.arg(weight), d.arg(mean),
                             d.arg(rstd), d.stream)

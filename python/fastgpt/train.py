@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from . import _C, distributed, hellaswag, resume
 from . import mfu as mfu_
+from ._convert import INT32_MAX, INT64_MAX
 from ._io import atomic_write_bytes
 from .checkpoint import save_checkpoint
 from .data import DataLoader, tokenize_file
@@ -63,7 +64,7 @@ def _number(kind, low, low_open=False, high=None):
     # argparse type: its error names the flag ("argument --max-steps: must be >= 1, got -5").
     def parse(text):
         value = kind(text)
-        if not math.isfinite(value):  # float("nan") and float("inf") parse, and nan passes every comparison
+        if kind is float and not math.isfinite(value):  # "nan" and "inf" parse, and nan passes every comparison
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (low_open and value == low) or (high is not None and value > high):
             bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
@@ -76,7 +77,9 @@ def _number(kind, low, low_open=False, high=None):
 def build_parser():
     p = argparse.ArgumentParser(prog="fastgpt-train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    pos, nonneg, posf = _number(int, 1), _number(int, 0), _number(float, 0.0, low_open=True)
+    # Counts and sizes fit the engine's int; the seed its uint64; the tokens of a step an int64.
+    pos, nonneg = _number(int, 1, high=INT32_MAX), _number(int, 0, high=INT32_MAX)
+    posf = _number(float, 0.0, low_open=True)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input", help="UTF-8 text file (default: env FASTGPT_DATA, unless --shards is given)")
     src.add_argument("--shards", help="glob or folder of llm.c shards (*_train_*.bin, *_val_*.bin)")
@@ -90,7 +93,8 @@ def build_parser():
     p.add_argument("--vocab-size", type=_number(int, N_VOCAB), default=50304, help="50304: GPT-2's padded up")
     p.add_argument("-B", "--batch-size", type=pos, default=8)
     p.add_argument("-T", "--seq-len", type=pos, default=128)
-    p.add_argument("--total-batch-size", type=pos, help="tokens per optimizer step (default: B*T)")
+    p.add_argument("--total-batch-size", type=_number(int, 1, high=INT64_MAX),
+                   help="tokens per optimizer step (default: B*T)")
     p.add_argument("--max-steps", type=pos, default=200)
     p.add_argument("--max-lr", type=posf, default=1e-3)
     p.add_argument("--min-lr-ratio", type=_number(float, 0.0, high=1.0), default=0.1)
@@ -107,7 +111,7 @@ def build_parser():
                         "masters, gradients and moments; fp16 with dynamic loss scaling")
     p.add_argument("--zero-stage", type=int, choices=(0, 1), default=0,
                    help="data parallel: 1 shards the AdamW moments over ranks (ZeRO-1)")
-    p.add_argument("--seed", type=nonneg, default=1337)
+    p.add_argument("--seed", type=_number(int, 0, high=2**64 - 1), default=1337)
     p.add_argument("--out-dir", help="default: runs/<timestamp>")
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
     g = p.add_argument_group("checkpoints and resuming")
@@ -400,9 +404,13 @@ def _main(argv, held):
         except (OSError, ValueError, KeyError) as e:
             parser.error(f"--resume: {e}")
         start, history = state["step"], state["history"]
-        if start >= args.max_steps and os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+        # A run whose log has its summary is done: resumed with no other flag, there is nothing to do (with eval
+        # flags, e.g. a new --hellaswag, the final pass runs again on its weights). A run stopped during the final
+        # pass (its weights saved, no summary yet) finishes it.
+        if start >= args.max_steps and set(_explicit(parser, argv)) == {"resume"} and _finished(out_dir):
             parser.error(f"--resume: the run in {out_dir} finished (step {start} of {args.max_steps}; its weights "
-                         f"are {os.path.join(out_dir, 'model.safetensors')}): nothing to do")
+                         f"are {os.path.join(out_dir, 'model.safetensors')}): nothing to do (give eval flags, "
+                         f"e.g. --hellaswag, to evaluate it again)")
 
     # ---- MFU: nanoGPT's FLOPs per token over the device's peak
     token_flops = mfu_.flops_per_token(config, T, model.num_parameters())
@@ -556,7 +564,8 @@ def _main(argv, held):
                     interrupted = stop_signal.signum or signal.SIGTERM
                     name = signal.Signals(interrupted).name
                     record({"interrupted": {"signal": name, "steps_done": done, "checkpoint": last_ckpt}})
-                    say(f"stopped by {name} after step {step}; go on with: {_prog()} --resume {out_dir}")
+                    again = f" (launched as this job was, {world_size} ranks)" if world_size > 1 else ""
+                    say(f"stopped by {name} after step {step}; go on with: {_prog()} --resume {out_dir}{again}")
                     break
     except BaseException:
         if log:
@@ -614,8 +623,21 @@ def _print(*args, write=None, **kwargs):
 
 
 def _prog():
-    """How this trainer was started, for the message that says how to go on."""
-    return "python train.py" if os.path.basename(sys.argv[0]) == "train.py" else "fastgpt-train"
+    """How this trainer was started, for the message that says how to go on: `python -m fastgpt.train` (argv[0] is
+    this file), `python <path>/train.py` (the repository's script) or the console script."""
+    if os.path.abspath(sys.argv[0]) == os.path.abspath(__file__):
+        return "python -m fastgpt.train"
+    return f"python {sys.argv[0]}" if sys.argv[0].endswith(".py") else "fastgpt-train"
+
+
+def _finished(out_dir):
+    """Whether the run's log ends with its summary (written after the final pass)."""
+    try:
+        with open(os.path.join(out_dir, "log.jsonl"), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        return bool(lines) and "summary" in json.loads(lines[-1])
+    except (OSError, ValueError, TypeError):  # no log, a line cut short, a line that is not an object
+        return False
 
 
 def _num_parameters(c):
