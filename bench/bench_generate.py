@@ -93,7 +93,11 @@ def main(argv=None):
                 model.save_pretrained(d)
                 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
                 device = "cuda" if args.device.startswith("cuda") else "cpu"
-                hf = GPT2LMHeadModel.from_pretrained(d, dtype=dtype).to(device).eval()
+                try:
+                    hf = GPT2LMHeadModel.from_pretrained(d, dtype=dtype)
+                except TypeError:  # transformers before 4.56 names it torch_dtype
+                    hf = GPT2LMHeadModel.from_pretrained(d, torch_dtype=dtype)
+                hf = hf.to(device).eval()
             x = torch.tensor(prompt, device=device)
             mask = torch.ones_like(x)
 

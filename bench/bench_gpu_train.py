@@ -108,6 +108,10 @@ def flops_per_token(L, H, C, T, V):
 
 
 def git_commit():
+    # The device machine's copy of the tree may carry a stale .git: gpu_check.sh's caller writes the commit there.
+    device_commit = REPO / ".device" / "COMMIT"
+    if device_commit.is_file() and device_commit.read_text().strip():
+        return device_commit.read_text().strip()
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                            timeout=10)

@@ -45,3 +45,14 @@ def test_autotune_summary_counts_the_timed_decisions(rng):
     assert s["saved"] == pytest.approx(0.5 * a / (a + b))
     assert s["records"] == records and s["records"] is not records
     assert _common.autotune_summary([])["saved"] == 0.0
+
+
+def test_gpu_train_bench_records_the_device_commit(tmp_path, monkeypatch):
+    # On the device machine the tree's .git may be stale: the commit the caller wrote to .device/COMMIT is the one.
+    import bench_gpu_train
+    monkeypatch.setattr(bench_gpu_train, "REPO", tmp_path)
+    (tmp_path / ".device").mkdir()
+    (tmp_path / ".device" / "COMMIT").write_text("abc1234\n")
+    assert bench_gpu_train.git_commit() == "abc1234"
+    (tmp_path / ".device" / "COMMIT").unlink()
+    assert bench_gpu_train.git_commit() is None  # tmp_path is no git repository

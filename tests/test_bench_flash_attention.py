@@ -46,6 +46,10 @@ def test_tile_rows_time_each_choice_that_runs_and_skip_the_rest(rng, d):
     want += [(f"fastgpt tiles bwd {a}/{b}", dict(first, dkdv=a, dq=b)) for a in options["dkdv"] for b in options["dq"]
              if (a, b) != (first["dkdv"], first["dq"]) and ("fused" not in a or b == first["dq"])]
     want = [(name, tiles) for name, tiles in want if applies(tiles)]
+
+    def hopper(item):  # the sm90 choices come after the others (forwards first): a fault there ends the run
+        return (" bwd " in item[0], any(n.startswith("sm90") for n in item[1].values()))
+    want.sort(key=hopper)
     assert [r["impl"] for r in rows] == [name for name, _ in want]
     for row, (name, tiles) in zip(rows, want):
         runs = sm90_device() or not any(n.startswith("sm90") for n in tiles.values())
