@@ -30,7 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 import fastgpt  # noqa: E402
 from fastgpt import _C  # noqa: E402
-from fastgpt.mfu import flops_per_token, peak_tflops  # noqa: E402
+from fastgpt.mfu import flops_per_token, num_parameters, peak_tflops  # noqa: E402
 from reference_gpt import ref_from_fastgpt  # noqa: E402  (build-nanogpt's GPT, with a fastgpt model's weights)
 
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0  # build-nanogpt's GPT-3 settings (constant lr here)
@@ -344,19 +344,13 @@ def run_rung(rung, setup, state):
                 row["loss"] = result["losses"][-1]
                 cfg = setup.config(settings.get("vocab", 50257))
                 peak = _peak(setup)
-                row["mfu"] = (flops_per_token(cfg, setup.T, param_count(cfg)) * row["tok_s"] / (peak * 1e12 * world)
+                row["mfu"] = (flops_per_token(cfg, setup.T, num_parameters(cfg)) * row["tok_s"] / (peak * 1e12 * world)
                               if peak else None)
         rows.append(row)
     order = [r.name for r in RUNGS]
     kept = [r for r in state.get("rows", []) if r["rung"] != rung.name]
     state["rows"] = sorted(kept + rows, key=lambda r: order.index(r["rung"]))  # stable: torch before fastgpt
     return rows
-
-
-def param_count(cfg):
-    """GPT-2's parameters (lm_head tied to wte), without building a model."""
-    C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
-    return V * C + cfg.block_size * C + L * (12 * C * C + 13 * C) + 2 * C
 
 
 def _peak(setup):

@@ -395,7 +395,7 @@ void bind_ops(py::module_& m) {
     need(dwte.ndim() == 2 && dwte.shape[1] == C && dwpe.ndim() == 2 && dwpe.shape[1] == C,
          "dwte and dwpe must be (V, C) and (maxT, C)");
     need(T <= dwpe.shape[0],
-         "T must be <= dwpe rows (" + std::to_string(dwpe.shape[0]) + "), got " + std::to_string(T));
+         "T must be <= dwpe rows (block_size " + std::to_string(dwpe.shape[0]) + "), got " + std::to_string(T));
     const int V = dwte.shape[0];
     check_ids(idx, V, "idx");
     Ctx c = context({&dwte, &dwpe, &dout, &idx}, stream);

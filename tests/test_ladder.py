@@ -37,11 +37,11 @@ def test_attention_before_the_flash_rung_matches_sdpa():
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 64, 64, 50257), (12, 12, 768, 1024, 50304), (3, 2, 10, 7, 11)])
-def test_param_count_is_the_models(shape):
+def test_num_parameters_is_the_models(shape):  # fastgpt.mfu.num_parameters, the ladder's MFU count
     L, H, C, T, V = shape
     cfg = fastgpt.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_embd=C)
     expected = 124_475_904 if shape[1] == 12 else fastgpt.GPT(cfg).num_parameters()  # GPT-2 124M at vocab 50304
-    assert ladder.param_count(cfg) == expected
+    assert fastgpt.mfu.num_parameters(cfg) == expected
 
 
 def test_every_rung_a_cpu_cannot_run_has_a_reason():

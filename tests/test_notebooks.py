@@ -63,7 +63,7 @@ def test_01_cpu_quickstart_runs(notebook_env):
     assert diff < 1e-4, out[-2000:]
     m = re.search(r"loss after (\d+) steps: fp32 (\S+), fastgpt bf16 (\S+), torch autocast bf16 (\S+)", out)
     steps, fp32, bf16, autocast = int(m.group(1)), *map(float, m.groups()[1:])
-    assert steps == 20 and bf16 < math.log(50304) - 0.5 and autocast < math.log(50304) - 0.5, m.group(0)
+    assert steps == 20 and max(fp32, bf16, autocast) < math.log(50304) - 0.5, m.group(0)  # each trained
     m = re.search(r"bf16 vs fp32 over 20 steps: max \|loss difference\| fastgpt (\S+), torch autocast (\S+)", out)
     assert float(m.group(1)) < 1e-2 and float(m.group(2)) < 1e-2, m.group(0)  # bf16 rounding, not a different run
     assert "tf32 on the CPU: precision='tf32' needs device='cuda'" in out

@@ -7,6 +7,7 @@ import contextlib
 import os
 import secrets
 import stat
+import sys
 
 # The temp file's name holds the final name, so a leftover one says whose it was; a long final name is shortened
 # in it (50 characters are at most 200 bytes), as the whole must stay within NAME_MAX (255 bytes) where the final
@@ -76,6 +77,14 @@ def fsync_path(path):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def stdout_to_devnull():
+    """After a BrokenPipeError on stdout (the reader of `| head` left): what is printed from now on, and Python's own
+    flush at exit, go to /dev/null instead of raising again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def atomic_write_bytes(path, chunks):

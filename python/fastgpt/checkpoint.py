@@ -20,11 +20,6 @@ CONFIG_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
 TIED = "lm_head.weight"
 
 
-class NotSafetensorsError(ValueError):
-    """The file is not a readable safetensors file at all (damaged, cut short, another format): unlike a foreign
-    safetensors file (a Hugging Face one), no other reader will take it either."""
-
-
 def save_checkpoint(model, path, metadata=None):
     """Write model's weights (without the tied lm_head.weight) and config to path as safetensors, atomically.
     metadata: extra {key: value} pairs, stored as strings beside the config."""
@@ -51,7 +46,7 @@ def read_metadata(path):
         with safe_open(path, framework="np") as f:
             meta = f.metadata() or {}
     except Exception as e:  # safetensors raises its own error type for a damaged or foreign file
-        raise NotSafetensorsError(f"{path}: not a safetensors file, or a damaged one ({e})") from None
+        raise ValueError(f"{path}: not a safetensors file ({e})") from None
     missing = [k for k in (MARKER,) + CONFIG_FIELDS if k not in meta]
     if missing:
         raise ValueError(f"{path}: not a fastgpt checkpoint (metadata lacks {missing})")

@@ -25,6 +25,13 @@ PEAK_TFLOPS = [
 ]
 
 
+def num_parameters(config):
+    """GPT-2's parameters for a GPTConfig (lm_head tied to wte, counted once), without building a model: wte and wpe,
+    per layer four linears with biases (12 C^2 + 9 C) and two LayerNorms (4 C), and ln_f."""
+    C = config.n_embd
+    return (config.vocab_size + config.block_size) * C + config.n_layer * (12 * C * C + 13 * C) + 2 * C
+
+
 def flops_per_token(config, T, num_parameters):
     """nanoGPT's training FLOPs per token of a GPT-2 (a GPTConfig) trained on sequences of T tokens."""
     n = num_parameters - config.block_size * config.n_embd  # without wpe

@@ -387,7 +387,7 @@ class GPT:
                     nxt[done] = stop_token
                     done |= nxt == stop_token
                 if end == tokens.shape[1]:  # full (its size exceeds window): keep the last window tokens
-                    tokens[:, :window] = tokens[:, end - window:end].copy()
+                    tokens[:, :window] = tokens[:, end - window:end]  # NumPy buffers the overlap
                     end = window
                 tokens[:, end] = nxt
                 end += 1

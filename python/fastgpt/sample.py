@@ -12,7 +12,8 @@ import os
 import sys
 
 from . import resume
-from .checkpoint import NotSafetensorsError, load_checkpoint, read_metadata
+from ._io import stdout_to_devnull
+from .checkpoint import load_checkpoint, read_metadata
 from .model import GPT, _check_device
 from .tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 
@@ -20,9 +21,7 @@ from .tokenizer import EOT, N_VOCAB, get_gpt2_encoding
 def _is_fastgpt_checkpoint(path):
     try:
         read_metadata(path)
-    except NotSafetensorsError:
-        raise  # damaged: no reader takes it, and the Hugging Face one would only ask for a config.json
-    except ValueError:  # a safetensors file of another kind: the Hugging Face reader's
+    except ValueError:  # another safetensors file, or a damaged one: the Hugging Face reader says which
         return False
     return True
 
@@ -131,9 +130,7 @@ def cli():
     try:
         main()
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as a shell tool does on SIGPIPE
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so that Python's own flush at exit does not complain again
-        os.close(devnull)
+        stdout_to_devnull()
         return 128 + 13  # SIGPIPE's number: what `yes | head` reports for yes
     return 0
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from . import _C, distributed, hellaswag, resume
 from . import mfu as mfu_
 from ._convert import INT32_MAX, INT64_MAX
-from ._io import atomic_write_bytes
+from ._io import atomic_write_bytes, stdout_to_devnull
 from .checkpoint import save_checkpoint
 from .data import DataLoader, tokenize_file
 from .model import GPT, GPTConfig, _check_device
@@ -219,7 +219,7 @@ class _StopSignal:
     keep theirs."""
 
     def __init__(self):
-        self.signum, self._previous, self.saving, self._deferred = None, {}, False, 0
+        self.signum, self._previous, self.saving, self._deferred = None, {}, False, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -234,7 +234,7 @@ class _StopSignal:
 
     def _handle(self, signum, frame):
         if self.signum is not None and self.saving and not self._deferred:
-            self._deferred += 1
+            self._deferred = True  # once: the next one stops at once
             os.write(2, b"\nwriting the checkpoint; the run stops once it is on disk (again to stop at once)\n")
             return
         if self.signum is not None:
@@ -339,10 +339,10 @@ def _main(argv, held):
     config = GPTConfig(block_size=block_size, vocab_size=args.vocab_size, n_layer=n_layer, n_head=n_head,
                        n_embd=n_embd)
     if not args.device.startswith("cuda"):  # a GPU's allocator says so itself; the CPU's would end in the OOM killer
-        need, have = 16 * _num_parameters(config), _physical_memory()
+        need, have = 16 * mfu_.num_parameters(config), _physical_memory()
         if have and need > have:
             parser.error(f"the model (L{n_layer} C{n_embd}, block size {block_size}, vocab {args.vocab_size}: "
-                         f"{_num_parameters(config):,} parameters) needs about {need / 2**30:.1f} GiB for its "
+                         f"{mfu_.num_parameters(config):,} parameters) needs about {need / 2**30:.1f} GiB for its "
                          f"weights, gradients and AdamW moments alone; this machine has {have / 2**30:.1f} GiB")
     examples = None
     if args.hellaswag:
@@ -617,9 +617,7 @@ def _print(*args, write=None, **kwargs):
     try:
         (write or print)(*args, **kwargs)
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        stdout_to_devnull()
 
 
 def _prog():
@@ -638,12 +636,6 @@ def _finished(out_dir):
         return bool(lines) and "summary" in json.loads(lines[-1])
     except (OSError, ValueError, TypeError):  # no log, a line cut short, a line that is not an object
         return False
-
-
-def _num_parameters(c):
-    """GPT-2's parameter count for a GPTConfig (lm_head tied to wte): what the engine allocates, in float32s."""
-    per_layer = 12 * c.n_embd * c.n_embd + 13 * c.n_embd  # attention and MLP weights, biases, two LayerNorms
-    return (c.vocab_size + c.block_size) * c.n_embd + c.n_layer * per_layer + 2 * c.n_embd
 
 
 def _physical_memory():
