@@ -157,6 +157,22 @@ def test_tokenize_reuses_shards(tmp_path, shakespeare_txt, encoder_json, rng):
     assert tokenize_file(text, out, encoder_json=encoder_json)["reused"] is False
 
 
+def test_tokenize_redoes_a_damaged_manifest(tmp_path, encoder_json):
+    import json
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question. " * 40, encoding="utf-8")
+    out = tmp_path / "out"
+    first = tokenize_file(text, out, encoder_json=encoder_json)
+    manifest_path = out / "t_shards.json"
+    good = json.loads(manifest_path.read_text())
+    for key, value in (("train_tokens", None), ("val_tokens", "12"), ("train", 3), ("val", None)):
+        damaged = {**good, key: value} if value is not None else {k: v for k, v in good.items() if k != key}
+        manifest_path.write_text(json.dumps(damaged))
+        again = tokenize_file(text, out, encoder_json=encoder_json)
+        assert again["reused"] is False, key
+        assert {k: v for k, v in again.items() if k != "reused"} == {k: v for k, v in first.items() if k != "reused"}
+
+
 def test_tokenize_documents_and_sharding(tmp_path, encoder_json, rng):
     enc = get_gpt2_encoding(encoder_json)
     words = [" ".join("ab"[int(b)] * int(rng.integers(1, 4)) for b in rng.integers(0, 2, size=50)) for _ in range(3)]
@@ -295,6 +311,22 @@ def test_directory_and_split(tmp_path):
     write_shard(tmp_path / "x_val_000000.bin", np.full(100, 2))
     assert DataLoader(tmp_path, 2, 4, split="val").next_batch()[0].max() == 2
     assert DataLoader(str(tmp_path), 2, 4, split="train").next_batch()[0].max() == 1
+
+
+def test_split_is_the_end_of_the_name(tmp_path):
+    # A corpus named with "_train_" or "_val_" inside: only the last part of a name says its split. llm.c's
+    # tiny_shakespeare_val.bin (no shard number) counts too.
+    write_shard(tmp_path / "my_val_notes_train_000000.bin", np.full(100, 1))
+    write_shard(tmp_path / "my_train_data_val_000000.bin", np.full(100, 2))
+    write_shard(tmp_path / "tiny_shakespeare_val.bin", np.full(100, 3))
+    write_shard(tmp_path / "tiny_shakespeare_train.bin", np.full(100, 4))
+    write_shard(tmp_path / "validation_train_x.bin", np.full(100, 5))  # no split of its own
+    for source in (tmp_path, str(tmp_path / "*.bin"), sorted(str(p) for p in tmp_path.iterdir())):
+        train = DataLoader(source, 2, 4, split="train")
+        val = DataLoader(source, 2, 4, split="val")
+        assert [os.path.basename(f) for f in train.files] == ["my_val_notes_train_000000.bin",
+                                                              "tiny_shakespeare_train.bin"]
+        assert [os.path.basename(f) for f in val.files] == ["my_train_data_val_000000.bin", "tiny_shakespeare_val.bin"]
 
 
 def test_no_files(tmp_path):

@@ -8,6 +8,7 @@ ranks the way build-nanogpt's DataLoaderLite does, sequentially or in a seeded s
 import glob
 import json
 import os
+import re
 
 import numpy as np
 
@@ -20,6 +21,9 @@ HEADER_BYTES = HEADER_INTS * 4
 _HEADER_DTYPE = np.dtype("<i4")
 _TOKEN_DTYPE = np.dtype("<u2")
 _MANIFEST_VERSION = 1
+# A shard's split is the last part of its name: llm.c writes fineweb_val_000000.bin and tiny_shakespeare_val.bin.
+# Matching "_val_" anywhere would put a corpus named my_train_data's val shards into training.
+_SPLIT_NAME = re.compile(r"_(train|val)(?:_[0-9]+)?\.bin$")
 
 
 def write_shard(path, tokens):
@@ -83,19 +87,17 @@ def _reusable(manifest_path, text_path, params):
         return None
     text_mtime = os.stat(text_path).st_mtime_ns
     folder = os.path.dirname(manifest_path)
-    try:
-        files = [os.path.join(folder, f) for f in manifest["val"] + manifest["train"]]
-        if any(os.stat(f).st_mtime_ns < text_mtime for f in files + [manifest_path]):
+    try:  # a damaged manifest (fields missing or of another type) is not reused: the text is tokenized again
+        found = {split: [os.path.join(folder, f) for f in manifest[split]] for split in ("train", "val")}
+        for key in ("train_tokens", "val_tokens"):
+            if isinstance(manifest[key], bool) or not isinstance(manifest[key], int):
+                return None
+            found[key] = manifest[key]
+        if any(os.stat(f).st_mtime_ns < text_mtime for f in found["val"] + found["train"] + [manifest_path]):
             return None
     except (OSError, KeyError, TypeError):
         return None
-    return {
-        "train": [os.path.join(folder, f) for f in manifest["train"]],
-        "val": [os.path.join(folder, f) for f in manifest["val"]],
-        "train_tokens": manifest["train_tokens"],
-        "val_tokens": manifest["val_tokens"],
-        "reused": True,
-    }
+    return {**found, "reused": True}
 
 
 def tokenize_file(text_path, out_dir, name=None, encoder_json=None, val_fraction=0.1, shard_tokens=100_000_000):
@@ -170,12 +172,17 @@ def _positive_int(value, what):
     return int(value)
 
 
+def _shard_split(path):
+    found = _SPLIT_NAME.search(os.path.basename(path))
+    return found.group(1) if found else None
+
+
 class DataLoader:
     """(B, T) batches of int64 tokens from shards: x and y = x shifted by one position.
 
     pattern_or_files: a glob, a directory, or a list of shard paths; split ("train"/"val") keeps only the shards
-    named *_{split}_*. Each rank reads its own B*T window of every B*T*world_size stride, so ranks never share data
-    and together read what one process would. seed=None walks the shards in order and wraps around; with a seed the
+    whose name ends in _{split}_NNNNNN.bin or _{split}.bin (llm.c's names). Each rank reads its own B*T window of
+    every B*T*world_size stride, so ranks never share data and together read what one process would. seed=None walks the shards in order and wraps around; with a seed the
     shard order and the stride order within each shard are reshuffled every epoch, identically on every rank.
     """
 
@@ -212,7 +219,7 @@ class DataLoader:
         if isinstance(source, (str, os.PathLike)):
             source = os.fspath(source)
             if os.path.isdir(source):
-                pattern = os.path.join(glob.escape(source), f"*_{split}_*.bin" if split else "*.bin")
+                pattern = os.path.join(glob.escape(source), f"*_{split}*.bin" if split else "*.bin")
             else:
                 pattern = source
             files = sorted(glob.glob(pattern))
@@ -224,7 +231,7 @@ class DataLoader:
             if missing:
                 raise FileNotFoundError(f"shard not found: {missing[0]}")
         if split:
-            files = [f for f in files if f"_{split}_" in os.path.basename(f)]
+            files = [f for f in files if _shard_split(f) == split]
         if not files:
             raise FileNotFoundError(f"no shards match {pattern!r}" + (f" for split {split!r}" if split else ""))
         return files

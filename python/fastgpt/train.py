@@ -82,7 +82,7 @@ def build_parser():
     posf = _number(float, 0.0, low_open=True)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--input", help="UTF-8 text file (default: env FASTGPT_DATA, unless --shards is given)")
-    src.add_argument("--shards", help="glob or folder of llm.c shards (*_train_*.bin, *_val_*.bin)")
+    src.add_argument("--shards", help="glob or folder of llm.c shards (*_train_NNNNNN.bin or *_train.bin, and val)")
     p.add_argument("--encoder", help="GPT-2 encoder.json (default: env FASTGPT_GPT2_ENCODER, else tiktoken)")
     p.add_argument("--model", choices=PRESETS, default="tiny", help="size preset, L/H/C: " +
                    ", ".join(f"{k} {v[0]}/{v[1]}/{v[2]}" for k, v in PRESETS.items()))
