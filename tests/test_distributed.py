@@ -6,6 +6,7 @@ import os
 import pathlib
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -242,6 +243,30 @@ def _rdzv(ranks, worlds, devices, timeout):
 def test_rendezvous_hands_rank0s_id_to_everyone():
     res, _ = _rdzv([1, 0, 2], [3, 3, 3], [1, 0, 2], 30)
     assert all(code == 0 for code, _ in res), res
+
+
+def test_rendezvous_drops_connections_that_are_not_ranks():
+    # A port scan or health check at MASTER_PORT used to end rank 0 with "peer closed the connection" (or a
+    # MemoryError for a huge announced length); it must be dropped and the real ranks still meet.
+    port = _free_port()
+    rank0 = subprocess.Popen([sys.executable, "-c", RDZV, "0", "2", str(port), "0", "60"], env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()  # connects, says nothing
+            break
+        except OSError:
+            assert time.monotonic() < deadline and rank0.poll() is None, rank0.communicate()
+            time.sleep(0.05)
+    for junk in (b"\xff" * 8 + b"x", b"\x00\x00", struct.pack("!Q", 3) + b"abc", struct.pack("!Q", 5) + b"FGPT1"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(junk)
+    rank1 = subprocess.run([sys.executable, "-c", RDZV, "1", "2", str(port), "1", "60"], env=_env(),
+                           capture_output=True, text=True, timeout=90)
+    out, err = rank0.communicate(timeout=30)
+    assert rank0.returncode == 0 and "ok 0" in out, out + err
+    assert rank1.returncode == 0 and "ok 1" in rank1.stdout, rank1.stdout + rank1.stderr
 
 
 def test_rendezvous_errors_instead_of_hanging():

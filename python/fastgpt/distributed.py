@@ -394,8 +394,14 @@ def _send_msg(sock, data):
     sock.sendall(struct.pack("!Q", len(data)) + data)
 
 
+_MAX_MSG = 1 << 20  # the rendezvous's messages are a few hundred bytes; a larger length is not one of ours
+
+
 def _recv_msg(sock):
-    return _recv_exact(sock, struct.unpack("!Q", _recv_exact(sock, 8))[0])
+    size = struct.unpack("!Q", _recv_exact(sock, 8))[0]
+    if size > _MAX_MSG:
+        raise ConnectionError(f"message of {size} bytes announced: not a fastgpt rendezvous peer")
+    return _recv_exact(sock, size)
 
 
 def _rendezvous(addr, port, rank, world, payload, info, timeout):
@@ -429,9 +435,15 @@ def _rendezvous(addr, port, rank, world, payload, info, timeout):
                     missing = sorted(set(range(1, world)) - set(infos))
                     raise RuntimeError(f"rendezvous at {where} timed out after {timeout:g} s: ranks {missing} of "
                                        f"{world} never connected (were they started? same MASTER_ADDR/PORT?)")
-                conn.settimeout(left())
-                head = _recv_msg(conn)
-                if not head.startswith(_MAGIC):
+                # A connection that is not a rank (a port scan, a health check, a peer that died mid-message)
+                # is dropped: it must neither end the rendezvous nor hold it past the one it stalled.
+                conn.settimeout(min(left(), 10.0))
+                try:
+                    head = _recv_msg(conn)
+                except OSError:  # ConnectionError and socket.timeout among them
+                    conn.close()
+                    continue
+                if not head.startswith(_MAGIC) or len(head) < len(_MAGIC) + 8:
                     conn.close()
                     continue
                 conns.append(conn)
