@@ -306,6 +306,13 @@ void backward_simt(const Params& p, Stream stream) {
   backward_simt_nc<E, 8>(p, stream);
 }
 
+int smem_optin() {
+  int device = 0, bytes = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
+
 template <typename E>
 void compute_delta(const Params& p, Stream stream) {
   const int64_t rows = (int64_t)p.B * p.H * p.T;
@@ -368,7 +375,9 @@ bool sm90_kernels() {
 }
 
 // Whether float32 attention runs on the TF32 tensor-core kernels (flash_attention_tf32.cu): asked for, and their
-// layout holds (head dim 64 or 128, rows 16-byte aligned: strides multiples of 4 floats, aligned base pointers).
+// layout holds (head dim 64 or 128, rows 16-byte aligned: strides multiples of 4 floats, aligned base pointers), on a
+// GPU whose shared memory takes all of them (forward and backward alike, so that both use the same products): not
+// sm_86/sm_89 (99 KB per block), which take the simt kernels.
 bool tf32_kernels(F32Math f32, const AttentionShape& s, const HeadStrides& is, const HeadStrides& os,
                   std::initializer_list<const void*> ptrs) {
   if (f32 == F32Math::simt || (s.d != 64 && s.d != 128)) return false;
@@ -376,7 +385,7 @@ bool tf32_kernels(F32Math f32, const AttentionShape& s, const HeadStrides& is, c
     if (st.sb % 4 != 0 || st.sh % 4 != 0 || st.st % 4 != 0) return false;
   for (const void* p : ptrs)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return tensor_cores();
+  return tensor_cores() && flash::tf32_smem(s.d) <= flash::smem_optin();
 }
 
 flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s, bool tc) {

@@ -50,6 +50,12 @@ struct Params {
 // passes.
 void forward_tf32(const Params& p, bool split, Stream stream);
 void backward_tf32(const Params& p, bool split, Stream stream);
+// The most dynamic shared memory any of them takes at head dim d (64 or 128), in bytes: 102 KB at d 64, 132 KB at 128.
+int tf32_smem(int d);
+// The current device's most dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin), in bytes:
+// 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/sm_89 (A10, L4, RTX 30xx/40xx), 64 KB on sm_75; a kernel asking
+// for more fails in cudaFuncSetAttribute (flash_attention.cu).
+int smem_optin();
 // Tensor-core launchers (one per file), instantiated for __nv_bfloat16 and __half; sm_80 and newer only.
 template <typename E>
 void forward_tc(const Params& p, Stream stream);

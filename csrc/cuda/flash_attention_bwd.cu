@@ -326,7 +326,8 @@ void launch_dq(const Params& p, Stream stream) {
 }
 
 // The dkdv / dq options of kTileOptions (flash_attention.cu) in order; head dim 128 has only the first of each (more
-// would not fit in registers), with 32 queries per dkdv step, and the sm90 ones (flash_attention_bwd_sm90a.cu,
+// would not fit in registers), with 32 queries per dkdv step (and, on GPUs with 99 KB of shared memory, 32 keys per dq
+// block), and the sm90 ones (flash_attention_bwd_sm90a.cu,
 // passed on to only where the caller found them runnable). The atomic path keeps the first dkdv shape; the fused
 // sm90 ones (dq in the dkdv kernel, plain or warp-specialised: flash_attention_bwd_ws_sm90a.cu, head dim 64; at 128
 // it runs the plain one) serve both.
@@ -352,7 +353,13 @@ void launch(const Params& p, bool deterministic, Stream stream) {
       if (dq == 2) launch_dq<E, D, 2, 32>(p, stream);
     }
     if (dkdv == 0) launch_dkdv<E, D, 1, kBr, false>(p, stream);
-    if (dq == 0) launch_dq<E, D, 1, 64>(p, stream);
+    if (dq == 0) {
+      // d 128 in blocks of 64 keys takes 102 KB of shared memory, more than sm_86/sm_89 allow (99 KB): blocks of 32
+      // there (the same sums in the same order: the same bits).
+      if constexpr (D == 128)
+        if (dq_smem<D, 1, 64>() > smem_optin()) return launch_dq<E, D, 1, 32>(p, stream);
+      launch_dq<E, D, 1, 64>(p, stream);
+    }
     return;
   }
   FASTGPT_CUDA_CHECK(

@@ -14,6 +14,8 @@
 // an 8-wide k chunk the order is free as long as A and B agree, so slot c holds column 2c and slot c + 4 column
 // 2c + 1 (the accumulator's own pair: no shuffles), and B's rows 2c and 2c + 1 are read as single words (a row
 // pitch of D + 4 words puts the 32 lanes' reads on 32 banks).
+#include <algorithm>
+
 #include "cuda/check.h"
 #include "cuda/flash_attention.cuh"
 
@@ -367,6 +369,11 @@ void forward_tf32(const Params& p, bool split, Stream stream) {
 
 void backward_tf32(const Params& p, bool split, Stream stream) {
   return split ? backward_d<true>(p, stream) : backward_d<false>(p, stream);
+}
+
+int tf32_smem(int d) {
+  return d == 64 ? std::max({fwd_smem<64>(), dkdv_smem<64>(), dq_smem<64>()})
+                 : std::max({fwd_smem<128>(), dkdv_smem<128>(), dq_smem<128>()});
 }
 
 }  // namespace fastgpt::cuda::flash

@@ -895,16 +895,20 @@ inline void add_count(int* counter) {
 
 // host side
 inline std::map<const void*, int> g_attr;
+// The device's largest dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin): an H100's unless
+// a case sets another GPU's (99 KB: sm_86/sm_89, A10, L4, RTX 30xx/40xx; 163 KB: A100); a kernel's attribute above
+// it fails as cudaFuncSetAttribute does there.
+inline int g_smem_optin = 227 * 1024;
 inline cudaError_t g_last = cudaSuccess;
 inline long g_launches = 0;
 template <class F>
 cudaError_t FuncSetAttribute(F* f, cudaFuncAttribute, int bytes) {
-  if (bytes > 227 * 1024) return cudaErrorInvalidValue;
+  if (bytes > g_smem_optin) return cudaErrorInvalidValue;
   g_attr[(const void*)f] = bytes;
   return cudaSuccess;
 }
 inline cudaError_t FuncSetAttribute(const void* f, cudaFuncAttribute, int bytes) {
-  if (bytes > 227 * 1024) return cudaErrorInvalidValue;
+  if (bytes > g_smem_optin) return cudaErrorInvalidValue;
   g_attr[f] = bytes;
   return cudaSuccess;
 }
@@ -947,9 +951,10 @@ inline int g_cc_major = 9;
 // The SMs a persistent launch (one CTA per SM) sees: a few, so that each CTA takes several tiles in turn.
 inline int g_sm_count = 3;
 inline cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? g_cc_major
-           : attr == cudaDevAttrMultiProcessorCount   ? g_sm_count
-                                                      : 0;
+  *value = attr == cudaDevAttrComputeCapabilityMajor        ? g_cc_major
+           : attr == cudaDevAttrMultiProcessorCount          ? g_sm_count
+           : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? g_smem_optin
+                                                             : 0;
   return cudaSuccess;
 }
 inline cudaError_t GetLastError() {

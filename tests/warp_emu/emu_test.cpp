@@ -495,6 +495,29 @@ void run_sm75_cases(unsigned& seed) {
   emu::g_cc_major = 9;
 }
 
+// GPUs with less shared memory per block than an H100 (emu::g_smem_optin): sm_86/sm_89 (A10, L4, RTX 30xx/40xx)
+// allow 99 KB, where the TF32 kernels' backward (102-132 KB) does not fit, so float32 takes the simt kernels, and
+// d 128's deterministic dq pass (102 KB with 64-key blocks) takes 32-key blocks, which must give the 64-key blocks'
+// bits; an A100 (163 KB) runs everything.
+void run_smem_cases(unsigned& seed) {
+  for (int kb : {99, 163}) {
+    emu::g_smem_optin = kb * 1024;
+    g_f32 = cuda::F32Math::tf32x3;
+    run<float>(1, 2, 70, 64, true, true, true, DType::f32, 5e-6, seed++);
+    run<float>(1, 1, 40, 128, false, false, true, DType::f32, 5e-6, seed++);
+    g_f32 = cuda::F32Math::simt;
+    emu::g_smem_optin = 227 * 1024;
+    const unsigned s = seed++;
+    const Outs a = run<__nv_bfloat16>(1, 2, 100, 128, true, true, true, DType::bf16, 3e-2, s);
+    emu::g_smem_optin = kb * 1024;
+    const Outs b = run<__nv_bfloat16>(1, 2, 100, 128, true, true, true, DType::bf16, 3e-2, s);
+    const bool same = a.out == b.out && a.lse == b.lse && a.dq == b.dq && a.dk == b.dk && a.dv == b.dv;
+    printf("%s smem %d KB: d 128's outputs are the 227 KB run's bits\n", same ? "ok  " : "FAIL", kb);
+    if (!same) failures++;
+  }
+  emu::g_smem_optin = 227 * 1024;
+}
+
 // Cross-entropy (cross_entropy.cu) on rows of logits stored as S: forward + backward, and forward_backward both
 // into a separate gradient and in place (the engine's classifier writes it over the logits), against float64 from
 // the same stored values. forward and forward_backward share the kernels' pass one, so their losses must be the same
@@ -1086,6 +1109,7 @@ int main(int argc, char** argv) {
       run<float>(1, 1, 40, 100, true, true, false, DType::f32, 1e-4, seed++);
       run_fused(1, 20, 64, 2, true, seed++);
       run_tf32_cases(seed);
+      run_smem_cases(seed);
       run_decode_cases(seed);
     } else if (mode == "tiles") {  // every option, both causal settings, T below, at and past the tiles
       for (int T : {1, 30, 64, 129, 200})
@@ -1131,6 +1155,8 @@ int main(int argc, char** argv) {
       run_ws_views<__half>(1, 2, 130, false, true, DType::f16, 5e-3, seed++);
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
+    } else if (mode == "smem") {
+      run_smem_cases(seed);
     } else if (mode == "decode") {
       run_decode_cases(seed);
     } else if (mode == "big") {
