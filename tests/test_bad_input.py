@@ -1,4 +1,7 @@
 """Bad input gets a Python exception that names the problem; never a crash. One test per case."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -345,3 +348,35 @@ def test_op_zero_dimensional_input_stays_zero_dimensional():
 def test_op_string_input():
     with pytest.raises(TypeError, match="x must be a floating-point array"):
         ops.gelu_forward(np.array(["a", "b"]))
+
+
+_OOM_THEN_SMALLER = r"""
+import resource, sys
+import numpy as np
+import fastgpt
+cfg = fastgpt.GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=1, n_embd=64)
+fastgpt.GPT(cfg, seed=0).forward(np.ones((2, 8), np.int32))  # the worker threads exist before the limit
+m = fastgpt.GPT(cfg, seed=0)  # no activation buffers yet
+with open("/proc/self/statm") as f:
+    used = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), resource.RLIM_INFINITY))
+try:
+    m.forward(np.ones((1 << 16, 64), np.int32))  # 4M tokens: the first activation buffer alone is 1 GiB
+    sys.exit("the large batch did not run out of memory")
+except MemoryError:
+    pass
+x = np.ones((4, 64), np.int32)  # far smaller than the refused batch
+print(m.forward(x, x)[1])  # (logits, loss)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm: Linux")
+def test_out_of_memory_then_a_smaller_batch():
+    # A batch whose activations cannot be allocated raises MemoryError; the model then runs a smaller batch in
+    # buffers of that size. It used to take the refused size for its buffers' size, so that the smaller batch ran in
+    # buffers never allocated: a crash (on a GPU an illegal address, which ends the process's CUDA context). In a
+    # subprocess, under an address-space limit, so that the allocation fails whatever the machine's memory and
+    # overcommit setting.
+    r = subprocess.run([sys.executable, "-c", _OOM_THEN_SMALLER], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert np.isfinite(float(r.stdout.strip().splitlines()[-1]))

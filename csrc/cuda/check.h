@@ -14,10 +14,16 @@ namespace fastgpt::cuda {
 
 }  // namespace fastgpt::cuda
 
+// A failed call also leaves its error as the runtime's last error; it is cleared here, where it is reported, so that
+// a caller who catches the exception and goes on (an out-of-memory probe trying a smaller batch) does not see it
+// again from the next launch check, blamed on that kernel. (A sticky error, a fault, stays: it cannot be cleared.)
 #define FASTGPT_CUDA_CHECK(call)                                                                 \
   do {                                                                                           \
     cudaError_t err_ = (call);                                                                   \
-    if (err_ != cudaSuccess) ::fastgpt::cuda::fail(#call, cudaGetErrorString(err_), __FILE__, __LINE__); \
+    if (err_ != cudaSuccess) {                                                                   \
+      (void)cudaGetLastError();                                                                  \
+      ::fastgpt::cuda::fail(#call, cudaGetErrorString(err_), __FILE__, __LINE__);                \
+    }                                                                                            \
   } while (0)
 
 // After a kernel launch: catches bad launch configurations at the launch site, not at the next sync.

@@ -59,6 +59,7 @@ class Workspace {
       if (want_ > cap_ && !capturing()) grow();
     }
     live_++;
+    last_want_ = want_;
     peak_ += bytes;  // what the window would need if everything live came from the buffer
     want_ = want_ > peak_ ? want_ : peak_;
     if (top_ + bytes > cap_) {
@@ -70,6 +71,14 @@ class Workspace {
     return p;
   }
   void give() { live_--; }
+  // The request take() just answered with nullptr could not be had from the pool either (out of memory): it is
+  // given back and forgotten, so that the buffer is not grown to a size the device refused (every later rewind
+  // would try that size again and fail, whatever the next calls need).
+  void refused(size_t bytes) {
+    live_--;
+    peak_ -= (bytes + 255) / 256 * 256;
+    want_ = last_want_;
+  }
 
  private:
   bool capturing() const {
@@ -87,7 +96,7 @@ class Workspace {
   }
   cudaStream_t stream_;
   char* base_ = nullptr;
-  size_t cap_ = 0, top_ = 0, peak_ = 0, want_ = 0;
+  size_t cap_ = 0, top_ = 0, peak_ = 0, want_ = 0, last_want_ = 0;
   int live_ = 0;
   int64_t grows_ = 0;
 };
@@ -120,7 +129,7 @@ struct Scratch {
     try {
       ptr = static_cast<float*>(pool_malloc(n * sizeof(float), stream));
     } catch (...) {
-      if (ws) ws->give();
+      if (ws) ws->refused(n * sizeof(float));
       throw;
     }
     pooled = true;

@@ -282,7 +282,6 @@ void GPT::ensure_activations(int B, int T) {
   Backend* be = be_.get();
   const int64_t es = dtype_size(storage_);  // bytes per stored activation
   auto act = [&](int64_t n) { return Buffer<uint8_t>(be, n * es); };
-  act_bt_ = BT;
   encoded_ = act(BT * C);
   for (auto* b : {&atty_, &residual2_, &residual3_}) *b = act(L * BT * C);
   const int64_t ln_layers = ln_slot(L - 1) + 1, gelu_layers = gelu_slot(L - 1) + 1;  // L, or 1 when recomputed
@@ -301,6 +300,9 @@ void GPT::ensure_activations(int B, int T) {
   dbtc_ = act(BT * C);
   dbt4c_ = act(BT * 4 * C);
   dqkv_ = act(BT * 3 * C);
+  // Only now: a failed allocation above (out of memory) leaves the old size, which every buffer still holds, and
+  // the next call allocates again, instead of running a smaller batch in buffers that were never taken.
+  act_bt_ = BT;
 }
 
 void GPT::ensure_tokens(int64_t n) {

@@ -926,7 +926,14 @@ inline cudaError_t MemsetAsync(void* p, int v, size_t n, void*) {
   memset(p, v, n);
   return cudaSuccess;
 }
+// The pool's memory: a request past it fails as the device's would, out of memory, and (as every failed runtime call)
+// leaves its error as the last error, for cudaGetLastError to return.
+inline size_t g_pool_limit = SIZE_MAX;
 inline cudaError_t MallocAsync(void** p, size_t n, void*) {
+  if (n > g_pool_limit) {
+    *p = nullptr;
+    return g_last = cudaErrorMemoryAllocation;
+  }
   *p = malloc(n);
   memset(*p, 0xff, n);
   return cudaSuccess;

@@ -1042,9 +1042,30 @@ void run_workspace() {
   cuda::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(), rstd.data(),
                            N, C, nullptr);
   ok = ok && ws.capacity() == cap3 && db[0] == 2.f * N;
+  // Out of memory: the pool refuses a request (leaving its error as the last error, as the runtime does), the call
+  // throws, and the caller goes on with smaller ones. The refused size is not the buffer's next target (a rewind
+  // would ask the pool for it again, and every call after would fail), and the next launch check does not report
+  // the refusal again.
+  emu::g_pool_limit = 1 << 20;
+  bool refused = false, recovered = false;
+  try {
+    cuda::Scratch huge(1 << 20, nullptr);
+  } catch (const std::runtime_error&) {
+    refused = true;
+  }
+  try {
+    recovered = pass({1000, 300, 7});
+    cuda::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(),
+                             rstd.data(), N, C, nullptr);
+  } catch (const std::exception& e) {
+    printf("after the refused request: %s\n", e.what());
+    recovered = false;
+  }
+  emu::g_pool_limit = SIZE_MAX;
+  ok = ok && refused && recovered && ws.capacity() == cap3 && db[0] == 3.f * N;
   if (!ok) failures++;
-  printf("%s scratch workspace: sized by the first pass (%zu bytes), reused after, grown for a larger need\n",
-         ok ? "ok  " : "FAIL", cap1);
+  printf("%s scratch workspace: sized by the first pass (%zu bytes), reused after, grown for a larger need, "
+         "usable after an out-of-memory request\n", ok ? "ok  " : "FAIL", cap1);
   fflush(stdout);
 }
 
