@@ -14,10 +14,17 @@ namespace fastgpt::cuda {
 
 }  // namespace fastgpt::cuda
 
+// The runtime also keeps a failed call's error as its last error: a non-sticky one (out of memory from cudaMalloc or
+// cudaMallocAsync) would be reported again by the next launch check, far from where it happened (bench_gpu_train's
+// --B max, retrying a smaller batch after running out of memory, would fail on its first kernel). This throw
+// reports it: clear it.
 #define FASTGPT_CUDA_CHECK(call)                                                                 \
   do {                                                                                           \
     cudaError_t err_ = (call);                                                                   \
-    if (err_ != cudaSuccess) ::fastgpt::cuda::fail(#call, cudaGetErrorString(err_), __FILE__, __LINE__); \
+    if (err_ != cudaSuccess) {                                                                   \
+      (void)cudaGetLastError();                                                                  \
+      ::fastgpt::cuda::fail(#call, cudaGetErrorString(err_), __FILE__, __LINE__);                \
+    }                                                                                            \
   } while (0)
 
 // After a kernel launch: catches bad launch configurations at the launch site, not at the next sync.
