@@ -71,6 +71,21 @@ def test_cuda_op_refuses_ids_out_of_range():
 
 
 @needs_gpu
+def test_running_out_of_device_memory_leaves_no_error_for_the_next_call():
+    # A model too large for the GPU raises "out of memory" from its cudaMalloc; the runtime's record of that error
+    # goes with the throw, so the next launch (an op here, a smaller batch in bench_gpu_train's --B max) does not
+    # report it again.
+    import torch
+    from fastgpt import ops
+    x = torch.randn(4, 64, device="cuda")  # before the failure: torch's own launch check would report it too
+    big = fastgpt.GPTConfig(block_size=1, vocab_size=4194304, n_layer=1, n_head=1, n_embd=32768)  # 600 GB of fp32
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fastgpt.GPT(big, device="cuda")
+    out = ops.gelu_forward(x)
+    assert torch.isfinite(out).all()
+
+
+@needs_gpu
 def test_cuda_ops_wait_for_work_queued_on_the_callers_stream():
     # The input is written on a non-blocking stream behind ~20 ms of spinning: an op enqueued anywhere but that
     # stream would read it before it is written, and give a wrong answer.
