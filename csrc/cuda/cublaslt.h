@@ -29,8 +29,8 @@ struct GemmTypes {
 // Strided batch: `batch` independent products, matrix i at A + i * stride_a (etc.); the bias (if any) is the same
 // vector for every batch entry. The bias is added after beta * C, as cuBLASLt's BIAS epilogue does; with a 16-bit
 // C the sum alpha * AB + beta * C + bias is rounded once, on the epilogue path and on the fallback path alike.
-// Runs on `stream`, on the current device. Not safe for two streams of one device at once: they share one
-// workspace (fastgpt runs one compute stream per device).
+// Runs on `stream`, on the current device; each call takes its cuBLASLt workspace as scratch on that stream (the
+// engine's workspace or the stream-ordered pool: scratch.h), so calls on two streams at once do not share one.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
           const void* B, int64_t ldb, float beta, void* C, int64_t ldc, const void* bias, cudaStream_t stream,
           const GemmTypes& types = {}, int batch = 1, int64_t stride_a = 0, int64_t stride_b = 0,

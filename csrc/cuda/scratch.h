@@ -91,7 +91,14 @@ class Workspace {
     base_ = nullptr;
     cap_ = 0;
     grows_++;
-    base_ = static_cast<char*>(pool_malloc(want_, stream_));
+    try {
+      base_ = static_cast<char*>(pool_malloc(want_, stream_));
+    } catch (...) {
+      // The device cannot give the window's size in one piece (out of memory): forget it, so that the next rewind
+      // does not ask again and fail every call; requests go to the pool and size the buffer anew.
+      want_ = 0;
+      throw;
+    }
     cap_ = want_;
   }
   cudaStream_t stream_;

@@ -1061,11 +1061,34 @@ void run_workspace() {
     printf("after the refused request: %s\n", e.what());
     recovered = false;
   }
+  const bool cap_kept = ws.capacity() == cap3;
+  // The buffer's own growth refused: two pieces the pool serves one at a time (each under its limit) make a window
+  // it cannot serve in one piece, which the next rewind asks for. That call throws; the buffer forgets the size
+  // rather than asking for it again at every later rewind (every call after would fail).
+  const size_t piece = cap3 / 4 + 64;  // floats: more than the buffer holds, so from the pool
+  emu::g_pool_limit = piece * 4 * 3 / 2;
+  bool regrow_refused = false, regrow_recovered = false;
+  try {
+    pass({piece, piece});
+    pass({7});
+  } catch (const std::runtime_error&) {
+    regrow_refused = true;
+  }
+  try {
+    pass({7});
+    pass({1000, 300, 7});
+    regrow_recovered = true;
+  } catch (const std::exception& e) {
+    printf("after the refused growth: %s\n", e.what());
+    regrow_recovered = false;
+  }
   emu::g_pool_limit = SIZE_MAX;
-  ok = ok && refused && recovered && ws.capacity() == cap3 && db[0] == 3.f * N;
+  pass({1000, 300, 7});
+  const bool regrown = pass({1000, 300, 7});  // the buffer sized again by what the calls need
+  ok = ok && refused && recovered && cap_kept && db[0] == 3.f * N && regrow_refused && regrow_recovered && regrown;
   if (!ok) failures++;
   printf("%s scratch workspace: sized by the first pass (%zu bytes), reused after, grown for a larger need, "
-         "usable after an out-of-memory request\n", ok ? "ok  " : "FAIL", cap1);
+         "usable after an out-of-memory request and a refused growth\n", ok ? "ok  " : "FAIL", cap1);
   fflush(stdout);
 }
 
