@@ -36,6 +36,7 @@ int device_count() { return 0; }
 std::string device_name(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 bool smoke_test(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 void set_device(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
+int64_t pool_reserved(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 DeviceGuard::DeviceGuard(int) { throw std::runtime_error("fastgpt was built without CUDA"); }
 DeviceGuard::~DeviceGuard() = default;
 }  // namespace fastgpt::cuda
@@ -842,6 +843,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_name", &cuda::device_name);
   m.def("cuda_smoke_test", &cuda::smoke_test);
   m.def("cuda_set_device", &cuda::set_device, py::arg("device"));
+  m.def("cuda_pool_reserved", &cuda::pool_reserved, py::arg("device") = 0);
 #ifdef FASTGPT_CUDA_ARCHS
   m.attr("cuda_architectures") = FASTGPT_CUDA_ARCHS;  // e.g. "75-real 80-real 90": what the build compiled for
 #else

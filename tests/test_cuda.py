@@ -1,4 +1,5 @@
 """The CUDA slot: what can be checked about it on any machine, and the GPU checks that skip without a GPU."""
+import numpy as np
 import pytest
 
 import fastgpt
@@ -83,6 +84,33 @@ def test_running_out_of_device_memory_leaves_no_error_for_the_next_call():
         fastgpt.GPT(big, device="cuda")
     out = ops.gelu_forward(x)
     assert torch.isfinite(out).all()
+
+
+POOL_SCRIPT = """
+import gc, numpy as np, fastgpt
+from fastgpt import _C
+cfg = fastgpt.GPTConfig(block_size=1024, vocab_size=50304, n_layer=2, n_head=12, n_embd=768)
+model = fastgpt.GPT(cfg, device="cuda", precision="bf16")
+x = np.random.default_rng().integers(0, cfg.vocab_size, size=(8, 1024))
+model.forward_backward(x, np.roll(x, -1, axis=1))
+held = _C.cuda_pool_reserved(0)
+del model
+gc.collect()
+print(held, _C.cuda_pool_reserved(0))
+"""
+
+
+@needs_gpu
+def test_a_deleted_model_gives_its_scratch_memory_back():
+    # The kernels' scratch comes from the stream-ordered pool, which keeps what is freed into it (so that steps
+    # allocate nothing); a deleted model's must go back to the device, for torch or the next model of the process
+    # (bench_ladder's rungs). A fresh process: nothing else holds pool memory there.
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", POOL_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    held, after = map(int, run.stdout.split()[-2:])
+    assert held > 0 and after < held // 4, (held, after)  # before: all of it kept
 
 
 @needs_gpu
@@ -173,11 +201,13 @@ def test_set_device_refuses_a_device_that_is_not_visible():
     n = _C.cuda_device_count()
     if _C.built_with_cuda:
         for bad in (-1, n):
-            with pytest.raises(ValueError, match=rf"device {bad} is not a visible CUDA device \({n} visible\)"):
-                _C.cuda_set_device(bad)
+            for call in (_C.cuda_set_device, _C.cuda_pool_reserved):
+                with pytest.raises(ValueError, match=rf"device {bad} is not a visible CUDA device \({n} visible\)"):
+                    call(bad)
     else:
-        with pytest.raises(RuntimeError, match="built without CUDA"):
-            _C.cuda_set_device(0)
+        for call in (_C.cuda_set_device, _C.cuda_pool_reserved):
+            with pytest.raises(RuntimeError, match="built without CUDA"):
+                call(0)
 
 
 @pytest.mark.skipif(not fastgpt.cuda_available() or _C.cuda_device_count() < 2 or not _C.built_with_nccl,

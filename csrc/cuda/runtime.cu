@@ -54,6 +54,18 @@ void set_device(int device) {
   FASTGPT_CUDA_CHECK(cudaSetDevice(device));
 }
 
+int64_t pool_reserved(int device) {
+  const int n = device_count();
+  if (device < 0 || device >= n)
+    throw std::invalid_argument("device " + std::to_string(device) + " is not a visible CUDA device (" +
+                                std::to_string(n) + " visible)");
+  cudaMemPool_t pool;
+  FASTGPT_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+  uint64_t bytes = 0;  // the attribute is a cuuint64_t (cuda.h), 64 bits
+  FASTGPT_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &bytes));
+  return (int64_t)bytes;
+}
+
 bool smoke_test(int device) {
   const DeviceGuard guard(device);
   const int n = 1000;

@@ -1,6 +1,7 @@
 // What the rest of the tree may ask of the CUDA side. Plain C++ (no CUDA headers), so the binding compiles with
 // or without the toolkit; csrc/cuda/runtime.cu implements it when FASTGPT_WITH_CUDA is set.
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace fastgpt::cuda {
@@ -43,5 +44,8 @@ inline std::string precision_unsupported(int major, int minor, const std::string
 }
 // Runs a tiny kernel on the device and checks its result: proves that the build's architectures run there.
 bool smoke_test(int device);
+// Bytes the device's stream-ordered pool holds (cudaMemPoolAttrReservedMemCurrent): the kernels' scratch, in use
+// or kept for reuse (scratch.h); a deleted model gives its part back (backend_cuda.cu).
+int64_t pool_reserved(int device);
 
 }  // namespace fastgpt::cuda

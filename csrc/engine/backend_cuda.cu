@@ -49,6 +49,12 @@ class CudaBackend final : public Backend {
       const cuda::DeviceGuard guard(device_);
       workspace_.reset();  // freed in the order of its stream, which must still exist
       cudaStreamSynchronize(stream_);
+      // The pool keeps what is freed into it (scratch.h: release threshold "never", so that steps allocate nothing);
+      // a model going away gives it back to the device, for whatever runs next in the process (torch's rungs of the
+      // ladder, a larger model). Other models' live buffers are untouched: only unused pool memory is released.
+      cudaMemPool_t pool;
+      if (cudaDeviceGetDefaultMemPool(&pool, device_) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
+      (void)cudaGetLastError();
       for (void* p : deferred_) cudaFree(p);
       if (staging_) cudaFreeHost(staging_);
       cudaEventDestroy(staged_);
