@@ -14,6 +14,14 @@ __global__ void axpy_kernel(float* y, const float* x, float a, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] += a * x[i];
 }
+
+// A device index from Python: a clear error for one that is not there, not a CUDA one.
+void check_visible(int device) {
+  const int n = device_count();
+  if (device < 0 || device >= n)
+    throw std::invalid_argument("device " + std::to_string(device) + " is not a visible CUDA device (" +
+                                std::to_string(n) + " visible)");
+}
 }  // namespace
 
 bool built_with_cuda() { return true; }
@@ -47,18 +55,12 @@ void restore_device(int prev, int now) {
 }
 
 void set_device(int device) {
-  const int n = device_count();
-  if (device < 0 || device >= n)
-    throw std::invalid_argument("device " + std::to_string(device) + " is not a visible CUDA device (" +
-                                std::to_string(n) + " visible)");
+  check_visible(device);
   FASTGPT_CUDA_CHECK(cudaSetDevice(device));
 }
 
 int64_t pool_reserved(int device) {
-  const int n = device_count();
-  if (device < 0 || device >= n)
-    throw std::invalid_argument("device " + std::to_string(device) + " is not a visible CUDA device (" +
-                                std::to_string(n) + " visible)");
+  check_visible(device);
   cudaMemPool_t pool;
   FASTGPT_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
   uint64_t bytes = 0;  // the attribute is a cuuint64_t (cuda.h), 64 bits
