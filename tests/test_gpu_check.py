@@ -1,0 +1,28 @@
+"""scripts/gpu_check.sh's tests part (run on a lent GPU; `--list-tests` prints its files in order without running
+anything): every test file with a GPU case runs once, the bring-up's first, the never-run Hopper cases last."""
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CPU_ONLY = {"flash_attention_emulated", "wgmma", "ncu_summary", "flash_diagnose", "tokenizer", "data", "hellaswag",
+            "hf", "sample", "bench_common", "gpu_check"}
+
+
+def test_the_tests_part_runs_every_gpu_file_once_in_priority_order():
+    out = subprocess.run(["bash", "scripts/gpu_check.sh", "--list-tests"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    order = out.stdout.split()
+    names = [p.split("/")[-1][len("test_"):].replace(".py", "") for p in order]
+    # Every test file is there once (the flash file twice: its Hopper cases apart), or is a CPU-only one left to CI.
+    files = sorted(p.stem[len("test_"):] for p in (ROOT / "tests").glob("test_*.py"))
+    assert sorted([n for n in names if "@" not in n] + ["flash_attention"]) == \
+        [n for n in files if n not in CPU_ONLY], (names, files)
+    assert names.count("flash_attention@not_sm90") == 1 and names[-1] == "flash_attention@sm90"
+    assert all((ROOT / p.split("@")[0]).is_file() for p in order)
+    # test_cuda proves the build runs at all; then the model and the training step, before anything peripheral.
+    assert names[0] == "cuda"
+    first_peripheral = min(names.index(n) for n in ("notebooks", "ladder", "distributed", "bench_ops"))
+    for core in ("model", "train_step", "train_steps", "precision", "flash_attention@not_sm90", "layernorm",
+                 "cross_entropy", "matmul", "adamw"):
+        assert names.index(core) < first_peripheral, (core, names)
