@@ -196,6 +196,49 @@ def test_ops_and_models_leave_the_callers_device_current():
     assert torch.cuda.current_device() == 0
 
 
+def test_cuda_tensors_are_exported_with_their_device_current(monkeypatch):
+    # torch exports a CUDA tensor through DLPack only while its device is current (BufferError otherwise) and orders
+    # the consumer's stream after the current device's stream: an op on cuda:1 tensors while cuda:0 is current must
+    # export them with cuda:1 current, and leave cuda:0 current after. Checked here with stand-ins for torch's device
+    # switch and a tensor that refuses as torch's does (the two-GPU test above runs the real thing).
+    import contextlib
+
+    import torch
+    from fastgpt import ops
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], torch.device(d).index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    class Stream:
+        cuda_stream = 1234
+
+    class Tensor:
+        __module__ = "torch"
+        device = torch.device("cuda", 1)
+
+        def detach(self):
+            return self
+
+        def __dlpack_device__(self):
+            return 2, 1
+
+        def __dlpack__(self, stream=None):
+            if current[0] != self.device.index:
+                raise BufferError("Can't export tensors on a different CUDA device index")
+            return "capsule", stream
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    assert ops._Device(Tensor()).arg(Tensor()) == ("capsule", 1234)
+    assert current[0] == 0
+
+
 def test_set_device_refuses_a_device_that_is_not_visible():
     # distributed.py makes a rank's GPU current with it; a bad index is a clear error, not a CUDA one.
     n = _C.cuda_device_count()

@@ -68,7 +68,8 @@ class _Device:
         elif self.module == "cupy":
             import cupy
             self.cupy, self.device = cupy, like.device
-            self.stream = cupy.cuda.get_current_stream().ptr
+            with like.device:  # CuPy's current stream is per device: the arrays' one, not the current device's
+                self.stream = cupy.cuda.get_current_stream().ptr
         else:
             raise TypeError(f"CUDA arrays from {self.module} are not supported (torch tensors or CuPy arrays)")
 
@@ -142,9 +143,14 @@ class _Device:
 
     def arg(self, a):
         # DLPack names CUDA's legacy default stream 1 (0 is reserved); torch refuses tensors that require grad.
+        # Exported with the arrays' device current: torch refuses to export a tensor of another device than the
+        # current one (BufferError: an op on cuda:1 tensors while cuda:0 is current), and both frameworks order the
+        # consumer's stream after their current stream, which is per device.
         if self.module == "torch":
-            a = a.detach()
-        return a.__dlpack__(stream=self.stream or 1)
+            with self.torch.cuda.device(self.device):
+                return a.detach().__dlpack__(stream=self.stream or 1)
+        with self.device:
+            return a.__dlpack__(stream=self.stream or 1)
 
 
 def _host_half(x):
