@@ -1,11 +1,15 @@
 // The host half of tma.cuh: tensor maps encoded by the driver's cuTensorMapEncodeTiled. The function is taken
 // through the runtime's driver entry point (cudaGetDriverEntryPointByVersion), so the extension does not link
 // libcuda itself (the toolkit's stub would otherwise be baked in); it is looked up once per process.
+// This file is built with every CUDA build, but only the sm_90a kernels call it, and CMake compiles those with nvcc
+// 12.0 or newer alone: an older toolkit (no CUtensorMap in cuda.h) compiles nothing here, so that its build goes on.
+#include "cuda/check.h"
+
+#if CUDART_VERSION >= 12000
 #include <string>
 
 #include <cudaTypedefs.h>
 
-#include "cuda/check.h"
 #include "cuda/tma.cuh"
 
 namespace fastgpt::cuda::tma {
@@ -17,10 +21,14 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   static const auto fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
     FASTGPT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
                                                         &found));
+#else  // 12.0-12.4 have no ByVersion (12.5 on); unversioned, the lookup gives the toolkit's version: v12000 here
+    FASTGPT_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &found));
+#endif
     if (found != cudaDriverEntryPointSuccess || p == nullptr)
-      fail("cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)",
+      fail("the driver entry point lookup of cuTensorMapEncodeTiled",
            "the driver has no tensor-map encoder (query result " + std::to_string((int)found) + ")", __FILE__,
            __LINE__);
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
@@ -44,3 +52,5 @@ void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const
 }
 
 }  // namespace fastgpt::cuda::tma
+
+#endif  // CUDART_VERSION >= 12000
