@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cctype>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -106,7 +107,9 @@ std::unique_ptr<Backend> backend_for(const std::string& device) {
   if (device.rfind("cuda:", 0) == 0) {
     int index = -1;
     try {
-      index = std::stoi(device.substr(5));
+      size_t used = 0;
+      index = std::stoi(device.substr(5), &used);
+      if (used != device.size() - 5 || !std::isdigit((unsigned char)device[5])) index = -1;  // "cuda:1x", "cuda:+1"
     } catch (const std::exception&) {
     }
     need(index >= 0, "device must be 'cpu', 'cuda' or 'cuda:N', got '" + device + "'");

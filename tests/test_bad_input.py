@@ -149,9 +149,12 @@ def test_config_non_positive():
         fastgpt.GPT(fastgpt.GPTConfig(n_layer=0))
 
 
-def test_unknown_device():
+@pytest.mark.parametrize("device", ["tpu", "cuda:1x", "cuda:", "cuda:-1", "cpu:0", "cuda:+1", " cuda"])
+def test_unknown_device(device):
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
-        fastgpt.GPT(CONFIG, device="tpu")
+        fastgpt.GPT(CONFIG, device=device)
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):  # the engine's own parse
+        fastgpt._C.GPT(8, 16, 1, 1, 8, 0, device)
 
 
 def test_tf32_on_cpu():

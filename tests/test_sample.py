@@ -101,6 +101,34 @@ def test_device_and_damaged_files_are_named(tmp_path, model, encoder_json, capsy
     assert e.value.code == 2 and "not a readable safetensors file" in err and "config.json" not in err
 
 
+class _T4:
+    """fastgpt._C as a build with CUDA on a machine with one T4 (sm_75) shows it."""
+    built_with_cuda = True
+
+    def __init__(self, real):
+        self.cuda_precision_unsupported = real.cuda_precision_unsupported
+
+    def cuda_device_count(self):
+        return 1
+
+    def cuda_device_name(self, index):
+        assert index == 0
+        return "Tesla T4 (sm_75)"
+
+
+def test_a_precision_the_gpu_lacks_is_named_as_such(tmp_path, model, capsys, monkeypatch):
+    # bf16 on a T4: the engine refuses it with a ValueError, which the CLI used to report as a damaged checkpoint.
+    save_checkpoint(model, tmp_path / "m.safetensors")
+    monkeypatch.setattr(fastgpt.model, "_C", _T4(fastgpt._C))
+    with pytest.raises(SystemExit) as e:
+        sample.main([str(tmp_path / "m.safetensors"), "--device", "cuda", "--precision", "bf16"], out=io.StringIO())
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--device/--precision: Tesla T4 (sm_75): precision='bf16' needs a GPU of compute " \
+        "capability 8.0 or newer" in err, err
+    fastgpt.model._check_device("cuda:0", "fp16")  # what a T4 has: no complaint
+    fastgpt.model._check_device("cuda:3", "bf16")  # a device that is not there: the engine names those there are
+
+
 def test_a_run_stopped_early_samples_from_its_latest_checkpoint(tmp_path, model, encoder_json, capsys):
     # train.py writes model.safetensors at the end only; a run stopped before has its step_NNNNNN checkpoints.
     run = tmp_path / "run"

@@ -17,6 +17,7 @@ precision (llm.c's mixed-precision recipe, chosen at run time; one engine for al
           torch.amp.GradScaler's rules; AdamW.step() returns False for a skipped (inf/NaN) step.
 """
 import contextlib
+import re
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -24,7 +25,6 @@ import numpy as np
 from . import _C, distributed
 from ._convert import INT32_MAX, INT64_MAX, as_ids, check_float, check_int, to_numpy
 
-DEVICES = ("cpu", "cuda")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
@@ -45,7 +45,7 @@ class GPTConfig:
 
 
 def _check_device(device, precision):
-    if not isinstance(device, str) or device.split(":")[0] not in DEVICES:
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
         raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -55,6 +55,13 @@ def _check_device(device, precision):
                                "PATH (or with FASTGPT_CUDA=ON)")
         if _C.cuda_device_count() == 0:
             raise RuntimeError("device='cuda': no CUDA GPU is visible (no driver or no device)")
+        index = int(device.partition(":")[2] or 0)
+        if index < _C.cuda_device_count():  # else the engine says which devices there are
+            # A precision the GPU lacks (bf16 on a T4), said here: the CLIs name --precision, not the checkpoint.
+            cc = re.search(r"\(sm_([0-9]+)([0-9])\)$", _C.cuda_device_name(index))
+            why = _C.cuda_precision_unsupported(int(cc[1]), int(cc[2]), precision) if cc else ""
+            if why:
+                raise ValueError(f"{_C.cuda_device_name(index)}: {why}")
     elif precision == "tf32":
         raise ValueError("precision='tf32' needs device='cuda' (TF32 is a tensor-core format; the CPU has none): "
                          "use 'fp32', 'bf16' or 'fp16' on the CPU")
