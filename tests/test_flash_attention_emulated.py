@@ -1,18 +1,18 @@
 """flash_attention on the CPU through the warp emulator: the CUDA kernels' own sources (tensor-core bf16/fp16, the fp32
-path on CUDA cores and on TF32 tensor cores, three products per product within 5e-6 of float64 and one within 4e-3;
-in "mix" mode also the KV-cache decode kernels of attention_decode.cu and GPUs with less shared memory per block (99
-KB: sm_86/sm_89, where float32 takes the simt kernels and d 128's dq pass 32-key blocks; 163 KB: A100), in "quick"
-mode the cross-entropy kernels of cross_entropy.cu, the LayerNorm ones of layernorm.cu and residual_layernorm.cu,
-the fused one giving the unfused pair's bits, and the optimizer step's of adamw.cu and the embedding's of
-encoder.cu, which must give the CPU reference's bits) run in tests/warp_emu (one OS thread per CUDA thread;
-ldmatrix, mma.sync (bf16/fp16 m16n8k16, tf32 m16n8k8, whose operands must be rounded to TF32), cvt.rna.tf32,
-shuffles, ballots, static shared memory and cp.async emulated from the PTX ISA's definitions; also Hopper's wgmma
-for the sm90 forward, with its descriptors, 128-byte swizzle, fences and a vector-clock race check against cp.async
-and stores, the fused Hopper backward with its turn-taking between CTAs, and the warp-specialised forward's and
-backward's mbarriers, named barriers and setmaxnreg, and the forward's TMA copies and their mbarrier transaction
-bytes, one CTA taking several tiles in turn in the persistent forward, giving the other sm90 kernels' bits) and must
-match a float64 reference. This checks their indexing, fragment layouts, masking and barriers where no GPU is lent;
-it is not a GPU run (see BENCHMARKS.md for what only a GPU can verify).
+path on CUDA cores and on TF32 tensor cores, three products per product within 5e-6 of float64 and one within 4e-3; in
+"mix" mode also the KV-cache decode kernels of attention_decode.cu and GPUs with less shared memory per block (99 KB:
+sm_86/sm_89, where float32 takes the simt kernels and d 128's dq pass 32-key blocks; mode "smem" also 163 KB), in
+"quick" mode the cross-entropy kernels of cross_entropy.cu, the LayerNorm ones of layernorm.cu and
+residual_layernorm.cu, the fused one giving the unfused pair's bits, and the optimizer step's of adamw.cu and the
+embedding's of encoder.cu, which must give the CPU reference's bits) run in tests/warp_emu (one OS thread per CUDA
+thread; ldmatrix, mma.sync (bf16/fp16 m16n8k16, tf32 m16n8k8, whose operands must be rounded to TF32), cvt.rna.tf32,
+shuffles, ballots, static shared memory and cp.async emulated from the PTX ISA's definitions; also Hopper's wgmma for
+the sm90 forward, with its descriptors, 128-byte swizzle, fences and a vector-clock race check against cp.async and
+stores, the fused Hopper backward with its turn-taking between CTAs, and the warp-specialised forward's and backward's
+mbarriers, named barriers and setmaxnreg, and the forward's TMA copies and their mbarrier transaction bytes, one CTA
+taking several tiles in turn in the persistent forward, giving the other sm90 kernels' bits) and must match a float64
+reference. This checks their indexing, fragment layouts, masking and barriers where no GPU is lent; it is not a GPU run
+(see BENCHMARKS.md for what only a GPU can verify).
 Needs g++ with C++20 and the CUDA headers (cuda_bf16.h); skipped without them."""
 import os
 import shutil
