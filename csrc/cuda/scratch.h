@@ -56,7 +56,7 @@ class Workspace {
     bytes = (bytes + 255) / 256 * 256;  // every piece as aligned as cudaMalloc's
     if (live_ == 0) {
       top_ = peak_ = 0;
-      if (want_ > cap_ && !capturing()) grow();
+      if (want_ > cap_ && want_ < refused_ && !capturing()) grow();
     }
     live_++;
     last_want_ = want_;
@@ -86,6 +86,9 @@ class Workspace {
     FASTGPT_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
     return status != cudaStreamCaptureStatusNone;
   }
+  // Replaces the buffer by one of want_ bytes. One the pool refuses (out of memory: the window's size in one piece)
+  // is not asked for again (refused_): the call goes on, its requests served by the pool one at a time (which may
+  // fit where the whole window did not), and the buffer is sized anew, below that size, by what calls need.
   void grow() {
     if (base_) FASTGPT_CUDA_CHECK(cudaFreeAsync(base_, stream_));
     base_ = nullptr;
@@ -93,17 +96,16 @@ class Workspace {
     grows_++;
     try {
       base_ = static_cast<char*>(pool_malloc(want_, stream_));
-    } catch (...) {
-      // The device cannot give the window's size in one piece (out of memory): forget it, so that the next rewind
-      // does not ask again and fail every call; requests go to the pool and size the buffer anew.
+    } catch (...) {  // FASTGPT_CUDA_CHECK cleared the error; a sticky one shows at the next launch check
+      refused_ = want_;
       want_ = 0;
-      throw;
+      return;
     }
     cap_ = want_;
   }
   cudaStream_t stream_;
   char* base_ = nullptr;
-  size_t cap_ = 0, top_ = 0, peak_ = 0, want_ = 0, last_want_ = 0;
+  size_t cap_ = 0, top_ = 0, peak_ = 0, want_ = 0, last_want_ = 0, refused_ = SIZE_MAX;
   int live_ = 0;
   int64_t grows_ = 0;
 };
