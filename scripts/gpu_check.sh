@@ -41,7 +41,18 @@ gpu_files=$(for n in $first; do [ -f tests/test_${n%@*}.py ] && echo tests/test_
             ls tests/test_*.py | grep -Ev "/test_($cpu_only)\.py$" |
               grep -Ev "/test_($(echo $first | tr ' ' '\n' | sed 's/@.*//' | paste -sd'|'))\.py$"
             echo tests/test_flash_attention.py@sm90)
+# A tests entry: FILE@SEL runs FILE's cases that pytest -k SEL picks, an underscore standing for a space ("not_sm90":
+# not sm90); anything else (a file, a node id FILE::TEST, a folder: TESTS= given by hand) goes to pytest as it is.
+split_entry() {
+  case $1 in
+    *.py@*) sel=${1##*@}; f=${1%@*} ;;
+    *) sel=; f=$1 ;;
+  esac
+}
 if [ "${1:-}" = --list-tests ]; then echo $gpu_files; exit 0; fi
+if [ "${1:-}" = --pytest-args ]; then  # what pytest is given for entry $2, one argument a line
+  split_entry "$2"; printf '%s\n' "$f" ${sel:+-k "${sel//_/ }"}; exit 0
+fi
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 parts=${*:-tests sanitize bench}
@@ -89,7 +100,7 @@ if [ $build = ok ] && has tests; then
   # -n 8 over all files ran slower beside the sanitizers, 2026-11-23.) TEST_BUDGET: seconds after which the remaining
   # files are reported "not run" (the call has 600 s in all). TESTS= (any list) runs those instead.
   for f in ${TESTS:-$gpu_files}; do
-    sel=${f#*.py}; f=${f%$sel}; sel=${sel#@}  # FILE@SEL: the cases pytest -k SEL picks ("not_sm90": not sm90)
+    split_entry "$f"  # f and sel
     name=$(basename "$f" .py)${sel:+@$sel}
     if [ $((SECONDS - t0)) -gt ${TEST_BUDGET:-480} ]; then res[$name]="not run (time)"; continue; fi
     echo "== $f${sel:+ -k ${sel//_/ }}" >> "$out/pytest.log"

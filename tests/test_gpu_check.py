@@ -26,3 +26,16 @@ def test_the_tests_part_runs_every_gpu_file_once_in_priority_order():
     for core in ("model", "train_step", "train_steps", "precision", "flash_attention@not_sm90", "layernorm",
                  "cross_entropy", "matmul", "adamw"):
         assert names.index(core) < first_peripheral, (core, names)
+
+
+def test_a_tests_entry_is_split_only_at_its_selection():
+    # FILE@SEL is pytest -k SEL on FILE; a node id or a folder given by hand in TESTS= goes to pytest as it is.
+    def args(entry):
+        out = subprocess.run(["bash", "scripts/gpu_check.sh", "--pytest-args", entry], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+    assert args("tests/test_flash_attention.py@not_sm90") == ["tests/test_flash_attention.py", "-k", "not sm90"]
+    assert args("tests/test_cuda.py") == ["tests/test_cuda.py"]
+    assert args("tests/test_model.py::test_forward_shapes") == ["tests/test_model.py::test_forward_shapes"]
+    assert args("tests") == ["tests"]
