@@ -129,6 +129,23 @@ def test_a_precision_the_gpu_lacks_is_named_as_such(tmp_path, model, capsys, mon
     fastgpt.model._check_device("cuda:3", "bf16")  # a device that is not there: the engine names those there are
 
 
+def test_a_data_parallel_ranks_cuda_is_its_local_gpu(monkeypatch):
+    # Under torchrun 'cuda' is cuda:LOCAL_RANK: rank 1's precision is checked against GPU 1, not GPU 0.
+    class TwoGPUs(_T4):
+        def cuda_device_count(self):
+            return 2
+
+        def cuda_device_name(self, index):
+            return ["Tesla T4 (sm_75)", "NVIDIA A100-SXM4-40GB (sm_80)"][index]
+
+    monkeypatch.setattr(fastgpt.model, "_C", TwoGPUs(fastgpt._C))
+    monkeypatch.setattr(fastgpt.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(fastgpt.distributed, "local_rank", lambda: 1)
+    fastgpt.model._check_device("cuda", "bf16")  # rank 1's A100
+    with pytest.raises(ValueError, match="Tesla T4"):
+        fastgpt.model._check_device("cuda:0", "bf16")
+
+
 def test_a_run_stopped_early_samples_from_its_latest_checkpoint(tmp_path, model, encoder_json, capsys):
     # train.py writes model.safetensors at the end only; a run stopped before has its step_NNNNNN checkpoints.
     run = tmp_path / "run"

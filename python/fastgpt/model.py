@@ -55,7 +55,8 @@ def _check_device(device, precision):
                                "PATH (or with FASTGPT_CUDA=ON)")
         if _C.cuda_device_count() == 0:
             raise RuntimeError("device='cuda': no CUDA GPU is visible (no driver or no device)")
-        index = int(device.partition(":")[2] or 0)
+        # 'cuda' in a data-parallel run is this rank's GPU, cuda:LOCAL_RANK (GPT() and train.py map it so)
+        index = int(device.partition(":")[2] or (distributed.local_rank() if distributed.is_initialized() else 0))
         if index < _C.cuda_device_count():  # else the engine says which devices there are
             # A precision the GPU lacks (bf16 on a T4), said here: the CLIs name --precision, not the checkpoint.
             cc = re.search(r"\(sm_([0-9]+)([0-9])\)$", _C.cuda_device_name(index))
@@ -92,13 +93,14 @@ class GPT:
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a fastgpt.GPTConfig, got {type(config).__name__}")
         self.config = replace(config).validate()  # a copy: the caller may reuse theirs for another model
-        _check_device(device, precision)
+        _check_device(device, "fp32")  # the device's spelling; its precisions once 'cuda' is known to be which GPU
         if data_parallel not in (None, True, False):
             raise ValueError(f"data_parallel must be None, True or False, got {data_parallel!r}")
         if data_parallel is None:
             data_parallel = distributed.is_initialized() and distributed.world_size() > 1
         if data_parallel:
             distributed.init()
+        _check_device(device, precision)
         if device == "cuda" and distributed.is_initialized():
             device = f"cuda:{distributed.local_rank()}"
         comm = distributed._comm_for(device if device != "cuda" else "cuda:0") if data_parallel else None
