@@ -14,7 +14,9 @@ namespace fastgpt::cuda {
 
 // Stream-ordered bytes from the current device's default pool. The first call on a device sets that pool's release
 // threshold to "never": with the default (0) the pool unmaps freed memory at every synchronize, and every training
-// step would map its scratch again. (The pool is ours alone: torch and CuPy keep their own caching allocators.)
+// step would map its scratch again. (torch and CuPy keep their own caching allocators, unless torch is told to use
+// this pool, PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync: then a deleted model's trim, backend_cuda.cu, also
+// returns torch's unused cached memory, which costs torch a new reservation, not a wrong result.)
 inline void* pool_malloc(size_t bytes, cudaStream_t stream) {
   static std::atomic<uint64_t> configured{0};  // bit d: device d's pool is set up
   int dev = 0;
