@@ -36,10 +36,9 @@ first="cuda model train_steps train_step precision precision_ops fused_step reco
        attention_decode torch_attention resume train bad_input"
 cpu_only="flash_attention_emulated|wgmma|ncu_summary|flash_diagnose|tokenizer|data|hellaswag|hf|sample|bench_common"
 cpu_only+="|gpu_check"
-gpu_files=$(for n in $first; do [ -f tests/test_${n%@*}.py ] && echo tests/test_$n.py; done |
-              sed -E 's/^(.*)(@[a-z_0-9]+)\.py$/\1.py\2/'
-            ls tests/test_*.py | grep -Ev "/test_($cpu_only)\.py$" |
-              grep -Ev "/test_($(echo $first | tr ' ' '\n' | sed 's/@.*//' | paste -sd'|'))\.py$"
+named=$(for n in $first; do echo -n "|${n%@*}"; done)
+gpu_files=$(for n in $first; do [ -f tests/test_${n%@*}.py ] && echo tests/test_${n%@*}.py${n#${n%@*}}; done
+            ls tests/test_*.py | grep -Ev "/test_($cpu_only$named)\.py$"
             echo tests/test_flash_attention.py@sm90)
 # A tests entry: FILE@SEL runs FILE's cases that pytest -k SEL picks, an underscore standing for a space ("not_sm90":
 # not sm90); anything else (a file, a node id FILE::TEST, a folder: TESTS= given by hand) goes to pytest as it is.

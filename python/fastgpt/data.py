@@ -182,8 +182,9 @@ class DataLoader:
 
     pattern_or_files: a glob, a directory, or a list of shard paths; split ("train"/"val") keeps only the shards
     whose name ends in _{split}_NNNNNN.bin or _{split}.bin (llm.c's names). Each rank reads its own B*T window of
-    every B*T*world_size stride, so ranks never share data and together read what one process would. seed=None walks the shards in order and wraps around; with a seed the
-    shard order and the stride order within each shard are reshuffled every epoch, identically on every rank.
+    every B*T*world_size stride, so ranks never share data and together read what one process would. seed=None walks
+    the shards in order and wraps around; with a seed the shard order and the stride order within each shard are
+    reshuffled every epoch, identically on every rank.
     """
 
     def __init__(self, pattern_or_files, B, T, split=None, rank=0, world_size=1, seed=None):

@@ -59,10 +59,11 @@ def _check_device(device, precision):
         index = int(device.partition(":")[2] or (distributed.local_rank() if distributed.is_initialized() else 0))
         if index < _C.cuda_device_count():  # else the engine says which devices there are
             # A precision the GPU lacks (bf16 on a T4), said here: the CLIs name --precision, not the checkpoint.
-            cc = re.search(r"\(sm_([0-9]+)([0-9])\)$", _C.cuda_device_name(index))
+            name = _C.cuda_device_name(index)
+            cc = re.search(r"\(sm_([0-9]+)([0-9])\)$", name)
             why = _C.cuda_precision_unsupported(int(cc[1]), int(cc[2]), precision) if cc else ""
             if why:
-                raise ValueError(f"{_C.cuda_device_name(index)}: {why}")
+                raise ValueError(f"{name}: {why}")
     elif precision == "tf32":
         raise ValueError("precision='tf32' needs device='cuda' (TF32 is a tensor-core format; the CPU has none): "
                          "use 'fp32', 'bf16' or 'fp16' on the CPU")
@@ -93,14 +94,13 @@ class GPT:
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a fastgpt.GPTConfig, got {type(config).__name__}")
         self.config = replace(config).validate()  # a copy: the caller may reuse theirs for another model
-        _check_device(device, "fp32")  # the device's spelling; its precisions once 'cuda' is known to be which GPU
         if data_parallel not in (None, True, False):
             raise ValueError(f"data_parallel must be None, True or False, got {data_parallel!r}")
         if data_parallel is None:
             data_parallel = distributed.is_initialized() and distributed.world_size() > 1
         if data_parallel:
             distributed.init()
-        _check_device(device, precision)
+        _check_device(device, precision)  # after init: 'cuda' of a data-parallel rank is its cuda:LOCAL_RANK
         if device == "cuda" and distributed.is_initialized():
             device = f"cuda:{distributed.local_rank()}"
         comm = distributed._comm_for(device if device != "cuda" else "cuda:0") if data_parallel else None
