@@ -49,7 +49,11 @@ __device__ __forceinline__ void add(MaxSum& a, const float (&v)[W]) {
 __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   const float m = fmaxf(a.m, b.m);
   if (m == -INFINITY) return {m, a.s + b.s};  // both sums are 0 (or NaN): exp(-inf - -inf) would be NaN
-  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};  // a + b == b + a: every lane ends with the same bits
+  // Both products rounded, then added: a + b == b + a, so both lanes of a shuffle pair end with the same bits, and
+  // so every lane of the block. Written a.s * ea + b.s * eb, nvcc makes it one FMA, fma(a.s, ea, b.s * eb), which
+  // rounds the partner's product only: lanes then differ in lse's last bit, and forward's loss (thread 0's lse)
+  // differed from forward_backward's (the target's thread) on an H200 (2026-11-26).
+  return {m, __fadd_rn(__fmul_rn(a.s, expf(a.m - m)), __fmul_rn(b.s, expf(b.m - m)))};
 }
 
 // Every thread of the block gets the row's (max, sum). Must be reached by all threads of the block, once a kernel.

@@ -1097,8 +1097,17 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define FASTGPT_ALIGN16_CHECK(p)                                                              \
   (reinterpret_cast<uintptr_t>(p) % 16 ? emu::die("a 16-byte load or store of an address not 16-byte aligned") \
                                        : (void)0)
-#define __fmul_rn(a, b) ((float)(a) * (float)(b))  // host float arithmetic rounds to nearest (SSE, no fast-math)
-#define __fsub_rn(a, b) ((float)(a) - (float)(b))
+// The _rn intrinsics: one rounding each, never part of an FMA. The kernel units are built contracting a * b + c into
+// FMAs, as nvcc does (run.sh), so the result passes through a volatile: the compiler cannot fuse across it.
+namespace emu {
+inline float rn(float x) {
+  volatile float v = x;
+  return v;
+}
+}  // namespace emu
+#define __fmul_rn(a, b) emu::rn((float)(a) * (float)(b))
+#define __fadd_rn(a, b) emu::rn((float)(a) + (float)(b))
+#define __fsub_rn(a, b) emu::rn((float)(a) - (float)(b))
 #define __shfl_xor_sync emu::shfl_xor
 #define __shfl_sync emu::shfl
 #define __shfl_down_sync emu::shfl_down

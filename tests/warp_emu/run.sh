@@ -56,6 +56,12 @@ fi
 cp "$here/emu_test.cpp" "$out/test.cpp"
 cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU references the adamw and encoder kernels are compared with
 cp "$src/cpu/encoder.cpp" "$out/cpu_encoder.cpp"
+# The kernel units are built as nvcc builds them: a * b + c contracted into one FMA where the compiler likes (nvcc's
+# default, --fmad=true; GCC's -O1 does it with -fexpensive-optimizations and -mfma), so that code whose bits depend
+# on where the roundings fall (a merge that must give both lanes of a shuffle the same bits) fails here as on a GPU. Not adamw.cu: its check is
+# the CPU reference's bits (cpu/adamw.h's one adamw_element), which hold only where neither side contracts; on a GPU
+# it is the CPU's to rounding (tests/test_adamw.py checks both against torch).
+kernel_flags=(-fexpensive-optimizations -mfma -ffp-contract=fast)
 flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes -Wno-psabi -DFASTGPT_SM90A=1)
 if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wgmma against CuTe (cute_check.cpp)
   : "${CUTLASS_INCLUDE:?the cute mode needs CUTLASS_INCLUDE, the CUTLASS include directory}"
@@ -65,16 +71,17 @@ if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wg
     -o "$out/cute_check"
   exec "$out/cute_check"
 fi
-# Built again only when a source, header or flag changed (a digest of them all beside the binary): the test cases
-# that share a build directory compile once.
-digest=$( { printf '%s\n' "${flags[@]}"; cat "$out"/*.cpp "$out"/*.h "$out"/cuda/*;
+# Built again only when a source, header, flag or this script changed (a digest of them all beside the binary): the
+# test cases that share a build directory compile once.
+digest=$( { printf '%s\n' "${flags[@]}" "${kernel_flags[@]}"; cat "$0"; cat "$out"/*.cpp "$out"/*.h "$out"/cuda/*;
             find "$src" \( -name '*.h' -o -name '*.cuh' \) -print0 | sort -z | xargs -0 cat; } | sha256sum)
 if [ "$(cat "$out/emu_test.digest" 2>/dev/null)" != "$digest" ] || ! [ -x "$out/emu_test" ]; then
   rm -f "$out/emu_test.digest" "$out/emu_test"
   objs=() pids=()
   for f in "${units[@]}" cpu_adamw cpu_encoder test; do
     rm -f "$out/$f.o"  # a failed compile must not leave an old object to link
-    g++ "${flags[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
+    case $f in cpu_*|test|adamw) kf=() ;; *) kf=("${kernel_flags[@]}") ;; esac
+    g++ "${flags[@]}" "${kf[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
     pids+=($!)
     objs+=("$out/$f.o")
   done
