@@ -102,22 +102,31 @@ def test_fused_and_unfused_models_agree_and_the_fused_one_keeps_no_logits(rng, p
 def test_fused_residual_layernorm_keeps_the_unfused_forward_bits(rng, precision, device):
     # The fused model takes every residual add with the LayerNorm that reads it (ln_2; the next block's ln_1, or
     # ln_f after the last block): one kernel, sharing the LayerNorm's body, so the logits must be the unfused
-    # model's bits on either device. Three layers: the fusion across block boundaries and into ln_f both run.
-    if device == "cuda" and precision == "fp32":
-        pytest.skip("fp32 on the GPU: the same kernels, covered by bf16/fp16 and the CPU")
+    # model's bits. Three layers: the fusion across block boundaries and into ln_f both run. On the GPU in 16 bits
+    # the fused model also takes the MLP's GELU in cuBLASLt's epilogue, which applies it before rounding the product
+    # (csrc/cuda/matmul.cu; the unfused kernels round, then apply it): a different rounding by design (an H200 showed
+    # the loss 1e-7 apart, 2026-11-26), so there the logits and gradients are compared within a tolerance, and the
+    # bits on the GPU in fp32 (where the GELU stays a kernel of its own) and on the CPU.
     seed = int(rng.integers(1 << 31))
     fused = fastgpt.GPT(ODD, seed=seed, precision=precision, device=device)
     unfused = fastgpt.GPT(ODD, seed=seed, precision=precision, device=device, fused=False)
     random_layernorms([fused, unfused], rng)  # a fused add that reached the wrong layer's LayerNorm would show
     x, y = batch(rng, 3, 16, ODD.vocab_size)
     (lf, loss_f), (lu, loss_u) = fused(x, y), unfused(x, y)
-    assert loss_f == loss_u
     lf, lu = (np.asarray(t.float().cpu() if isinstance(t, torch.Tensor) else t, dtype=np.float32) for t in (lf, lu))
-    assert np.array_equal(lf, lu)
-    # and the backward that follows reads what the fused forward kept (res, mean, rstd) as the unfused one does
     fused.backward()
     unfused.backward()
     g_unfused = unfused.grads()
+    if device == "cuda" and precision != "fp32":
+        tol = {"bf16": 3e-2, "fp16": 1e-2}[precision]  # a wrong LayerNorm or residual is off by O(1)
+        assert abs(loss_f - loss_u) < tol * abs(loss_u)
+        assert rel_err(lf, lu) < tol
+        for name, g in fused.grads().items():
+            assert rel_err(g, g_unfused[name]) < 3 * tol, name
+        return
+    assert loss_f == loss_u
+    assert np.array_equal(lf, lu)
+    # and the backward that follows reads what the fused forward kept (res, mean, rstd) as the unfused one does
     for name, g in fused.grads().items():
         assert np.array_equal(g, g_unfused[name]), name
 
