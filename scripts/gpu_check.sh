@@ -87,7 +87,7 @@ if [ $build = ok ] && has sanitize; then
   mkdir -p "$out/san"
   for tool in ${SANITIZERS:-memcheck racecheck initcheck synccheck}; do
     for prog in flash_sanitize train_sanitize; do
-      (timeout $(tmo 300) compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/$prog.py \
+      (timeout $(tmo 450) compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/$prog.py \
         > "$out/san/$tool-$prog.log" 2>&1; echo $? > "$out/san/$tool-$prog.rc") &
       san_jobs+=("$tool-$prog")
     done
@@ -97,13 +97,14 @@ fi
 if [ $build = ok ] && has tests; then
   # Each file in its own pytest (a fault in one cannot poison the others), in gpu_files' order (above). (One pytest
   # -n 8 over all files ran slower beside the sanitizers, 2026-11-23.) TEST_BUDGET: seconds after which the remaining
-  # files are reported "not run" (the call has 600 s in all). TESTS= (any list) runs those instead.
+  # files are reported "not run" (the call has 600 s in all). TESTS= (any list) runs those instead. Only the cases
+  # that can touch the GPU (FASTGPT_GPU_ONLY, tests/conftest.py): the CPU ones are CI's.
   for f in ${TESTS:-$gpu_files}; do
     split_entry "$f"  # f and sel
     name=$(basename "$f" .py)${sel:+@$sel}
     if [ $((SECONDS - t0)) -gt ${TEST_BUDGET:-480} ]; then res[$name]="not run (time)"; continue; fi
     echo "== $f${sel:+ -k ${sel//_/ }}" >> "$out/pytest.log"
-    timeout $(tmo 300) python3 -m pytest -q -rfEs -p no:cacheprovider "$f" ${sel:+-k "${sel//_/ }"} \
+    FASTGPT_GPU_ONLY=1 timeout $(tmo 300) python3 -m pytest -q -rfEs -p no:cacheprovider "$f" ${sel:+-k "${sel//_/ }"} \
       > "$out/one.log" 2>&1
     rc=$?
     cat "$out/one.log" >> "$out/pytest.log"
@@ -132,9 +133,14 @@ if [ ${#san_jobs[@]} -gt 0 ]; then
     elif [ "$rc" = 124 ]; then r=TIMEOUT
     else r="FAIL (rc $rc)"; fi
     res[sanitize-$j]=$r
-    { echo "== $j: $r"; tail -30 "$out/san/$j.log"; } >> "$out/sanitize.log"
+    # The first report (which kernel, which access) and the tail (the summary); the whole logs go in evidence.tgz.
+    { echo "== $j: $r"
+      first=$(grep -n -m1 -E "^========= (Error|Invalid|Uninitialized|Program hit|Race|Barrier|Warning)" \
+              "$out/san/$j.log" | cut -d: -f1)
+      [ -n "$first" ] && { sed -n "${first},$((first + 24))p" "$out/san/$j.log"; echo "[...]"; }
+      tail -20 "$out/san/$j.log"; } >> "$out/sanitize.log"
+    rm -f "$out/san/$j.rc"
   done
-  rm -rf "$out/san"
   echo "sanitizers done ($((SECONDS - t0)) s)"
 fi
 
@@ -207,7 +213,7 @@ if [ $build = ok ] && has ladder; then
   tail -20 "$out/ladder.log"
 fi
 # At most 8 files come back: the small ones go into one archive.
-(cd "$out" && ls *.json build.log pytest_nccl.log 2>/dev/null | xargs -r tar -czf evidence.tgz --remove-files)
+(cd "$out" && ls -d *.json build.log pytest_nccl.log san 2>/dev/null | xargs -r tar -czf evidence.tgz --remove-files)
 
 # The long tables first, the status table last: the device tool returns only the output's last 12,000 characters.
 echo

@@ -4,6 +4,7 @@ The data files (Tiny Shakespeare, GPT-2's encoder.json) are not in the repo. The
 FASTGPT_SHARED (a folder holding data/), else ../shared beside the repo root. A missing file skips the tests that
 need it, unless FASTGPT_REQUIRE_DATA=1 (set by CI), where it fails them instead: CI must never pass by skipping.
 """
+import inspect
 import os
 import pathlib
 
@@ -44,3 +45,31 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
+
+
+def _runs_on_the_gpu(item):
+    """A test that can touch a GPU: not the "cpu" case of a device parametrization; a name that says cuda or sm90, a
+    needs_cuda mark (its skip names CUDA), or a body that says cuda (a CUDA build's switches, graphs)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("device") == "cpu":
+        return False
+    if "cuda" in item.nodeid.lower() or "sm90" in item.nodeid.lower():
+        return True
+    if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+        return True
+    try:
+        return "cuda" in inspect.getsource(item.function).lower()
+    except (OSError, TypeError):
+        return True
+
+
+def pytest_collection_modifyitems(config, items):
+    # FASTGPT_GPU_ONLY=1 (scripts/gpu_check.sh on a lent GPU): only the cases that can touch the GPU. The CPU cases
+    # are CI's, and on the device they cost minutes of its time (test_train_step and test_train_steps' CPU cases
+    # took 255 s of an H200 call's 480 s beside the sanitizers, 2026-11-26).
+    if os.environ.get("FASTGPT_GPU_ONLY") != "1":
+        return
+    keep = [i for i in items if _runs_on_the_gpu(i)]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if not _runs_on_the_gpu(i)])
+        items[:] = keep
