@@ -74,10 +74,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="weights and data seed (default: fresh random)")
     p.add_argument("--no-compile", action="store_true", help="skip the 'torch compiled bf16' variant")
     p.add_argument("--sm90-tiles", type=lambda v: tuple(x.strip() for x in v.split(",")),
-                   default=("sm90 ws 128x128", "sm90 ws fused", "16x64"), metavar="FWD,DKDV,DQ",
+                   default=("sm90 ws 128x128 persistent", "sm90 ws fused 128x128 persistent", "16x64"),
+                   metavar="FWD,DKDV,DQ",
                    help="flash attention tiles of 'fastgpt bf16 graph sm90' (fastgpt.ops.flash_attention_tiles;\n"
                         "the Hopper kernels, which only an H100/H200 runs: elsewhere that variant fails, saying why;\n"
-                        "default: the warp-specialised forward and fused backward, FlashAttention-3's design)")
+                        "default: the warp-specialised forward and fused backward, FlashAttention-3's design, in\n"
+                        "the persistent forms that bench_flash_attention.py found fastest at d 64 on an H200)")
     p.add_argument("--profile", action="store_true",
                    help=f"{PROFILE_STEPS} more steps of each of these variants under torch.profiler after its timing,\n"
                         f"and a table of their GPU time per op group and largest kernels:\n{', '.join(PROFILED)}")
