@@ -283,9 +283,12 @@ struct TuneBuffer {
 // Autotune, at a plan's first run (under g_mutex): times its candidates on this call's operands and keeps the
 // winner (tune::choose). D goes to scratch, and so do the epilogue's other outputs (BGRADB's bias sums, GELU_AUX's
 // pre-activation): with beta != 0 the real C must be added to once, and no timing may write what the caller has
-// (nor an input that aliases an output). Not while the stream is being recorded into a CUDA graph (no
-// synchronisation is allowed there): the heuristic's choice then stays for good, so a graph and the eager calls
-// after it run the same algorithm. Each decision, timed or not, goes to g_tune_records.
+// (nor an input that aliases an output). The timing runs the product in place, as run_plan does (C = D: the
+// scratch, holding a copy of C where beta != 0, else zeros): out of place, a candidate that reads D (as C, or for
+// split-K's in-place sums) read the fresh allocation's bytes (compute-sanitizer's initcheck counted one whole D,
+// 2026-11-26), and the timing was not of the call that then runs. Not while the stream is being recorded into a
+// CUDA graph (no synchronisation is allowed there): the heuristic's choice then stays for good, so a graph and the
+// eager calls after it run the same algorithm. Each decision, timed or not, goes to g_tune_records.
 void decide(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const void* B, float beta, const void* C,
             const void* bias, const void* aux, cudaStream_t stream) {
   std::vector<Candidate> cands;
@@ -310,6 +313,10 @@ void decide(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const 
     g_tune_records.push_back(rec);
     return;
   }
+  if (beta != 0.f)
+    FASTGPT_CUDA_CHECK(cudaMemcpyAsync(d.ptr, C, p.d_bytes, cudaMemcpyDeviceToDevice, stream));
+  else
+    FASTGPT_CUDA_CHECK(cudaMemsetAsync(d.ptr, 0, p.d_bytes, stream));
   set_pointers(p.desc, bias_out ? bias_s.ptr : bias, aux_out ? aux_s.ptr : aux);
   struct Events {  // destroyed on every path, a throw from a timing's check included
     cudaEvent_t start = nullptr, stop = nullptr;
@@ -324,7 +331,7 @@ void decide(cublasLtHandle_t handle, Plan& p, float alpha, const void* A, const 
   const auto time = [&](int c, int reps) -> double {
     FASTGPT_CUDA_CHECK(cudaEventRecord(start, stream));
     for (int r = 0; r < reps; r++)
-      if (cublasLtMatmul(handle, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, d.ptr, p.c, &cands[c].algo, ws.ptr,
+      if (cublasLtMatmul(handle, p.desc, &alpha, B, p.a, A, p.b, &beta, d.ptr, p.c, d.ptr, p.c, &cands[c].algo, ws.ptr,
                          cands[c].workspace, stream) != CUBLAS_STATUS_SUCCESS)
         return -1.0;  // this candidate cannot run here: out (tune::choose)
     FASTGPT_CUDA_CHECK(cudaEventRecord(stop, stream));

@@ -1189,6 +1189,10 @@ int main(int argc, char** argv) {
       run_sm90<__half>(2, 1, 150, 64, true, true, true, DType::f16, 5e-3, seed++, {{3, 2, 3}, {4, 0, 0}, {5, 0, 0}});
       run_sm90<__half>(1, 2, 100, 128, false, false, true, DType::f16, 5e-3, seed++, {{3, 2, 3}, {5, 0, 3}});
       run_sm90<__nv_bfloat16>(1, 2, 150, 64, true, true, false, DType::bf16, 3e-2, seed++, {{3, 2, 3}});  // atomic
+      // scripts/flash_sanitize.py's Hopper shape (B 2, H 3, two query tiles per head; causal bhtd, else bthd)
+      for (int causal : {1, 0})
+        run_sm90<__half>(2, 3, 200, 128, causal, !causal, true, DType::f16, 5e-3, seed++,
+                         {{3, 2, 3}, {4, 0, 0}, {5, 0, 0}});
     } else if (mode == "ws") {  // the warp-specialised sm90 forward: both options, both head dims, T below, at and
       // past its tiles (T 300 with 192 rows: the causal CTA's first warpgroup skips a key block the others use)
       for (int d : {64, 128})
@@ -1197,6 +1201,8 @@ int main(int argc, char** argv) {
             run_ws<__nv_bfloat16>(1, 2, T, d, causal, (T + causal) % 2, DType::bf16, 3e-2, seed++, T % 2 ? 2 : 0,
                                   T % 2 ? 0 : 3);
       run_ws<__half>(2, 1, 150, 64, true, true, DType::f16, 5e-3, seed++, 2, 3);
+      // scripts/flash_sanitize.py's Hopper shape (B 2, H 3: 12 tiles, 4 per persistent CTA; causal bhtd, else bthd)
+      for (int causal : {1, 0}) run_ws<__half>(2, 3, 200, 128, causal, !causal, DType::f16, 5e-3, seed++, 0, 0);
       run_ws_views<__nv_bfloat16>(2, 3, 200, true, false, DType::bf16, 3e-2, seed++);
       run_ws_views<__half>(1, 2, 130, false, true, DType::f16, 5e-3, seed++);
     } else if (mode == "fused") {  // the fused sm90 backward: both head dims, T below, at and past its tiles
