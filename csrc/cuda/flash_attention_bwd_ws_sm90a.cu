@@ -252,9 +252,12 @@ __device__ __forceinline__ void add_part(float* sum, uint32_t part, int* counter
 
 // Key block 0's warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn (the
 // last) to the sums of query step i and written to dq (times the scale, rounded once), as dq_part in
-// flash_attention_bwd_sm90a.cu: the same additions in the same order. The part's buffer is handed back (one arrival,
-// as dq_adder's) once every thread has read its chunks. u0: the CTA's steps before this tile (the ring's count); w0:
-// its key block 0 steps before it (dq_sum's). Two ways to the finished sum:
+// flash_attention_bwd_sm90a.cu: the same additions in the same order. Each thread hands the part's buffer back (its
+// own arrival, after its own loads: an arrive releases only the arriving thread's accesses, and compute-sanitizer's
+// racecheck does not carry a named barrier's order into one thread's arrive, so a barrier then thread 0's arrival
+// alone, correct as it was, read as a race of every other thread's loads with the consumers' next stores). u0: the
+// CTA's steps before this tile (the ring's count); w0: its key block 0 steps before it (dq_sum's). Two ways to the
+// finished sum:
 // - kBulkSum (128-query steps): thread wt 0 has the copy engine add the part to the sum in L2, as dq_adder does,
 //   and bring the finished sum back into the part's buffer (one bulk copy each way, the whole 32 KB in flight at
 //   once); the writers read it there. Where no other key block meets the step (turn 0) the part is the sum.
@@ -316,8 +319,7 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
         }
       }
     }
-    wgmma::bar_sync(kWriterBar, kWriters);  // every thread has read its chunks of the part
-    if (wt == 0) wgmma::mbar_arrive(bars.dq_empty(s));
+    wgmma::mbar_arrive(bars.dq_empty(s));  // this thread has read its chunks of the part
   }
 }
 
@@ -340,7 +342,7 @@ __device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bar
     wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);  // the consumers' stores are behind their proxy fence
     add_part<D, BR>(acc, part, counter, turn);
     tma::wait_read<0>();
-    wgmma::mbar_arrive(bars.dq_empty(s));
+    wgmma::mbar_arrive(bars.dq_empty(s), kWriters);  // the count dq_writer's threads arrive with, one each
     tma::wait<0>();
     wgmma::add_count(counter);  // a release: the sum is written
   }
@@ -367,7 +369,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     }
     for (int s = 0; s < kDqStages; s++) {
       wgmma::mbar_init(bars.dq_full(s), 256);  // every consumer thread (each stored its part)
-      wgmma::mbar_init(bars.dq_empty(s), 1);   // dq_adder's thread, or dq_writer's thread 0 for all of them
+      wgmma::mbar_init(bars.dq_empty(s), kWriters);  // dq_writer's threads, or dq_adder's for all of them
       if (Step<BR>::kBulkSum) wgmma::mbar_init(bars.dq_sum(s), 1);  // dq_writer's thread 0 (and the copy's bytes)
     }
     for (int s = 0; s < kTileSlots; s++) {

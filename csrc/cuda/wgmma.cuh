@@ -190,6 +190,11 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   FASTGPT_SM90A_ASM("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
 }
+// `count` arrivals at once, by one thread (sm_90): its release covers only its own accesses, as any arrive's.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar, uint32_t count) {
+  FASTGPT_SM90A_ASM("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar), "r"(count)
+                    : "memory");
+}
 __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   FASTGPT_SM90A_ASM(

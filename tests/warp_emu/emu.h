@@ -99,13 +99,14 @@ struct Phases {
     phase++;
     cv.notify_all();
   }
-  // Under the block's sync_mu: counts one arrival with clock c, declaring `expect` transaction bytes; -> the phase
-  // it arrived in.
-  unsigned arrive(const Clock& c, std::condition_variable& cv, int64_t expect = 0) {
+  // Under the block's sync_mu: counts n arrivals with clock c, declaring `expect` transaction bytes; -> the phase
+  // they arrived in.
+  unsigned arrive(const Clock& c, std::condition_variable& cv, int64_t expect = 0, int n = 1) {
     const unsigned at = phase;
     join(seen, c);
     tx += expect;
-    if (++arrived > count) die("mbarrier: an arrival past its count (its phase still waits for transaction bytes)");
+    arrived += n;
+    if (arrived > count) die("mbarrier: an arrival past its count (its phase still waits for transaction bytes)");
     complete_if_done(cv);
     return at;
   }
@@ -629,11 +630,12 @@ inline void mbar_init(uint32_t off, int count) {
   m.clear((int)tl_clock.size());
   m.count = count;
 }
-// mbarrier.arrive, or with expect > 0 mbarrier.arrive.expect_tx (tma.cuh's arrive_expect).
-inline void mbar_arrive(uint32_t off, uint32_t expect = 0) {
+// mbarrier.arrive, or with expect > 0 mbarrier.arrive.expect_tx (tma.cuh's arrive_expect); n arrivals at once with
+// the count operand (wgmma.cuh's mbar_arrive(bar, count)): more than the phase still waits for is an error.
+inline void mbar_arrive(uint32_t off, uint32_t expect = 0, int n = 1) {
   const Clock c = release();
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  mbar_at(off).arrive(c, tl_block->sync_cv, expect);
+  mbar_at(off).arrive(c, tl_block->sync_cv, expect, n);
 }
 // mbarrier.expect_tx (tma.cuh's expect): more transaction bytes for the current phase, no arrival.
 inline void mbar_expect(uint32_t off, uint32_t bytes) {
