@@ -15,7 +15,9 @@
 #   ladder    bench/bench_ladder.py: notebooks/02_speedup_progression's rungs at GPT-2 124M, PyTorch and fastgpt side
 #             by side (table in ladder.log, rows in ladder.json, bar chart ladder.png when matplotlib is there)
 # TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py with a GPU case; the CPU-only
-# ones are CI's), SANITIZERS="memcheck ..." the sanitize part.
+# ones are CI's), SANITIZERS="memcheck ..." the sanitize part. FIRST="cross_entropy flash_attention@sm90 ..." runs
+# those entries (names as --list-tests prints them, less tests/test_ and .py) before the rest, in the usual order:
+# what the last GPU run failed or never reached.
 # A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each. A
 # session has 15 minutes of device time in all, the machine's start (a minute or more) included: `tests sanitize`
 # first; `bench` next only at once (the machine stays warm 30 s, the build folder is kept) with CALL_BUDGET cut to
@@ -40,6 +42,15 @@ named=$(for n in $first; do echo -n "|${n%@*}"; done)
 gpu_files=$(for n in $first; do [ -f tests/test_${n%@*}.py ] && echo tests/test_${n%@*}.py${n#${n%@*}}; done
             ls tests/test_*.py | grep -Ev "/test_($cpu_only$named)\.py$"
             echo tests/test_flash_attention.py@sm90)
+if [ -n "${FIRST:-}" ]; then  # entry name n (flash_attention@sm90) <-> entry (tests/test_flash_attention.py@sm90)
+  moved= all=" $(echo $gpu_files) "
+  for n in $FIRST; do
+    e=tests/test_${n%@*}.py${n#${n%@*}}
+    [[ $all == *" $e "* ]] || { echo "gpu_check.sh: FIRST names $n, which is not an entry" >&2; exit 2; }
+    moved+=" $e"
+  done
+  gpu_files="$moved $(for e in $gpu_files; do [[ "$moved " == *" $e "* ]] || echo "$e"; done)"
+fi
 # A tests entry: FILE@SEL runs FILE's cases that pytest -k SEL picks, an underscore standing for a space ("not_sm90":
 # not sm90); anything else (a file, a node id FILE::TEST, a folder: TESTS= given by hand) goes to pytest as it is.
 split_entry() {

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh's tests part (run on a lent GPU; `--list-tests` prints its files in order without running
 anything): every test file with a GPU case runs once, the bring-up's first, the never-run Hopper cases last."""
+import os
 import pathlib
 import subprocess
 
@@ -39,3 +40,19 @@ def test_a_tests_entry_is_split_only_at_its_selection():
     assert args("tests/test_cuda.py") == ["tests/test_cuda.py"]
     assert args("tests/test_model.py::test_forward_shapes") == ["tests/test_model.py::test_forward_shapes"]
     assert args("tests") == ["tests"]
+
+
+def test_first_moves_named_entries_ahead_and_refuses_unknown_ones():
+    # FIRST (what the last GPU run failed or never reached) runs first, the rest keeps its order, nothing twice.
+    def listing(first):
+        return subprocess.run(["bash", "scripts/gpu_check.sh", "--list-tests"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "FIRST": first})
+    base = listing("").stdout.split()
+    out = listing("resume flash_attention@sm90 cross_entropy")
+    assert out.returncode == 0, out.stderr
+    moved = out.stdout.split()
+    head = ["tests/test_resume.py", "tests/test_flash_attention.py@sm90", "tests/test_cross_entropy.py"]
+    assert moved[:3] == head
+    assert moved[3:] == [e for e in base if e not in head]
+    bad = listing("cross_entropy no_such_file")
+    assert bad.returncode == 2 and "no_such_file" in bad.stderr
