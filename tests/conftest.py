@@ -49,7 +49,10 @@ def rng():
 
 def _runs_on_the_gpu(item):
     """A test that can touch a GPU: not the "cpu" case of a device parametrization; a name that says cuda or sm90, a
-    needs_cuda mark (its skip names CUDA), or a body that says cuda (a CUDA build's switches, graphs)."""
+    needs_cuda mark (its skip names CUDA), a uses_gpu mark (code it runs picks the GPU where there is one, as the
+    notebooks do), or a body that says cuda (a CUDA build's switches, graphs)."""
+    if item.get_closest_marker("uses_gpu"):
+        return True
     params = getattr(getattr(item, "callspec", None), "params", {})
     if params.get("device") == "cpu":
         return False
@@ -61,6 +64,11 @@ def _runs_on_the_gpu(item):
         return "cuda" in inspect.getsource(item.function).lower()
     except (OSError, TypeError):
         return True
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "uses_gpu: runs on the GPU where there is one, though nothing in the test's "
+                            "name, marks or body says so (FASTGPT_GPU_ONLY keeps it)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -72,6 +72,7 @@ def test_01_cpu_quickstart_runs(notebook_env):
     assert flash < 1e-4, out[-2000:]
 
 
+@pytest.mark.uses_gpu  # the notebook picks the GPU where there is one
 def test_02_speedup_progression_table_and_chart(notebook_env):
     import bench_ladder
     cells = run_notebook(ROOT / "notebooks" / "02_speedup_progression.ipynb")
@@ -98,6 +99,7 @@ def test_02_speedup_progression_table_and_chart(notebook_env):
     assert "losses finite and falling; fp32 sides agree" in text(cells[-1])
 
 
+@pytest.mark.uses_gpu  # the notebook picks the GPU where there is one
 def test_03_train_sample_share(notebook_env):
     cells = run_notebook(ROOT / "notebooks" / "03_train_sample_share.ipynb")
     train = next(c for c in cells if "handle.update(fig)" in c.source)

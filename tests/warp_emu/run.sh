@@ -58,9 +58,9 @@ cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU references the adamw and
 cp "$src/cpu/encoder.cpp" "$out/cpu_encoder.cpp"
 # The kernel units are built as nvcc builds them: a * b + c contracted into one FMA where the compiler likes (nvcc's
 # default, --fmad=true; GCC's -O1 does it with -fexpensive-optimizations and -mfma), so that code whose bits depend
-# on where the roundings fall (a merge that must give both lanes of a shuffle the same bits) fails here as on a GPU. Not adamw.cu: its check is
-# the CPU reference's bits (cpu/adamw.h's one adamw_element), which hold only where neither side contracts; on a GPU
-# it is the CPU's to rounding (tests/test_adamw.py checks both against torch).
+# on where the roundings fall (a merge that must give both lanes of a shuffle the same bits) fails here as on a GPU.
+# Not adamw.cu: its check is the CPU reference's bits (cpu/adamw.h's one adamw_element), which hold only where
+# neither side contracts; on a GPU it is the CPU's to rounding (tests/test_adamw.py checks both against torch).
 kernel_flags=(-fexpensive-optimizations -mfma -ffp-contract=fast)
 flags=(-std=c++20 -O1 -I"$out" -I"$src" -I"$cuda_inc" -pthread -Wno-attributes -Wno-psabi -DFASTGPT_SM90A=1)
 if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wgmma against CuTe (cute_check.cpp)
