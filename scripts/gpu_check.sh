@@ -122,6 +122,7 @@ if [ $build = ok ] && has tests; then
     # this file's own summary (a file that crashed before printing one has none: not the previous file's)
     summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|error)|no tests ran" "$out/one.log" | tail -1 | tr -d '=')
     [ $rc = 124 ] && summary="TIMEOUT"
+    [ $rc = 5 ] && summary="no GPU cases (its CPU ones are CI's)"
     res[$name]="rc=$rc ${summary}"
     printf '%-34s %s (%d s)\n' "$name" "${res[$name]}" $((SECONDS - t0))
   done
@@ -146,9 +147,9 @@ if [ ${#san_jobs[@]} -gt 0 ]; then
     res[sanitize-$j]=$r
     # The first report (which kernel, which access) and the tail (the summary); the whole logs go in evidence.tgz.
     { echo "== $j: $r"
-      first=$(grep -n -m1 -E "^========= (Error|Invalid|Uninitialized|Program hit|Race|Barrier|Warning)" \
-              "$out/san/$j.log" | cut -d: -f1)
-      [ -n "$first" ] && { sed -n "${first},$((first + 24))p" "$out/san/$j.log"; echo "[...]"; }
+      at=$(grep -n -m1 -E "^========= (Error|Invalid|Uninitialized|Program hit|Race|Barrier|Warning)" \
+           "$out/san/$j.log" | cut -d: -f1)
+      [ -n "$at" ] && { sed -n "${at},$((at + 24))p" "$out/san/$j.log"; echo "[...]"; }
       tail -20 "$out/san/$j.log"; } >> "$out/sanitize.log"
     rm -f "$out/san/$j.rc"
   done

@@ -5,13 +5,17 @@ interpreters, since this process has both imported already."""
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.uses_gpu  # a CUDA build's libraries (NCCL) are what it checks
 def test_torch_imports_after_fastgpt():
     r = subprocess.run([sys.executable, "-c", "import fastgpt, torch; x = torch.ones(2); print(float(x.sum()))"],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr[-2000:]
 
 
+@pytest.mark.uses_gpu
 def test_transformers_loads_after_fastgpt(tmp_path):
     code = ("import fastgpt, transformers\n"
             "fastgpt.GPT(fastgpt.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8))"
