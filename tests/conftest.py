@@ -77,7 +77,9 @@ def pytest_collection_modifyitems(config, items):
     # took 255 s of an H200 call's 480 s beside the sanitizers, 2026-11-26).
     if os.environ.get("FASTGPT_GPU_ONLY") != "1":
         return
-    keep = [i for i in items if _runs_on_the_gpu(i)]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[i for i in items if not _runs_on_the_gpu(i)])
+    keep, drop = [], []
+    for i in items:
+        (keep if _runs_on_the_gpu(i) else drop).append(i)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -73,7 +73,7 @@ if [ "$mode" = cute ]; then  # the sm90 tiles, descriptors and the emulator's wg
 fi
 # Built again only when a source, header, flag or this script changed (a digest of them all beside the binary): the
 # test cases that share a build directory compile once.
-digest=$( { printf '%s\n' "${flags[@]}" "${kernel_flags[@]}"; cat "$0"; cat "$out"/*.cpp "$out"/*.h "$out"/cuda/*;
+digest=$( { printf '%s\n' "${flags[@]}"; cat "$0"; cat "$out"/*.cpp "$out"/*.h "$out"/cuda/*;
             find "$src" \( -name '*.h' -o -name '*.cuh' \) -print0 | sort -z | xargs -0 cat; } | sha256sum)
 if [ "$(cat "$out/emu_test.digest" 2>/dev/null)" != "$digest" ] || ! [ -x "$out/emu_test" ]; then
   rm -f "$out/emu_test.digest" "$out/emu_test"
