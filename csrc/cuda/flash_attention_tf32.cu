@@ -97,19 +97,45 @@ __device__ __forceinline__ void mma3(float (&c)[4], const Frag<kSplit, 4>& a, co
 }
 
 // acc (16 x 8 ND) += A (16 x 8 NK: accumulator tiles) * B (8 NK shared rows of pitch `pitch` from b, 8 ND columns),
-// 8 rows of B at a time.
+// 8 rows of B at a time. acc runs over the whole sequence (O over keys, dK and dV over queries, dQ over keys), and
+// each mma.sync cuts its sum toward zero (the tensor cores' adder; tests/warp_emu/emu.h models it), so adding every
+// product straight into acc drifted it toward zero by about half an ulp per mma: 3 x T / 8 of them at T 1000 put
+// an H200's fp32 dK 1.1e-5 from float64 (2026-11-26). With three products, each output tile's sum over this
+// block's NK k chunks starts from zero (a chain of 3 NK mmas) and joins acc by an fp32 add, rounded to nearest: the
+// bias is then a 3 NK chain's (24 mmas at d 64) on each block's part, not 3 T / 8's on the whole sum. (The whole
+// block's split A fragments are live at once: dkdv's registers reach 255, with 12 bytes of spill at d 128 on sm_80
+// and none on sm_90; summing the block in halves spilled far more, 24-180 bytes.) One TF32 product (~1e-3 from its
+// input rounding) adds into acc directly, as before.
 template <bool kSplit, int NK, int ND>
 __device__ __forceinline__ void rows_product(float (&acc)[ND][4], const float (&a)[NK][4], const float* b, int pitch,
                                              int g, int c) {
+  if constexpr (!kSplit) {
 #pragma unroll
-  for (int t = 0; t < NK; t++) {
-    Frag<kSplit, 4> fa;
-    a_from(fa, a[t]);
+    for (int t = 0; t < NK; t++) {
+      Frag<kSplit, 4> fa;
+      a_from(fa, a[t]);
+#pragma unroll
+      for (int dn = 0; dn < ND; dn++) {
+        Frag<kSplit, 2> fb;
+        load_b_rows(fb, b, pitch, t * 8, dn * 8, g, c);
+        mma3(acc[dn], fa, fb, 0);
+      }
+    }
+  } else {
+    Frag<kSplit, 4> fa[NK];
+#pragma unroll
+    for (int t = 0; t < NK; t++) a_from(fa[t], a[t]);
 #pragma unroll
     for (int dn = 0; dn < ND; dn++) {
-      Frag<kSplit, 2> fb;
-      load_b_rows(fb, b, pitch, t * 8, dn * 8, g, c);
-      mma3(acc[dn], fa, fb, 0);
+      float part[4] = {};
+#pragma unroll
+      for (int t = 0; t < NK; t++) {
+        Frag<kSplit, 2> fb;
+        load_b_rows(fb, b, pitch, t * 8, dn * 8, g, c);
+        mma3(part, fa[t], fb, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[dn][i] += part[i];
     }
   }
 }

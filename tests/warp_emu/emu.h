@@ -14,6 +14,7 @@
 #include <atomic>
 #include <barrier>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -267,10 +268,39 @@ inline float tof(uint16_t b) {
   memcpy(&e, &b, 2);
   return float(e);
 }
+// How mma.sync adds: 0 (the default), the exact sum of the products and C rounded once to nearest (what the
+// kernels' logic is checked with); 1, a model of the tensor cores' own adder (mode "tchw"): C and the products of
+// each group of g_mma_group k's are aligned to the largest one's exponent, each cut (toward zero) to 24 +
+// g_mma_neab bits below that exponent's leading bit, summed, and the sum cut toward zero to fp32; the next group
+// adds to that. Published models of V100-H100 (Fasi et al. 2021, Khattak and Mikaitis 2025) have this shape, with
+// a few extra alignment bits and groups of 4-16 products by format and generation; the mode runs several. Its point:
+// each mma cuts toward zero, so a long chain of them into one accumulator drifts (a bias, not a random walk).
+inline int g_mma_rz = 0, g_mma_group = 8, g_mma_neab = 3;
+inline float mma_rz_sum(float c, const double* p, int n) {
+  double all = c;  // NaN and infinities: as the exact sum (ilogb has no exponent for them)
+  for (int k = 0; k < n; k++) all += p[k];
+  if (!std::isfinite(all)) return (float)all;
+  for (int k0 = 0; k0 < n; k0 += g_mma_group) {
+    const int k1 = std::min(n, k0 + g_mma_group);
+    int emax = INT_MIN;
+    if (c != 0) emax = std::ilogb(c);
+    for (int k = k0; k < k1; k++)
+      if (p[k] != 0) emax = std::max(emax, std::ilogb(p[k]));
+    if (emax == INT_MIN) continue;  // all zeros: c stays (its sign too)
+    const int qexp = emax - 23 - g_mma_neab;  // the weight of the last bit kept
+    double s = std::trunc(std::ldexp((double)c, -qexp));
+    for (int k = k0; k < k1; k++) s += std::trunc(std::ldexp(p[k], -qexp));  // integers below 2^32: exact
+    const double sum = std::ldexp(s, qexp);
+    float f = (float)sum;
+    if (std::fabs((double)f) > std::fabs(sum)) f = std::nextafter(f, 0.f);
+    c = f;
+  }
+  return c;
+}
 // One mma.sync m16n8kK as a warp collective (op names it for the divergence check): every lane deposits its A
 // (4 registers), B (2) and C (4), then computes its 4 accumulators from everyone's, A(row, k) and Bm(k, n) reading
-// the deposited registers (w.slot[lane][0-3] A, [4-5] B) by the instruction's fragment table; products in double,
-// added to C once.
+// the deposited registers (w.slot[lane][0-3] A, [4-5] B) by the instruction's fragment table; products in double
+// (exact for 16-bit and TF32 operands), added to C once (or by mma_rz_sum's model).
 template <int K, class FA, class FB>
 inline void mma_collective(int op, float* d, const uint32_t* a, const uint32_t* b, FA A, FB Bm) {
   Warp& w = warp();
@@ -283,11 +313,11 @@ inline void mma_collective(int op, float* d, const uint32_t* a, const uint32_t* 
   float out[4];
   for (int i = 0; i < 4; i++) {
     const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
-    double acc = 0;
-    for (int k = 0; k < K; k++) acc += (double)A(w, row, k) * Bm(w, k, col);
+    double p[K], acc = 0;
+    for (int k = 0; k < K; k++) acc += p[k] = (double)A(w, row, k) * Bm(w, k, col);
     float cin;
     memcpy(&cin, &w.slot[lane()][6 + i], 4);
-    out[i] = (float)(cin + acc);
+    out[i] = g_mma_rz ? mma_rz_sum(cin, p, K) : (float)(cin + acc);
   }
   done();
   for (int i = 0; i < 4; i++) d[i] = out[i];

@@ -4,15 +4,16 @@
 # (layernorm.cu, residual_layernorm.cu), the optimizer step's (adamw.cu) and the embedding's (encoder.cu; both
 # beside their CPU references; and the scratch workspace) on the CPU, in a host emulation of the few CUDA features
 # they use (emu.h: one OS thread per CUDA thread, ldmatrix / mma.sync / shuffles / ballots as warp collectives
-# written from the PTX ISA's fragment tables, cp.async copied at issue or as late as wait_group allows; Hopper's
-# wgmma, mbarriers, TMA copies and named barriers, with a vector-clock race check of the shared memory wgmma reads),
+# written from the PTX ISA's fragment tables (their sums exact and rounded once, or, mode tchw, cut toward zero as
+# tensor cores' adders do), cp.async copied at issue or as late as wait_group allows; Hopper's wgmma, mbarriers,
+# TMA copies and named barriers, with a vector-clock race check of the shared memory wgmma reads),
 # and compares their outputs with a float64 reference or the CPU's bits (emu_test.cpp). It checks the kernels'
 # index, fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real compiler's code. The
 # kernel sources are used as they are: only the asm helpers, the shared-memory declarations and the <<<>>> launches
 # are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|tiles|f32|tf32|sm75|smem|sm90|ws|fused|wsbwd|decode|ce|ln|adamw|encoder|big|peaky|grid, LAZY
-#   0|1; or MODE cute (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the
+#   MODE quick|mix|tc|tiles|f32|tf32|tchw|sm75|smem|sm90|ws|fused|wsbwd|decode|ce|ln|adamw|encoder|big|peaky|grid,
+#   LAZY 0|1; or MODE cute (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the
 #   emulator's wgmma against CUTLASS.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
