@@ -105,7 +105,7 @@ __device__ __forceinline__ void mma3(float (&c)[4], const Frag<kSplit, 4>& a, co
 // bias is then a 3 NK chain's (24 mmas at d 64) on each block's part, not 3 T / 8's on the whole sum. (The whole
 // block's split A fragments are live at once: dkdv's registers reach 255, with 12 bytes of spill at d 128 on sm_80
 // and none on sm_90; summing the block in halves spilled far more, 24-180 bytes.) One TF32 product (~1e-3 from its
-// input rounding) adds into acc directly, as before.
+// input rounding) keeps the old loop, into acc directly: the per-block loop made ptxas spill its forward (4-16 bytes).
 template <bool kSplit, int NK, int ND>
 __device__ __forceinline__ void rows_product(float (&acc)[ND][4], const float (&a)[NK][4], const float* b, int pitch,
                                              int g, int c) {
