@@ -7,11 +7,12 @@ device, one-launch AdamW), recorded as a CUDA graph and replayed in "fastgpt bf1
 forward_backward, clip_grad_norm, step. The fused model recomputes GELU in backward (GPT(recompute=1), its default);
 "fastgpt bf16 recompute=0" keeps every activation and "recompute=2" also recomputes the LayerNorms: the time and
 memory of each setting. "fastgpt bf16 graph sm90" is the graph step with Hopper's wgmma flash attention kernels
-(--sm90-tiles; H100/H200 only); "fastgpt bf16 graph bias-kernel" the graph step with the linear layers' bias
-gradients from the column-sum kernel instead of cuBLASLt's epilogue (fastgpt.ops.matmul_bias_grad_epilogue(False)):
-which of the two to keep as the default; "fastgpt bf16 graph tuned" the graph step with every product's cuBLASLt
-algorithm timed at its first run (fastgpt.ops.matmul_autotune(True); its results carry the decisions and the sum of
-the chosen algorithms' times against the heuristic's): whether that becomes the default.
+(--sm90-tiles; H100/H200 only); "fastgpt bf16 graph bias-epilogue" the graph step with the linear layers' bias
+gradients from cuBLASLt's epilogue of the weight gradient's product instead of the column-sum kernel, the default
+(fastgpt.ops.matmul_bias_grad_epilogue(True)): which of the two to keep as the default; "fastgpt bf16 graph tuned"
+the graph step with every product's cuBLASLt algorithm timed at its first run (fastgpt.ops.matmul_autotune(True);
+its results carry the decisions and the sum of the chosen algorithms' times against the heuristic's): whether that
+becomes the default.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -46,13 +47,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 # "... graph sm90" runs last: its kernels have never run on a GPU, and a trap (their 60 s wait limit) or a fault
 # would leave the CUDA context unusable for every variant after it.
-VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-kernel",
+VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-epilogue",
             "fastgpt bf16 graph tuned",
             "fastgpt bf16 recompute=0", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32",
             "torch eager tf32", "torch compiled bf16", "fastgpt bf16 graph sm90")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 # --profile's variants: issue 10's pair (and the graph), and fp32's like-for-like pair.
-PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-kernel", "fastgpt bf16 graph sm90",
+PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-epilogue", "fastgpt bf16 graph sm90",
             "torch compiled bf16", "fastgpt fp32", "torch eager fp32")
 PROFILE_STEPS = 2
 
@@ -302,13 +303,13 @@ def main(argv=None):
     @contextlib.contextmanager
     def variant_settings(name):
         """The "... sm90" variant runs with --sm90-tiles chosen (a ValueError off sm_90: the variant fails, saying
-        why), "... bias-kernel" with the bias-gradient kernel, "... tuned" with matmul autotune; the previous settings
-        come back after it."""
+        why), "... bias-epilogue" with the bias-gradient epilogue, "... tuned" with matmul autotune; the previous
+        settings come back after it."""
         if name.endswith("sm90"):
             before = ops.flash_attention_tiles(**dict(zip(("fwd", "dkdv", "dq"), args.sm90_tiles)))
             restore = lambda: ops.flash_attention_tiles(**before)
-        elif name.endswith("bias-kernel"):
-            before_bias = ops.matmul_bias_grad_epilogue(False)
+        elif name.endswith("bias-epilogue"):
+            before_bias = ops.matmul_bias_grad_epilogue(True)
             restore = lambda: ops.matmul_bias_grad_epilogue(before_bias)
         elif name.endswith("tuned"):
             before_tune = ops.matmul_autotune(True)

@@ -19,7 +19,9 @@ reads of the logits) against torch's forward and backward; its "fwd" and "fb" ro
 sides (fastgpt's ops return it as a float: one host sync per call on each side). The matmul case (GPT-2's linear
 layers; --linears picks them) gets "fwd tuned" and "bwd tuned" rows: fastgpt with each product's cuBLASLt algorithm
 timed at its first run (ops.matmul_autotune(True); the first call, before the timing, makes the decisions), and a
-line summing the chosen algorithms' times against the heuristic's.
+line summing the chosen algorithms' times against the heuristic's; the layers with a bias also a "bwd epilogue" row:
+the bias gradient from cuBLASLt's epilogue of the weight gradient's product (ops.matmul_bias_grad_epilogue(True))
+instead of the column-sum kernel, the default.
 """
 import argparse
 import os
@@ -186,9 +188,10 @@ def run_cases(args):
                     setting(before)
             return run
         return wrap
-    # On a GPU: fastgpt's LayerNorm kernels that read a row again ("fwd2"/"bwd2" rows), and its products with
-    # matmul autotune ("fwd tuned"/"bwd tuned").
+    # On a GPU: fastgpt's LayerNorm kernels that read a row again ("fwd2"/"bwd2" rows), its products with
+    # matmul autotune ("fwd tuned"/"bwd tuned"), and its bias gradients from cuBLASLt's epilogue ("bwd epilogue").
     rereading, tuned = switched(ops.layernorm_one_pass, False), switched(ops.matmul_autotune, True)
+    bias_epilogue = switched(ops.matmul_bias_grad_epilogue, True)
 
     if "layernorm" in selected:
         x, w, b, dout = randn(B, T, C), randn(C), randn(C), randn(B, T, C)
@@ -247,6 +250,8 @@ def run_cases(args):
             bench("matmul", shape, fg_fwd, fg_bwd, th_fwd, th_bwd)
             if gpu:
                 bench("matmul", shape, tuned(fg_fwd), tuned(fg_bwd), th_fwd, th_bwd, passes=("fwd tuned", "bwd tuned"))
+                if has_bias:
+                    bench("matmul", shape, None, bias_epilogue(fg_bwd), th_fwd, th_bwd, passes=("", "bwd epilogue"))
         if gpu:
             t = autotune_summary(ops.matmul_autotune_report()[tuned0:])
             print(f"matmul autotune: {t['problems']} problems, {t['timed']} timed, {t['changed']} changed; one run of "

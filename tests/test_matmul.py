@@ -144,7 +144,8 @@ def test_matmul_autotune_setting():
 @needs_cuda
 def test_cuda_matmul_autotune_times_each_problem_once_and_writes_only_the_real_run(rng):
     # A bf16 linear layer at a shape no other test uses, so its three products are new problems: the forward (bias
-    # epilogue), dx, and dW accumulated into fp32 with beta = 1 and the bias gradient's epilogue (BGRADB). Each is
+    # epilogue), dx, and dW accumulated into fp32 with beta = 1 (with the bias gradient's epilogue, BGRADB, where
+    # matmul_bias_grad_epilogue(True)). Each is
     # timed at its first run with its outputs in scratch: dW, which starts at zero, must be the product added once
     # (a timing run into it would add it again), and the outputs must be those of the float64 product of the same
     # bf16 inputs within bf16 rounding. A second call makes no new decision and gives the same bits.

@@ -117,11 +117,12 @@ ACCUMULATE_CASES = [pytest.param(d, e, s, marks=m, id=f"{d}-{e}-{s[0]}x{s[1]}x{s
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
 def test_matmul_backward_accumulates(rng, prec, device, path, shape):
     # The engine's contract (cuda/ops.h): dweight and dbias accumulate in fp32 over micro-steps. On a GPU in 16-bit
-    # the bias gradient is cuBLASLt's epilogue of the weight gradient's product, which writes its sum (fastgpt adds
-    # it), or the column-sum kernel (matmul_bias_grad_epilogue(False)); "tuned": the epilogue with matmul_autotune,
-    # whose timing runs (the first call) must not add to dweight or dbias. Two micro-steps into buffers already
-    # holding values: each increment must be the float64 one of the same 16-bit inputs within fp32 accumulation
-    # error, a bound that a lost increment, an overwrite or a gradient rounded to 16 bits (~1e-3) would break.
+    # the bias gradient is the column-sum kernel (the default), or cuBLASLt's epilogue of the weight gradient's
+    # product, which writes its sum (fastgpt adds it; matmul_bias_grad_epilogue(True)); "tuned": the epilogue with
+    # matmul_autotune, whose timing runs (the first call) must not add to dweight or dbias. Two micro-steps into
+    # buffers already holding values: each increment must be the float64 one of the same 16-bit inputs within fp32
+    # accumulation error, a bound that a lost increment, an overwrite or a gradient rounded to 16 bits (~1e-3) would
+    # break.
     N, C, OC = shape
     tdt = DTYPES[prec]
     x, w = half(rng, (N, C), tdt, device=device), half(rng, (OC, C), tdt, 0.1, device=device)
@@ -147,7 +148,7 @@ def test_matmul_backward_accumulates(rng, prec, device, path, shape):
 
 
 def test_matmul_bias_grad_epilogue_setting():
-    check_cuda_switch(ops.matmul_bias_grad_epilogue, True)
+    check_cuda_switch(ops.matmul_bias_grad_epilogue, False)
 
 
 @pytest.mark.parametrize("device", device_cases())

@@ -1,17 +1,16 @@
 // nn.Linear on the GPU: out = inp @ weight^T + bias, and its backward; the twin of csrc/cpu/matmul.cpp.
 // The three products go through the cuBLASLt wrapper (the forward bias rides in its epilogue; the fused model's
-// MLP also its GELU, forward and backward, in 16-bit storage). The bias gradient, a column sum of dout, is in
-// 16-bit storage the epilogue of the weight gradient's product (cuBLASLt's BGRADB, summing the dout tiles that
-// product loads anyway: no second pass over dout; its C is fp32, so the sum is too), added to dbias by one small
-// kernel. Otherwise (float, a refusal, or set_bias_grad_epilogue(false)) it is our own two-pass kernel, not atomics,
-// so that it is bitwise reproducible: pass 1 sums fixed chunks of kRowChunk rows per column (fixed order within a
-// chunk), pass 2 adds the chunk sums per column in chunk order. Nothing in the order depends on the GPU or the
-// launch, only on N. (cuBLASLt documents bitwise repeatable results on one GPU model, its split-K sums included.)
+// MLP also its GELU, forward and backward, in 16-bit storage). The bias gradient, a column sum of dout, is by
+// default our own kernel (matmul_bias.cu: no atomics, every sum in an order that depends on N alone, never on the
+// GPU or the launch). In 16-bit storage set_bias_grad_epilogue(true) makes it the epilogue of the weight gradient's
+// product instead (cuBLASLt's BGRADB; its C is fp32, so the sum is too), added to dbias by bias_add. That was the
+// default until the 2026-11-26 H200 run: there cuBLASLt ran the epilogue as a second pass over dout anyway (its
+// own kernel, no faster than our column sums then were), and the products that carried it took 1.3 ms more per
+// step of GPT-2 124M at B 64 (BENCHMARKS.md). (cuBLASLt documents bitwise repeatable results on one GPU model.)
 // Templates over the storage type S: float runs fp32 GEMMs (CUBLAS_COMPUTE_32F, or _FAST_TF32 when tf32 is asked
 // for); bf16/fp16 run 16-bit A/B with fp32 accumulation (CUBLAS_COMPUTE_32F): out and dinp are written in S
 // (rounded once, the forward bias in S through the epilogue), dweight is an fp32 C accumulated with beta = 1, and
 // dbias sums the widened 16-bit dout into float (the kernel's sums in the same fixed order as for float).
-#include <algorithm>
 #include <atomic>
 #include <type_traits>
 
@@ -25,64 +24,8 @@ namespace fastgpt::cuda {
 
 namespace {
 
-constexpr int kCols = 32;       // columns per block: one warp reads 128 contiguous bytes of a row
-constexpr int kLanes = 8;       // row lanes per block; lane y takes rows y, y + 8, ... of the chunk
-constexpr int kRowChunk = 512;  // rows per pass-1 partial sum
-
-// Pass 1: block (chunk, column block). Writes the chunk's column sums to partial (nchunks, OC), or, when there is
-// only one chunk, adds them straight into dbias.
-template <typename S>
-__global__ void bias_partial_kernel(float* partial, float* dbias, const S* dout, int64_t N, int OC, int nchunks) {
-  __shared__ float sums[kLanes][kCols + 1];
-  const int64_t chunk = blockIdx.x;
-  const int64_t r0 = chunk * kRowChunk, r1 = r0 + kRowChunk < N ? r0 + kRowChunk : N;
-  const int ncb = (OC + kCols - 1) / kCols;
-  for (int cb = blockIdx.y; cb < ncb; cb += gridDim.y) {
-    const int col = cb * kCols + threadIdx.x;
-    float s = 0.f;
-    if (col < OC)
-      for (int64_t r = r0 + threadIdx.y; r < r1; r += kLanes) s += to_float(dout[r * OC + col]);
-    sums[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && col < OC) {
-      float t = 0.f;
-      for (int y = 0; y < kLanes; y++) t += sums[y][threadIdx.x];  // lanes in order
-      if (nchunks == 1)
-        dbias[col] += t;
-      else
-        partial[chunk * OC + col] = t;
-    }
-    __syncthreads();  // sums is reused by the next column block
-  }
-}
-
-// Pass 2: one thread per column adds the chunk sums in chunk order (one chunk: adds the epilogue's sums).
-__global__ void bias_final_kernel(float* dbias, const float* partial, int OC, int nchunks) {
-  const int64_t col = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (col >= OC) return;
-  float t = 0.f;
-  for (int c = 0; c < nchunks; c++) t += partial[(int64_t)c * OC + col];
-  dbias[col] += t;
-}
-
-template <typename S>
-void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream) {
-  if (N <= 0 || OC <= 0) return;
-  const int64_t nchunks = (N + kRowChunk - 1) / kRowChunk;
-  const int ncb = (OC + kCols - 1) / kCols;
-  Scratch scratch(nchunks > 1 ? (size_t)nchunks * OC : 0, stream);  // one chunk writes dbias directly
-  float* partial = scratch.ptr;
-  const dim3 grid((unsigned)nchunks, (unsigned)std::min(ncb, 65535)), block(kCols, kLanes);
-  bias_partial_kernel<S><<<grid, block, 0, stream>>>(partial, dbias, dout, N, OC, (int)nchunks);
-  FASTGPT_CUDA_CHECK_LAUNCH();
-  if (nchunks > 1) {
-    bias_final_kernel<<<(OC + 255) / 256, 256, 0, stream>>>(dbias, partial, OC, (int)nchunks);
-    FASTGPT_CUDA_CHECK_LAUNCH();
-  }
-}
-
 // Read by every matmul_backward (set_bias_grad_epilogue): benchmarks and tests compare the two bias gradients.
-std::atomic<bool> g_bias_grad_epilogue{true};
+std::atomic<bool> g_bias_grad_epilogue{false};
 
 // The GEMM types of one precision: A/B (and the forward's C and bias) in S; tf32 applies to float only.
 template <typename S>
@@ -117,8 +60,7 @@ void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const
   if (dbias && !std::is_same_v<S, float> && g_bias_grad_epilogue.load() && N > 0 && OC > 0) {
     Scratch sums((size_t)OC, stream);  // the epilogue writes; dbias accumulates over micro-steps
     if (gemm_bias_grad(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C, sums.ptr, stream, tw)) {
-      bias_final_kernel<<<(OC + 255) / 256, 256, 0, stream>>>(dbias, sums.ptr, OC, 1);
-      FASTGPT_CUDA_CHECK_LAUNCH();
+      bias_add(dbias, sums.ptr, OC, stream);
       return;
     }
   }

@@ -50,11 +50,17 @@ template <typename S>
 void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight, int64_t N,
                      int C, int OC, Stream stream, bool tf32 = false);
 
-// matmul_backward's bias gradient in 16-bit storage: the epilogue of the weight gradient's product (true, the
-// default) or the column-sum kernel (false; float always runs the kernel). Process-wide, read by every call (a CUDA
-// graph keeps what it recorded); set by benchmarks and tests to compare the two. set_ returns the previous choice.
+// matmul_backward's bias gradient in 16-bit storage: the column-sum kernel (false, the default; float always runs
+// it) or the epilogue of the weight gradient's product (true, cuBLASLt's BGRADB). Process-wide, read by every call
+// (a CUDA graph keeps what it recorded); set by benchmarks and tests to compare the two. set_ returns the previous
+// choice.
 bool bias_grad_epilogue();
 bool set_bias_grad_epilogue(bool on);
+// The column-sum kernel (matmul_bias.cu): dbias (OC) += the sums over rows of dout (N, OC), in an order that
+// depends on N alone. bias_add: dbias += sums (OC), made elsewhere (the epilogue's).
+template <typename S>
+void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream);
+void bias_add(float* dbias, const float* sums, int OC, Stream stream);
 
 // Every product's cuBLASLt algorithm: the heuristic's first choice (false, the default, as PyTorch), or (true) the
 // fastest of up to 8 of its candidates, timed at the first run of each problem (shape, strides, alignments, types,

@@ -271,8 +271,8 @@ def matmul_forward(x, weight, bias=None):
 
 
 def matmul_backward(dout, x, weight, bias=True):
-    """-> (dx, dweight, dbias or None). On a GPU in 16-bit storage the bias gradient is the epilogue of the weight
-    gradient's product (matmul_bias_grad_epilogue)."""
+    """-> (dx, dweight, dbias or None). On a GPU the bias gradient is a column-sum kernel (in 16-bit storage
+    matmul_bias_grad_epilogue(True) makes it the epilogue of the weight gradient's product)."""
     d = _where(dout, x, weight)
     dout, x, weight = d.storage(dout, "dout"), d.storage(x, "x"), d.storage(weight, "weight")
     dx, dw = d.empty(_shape(x), like=x), d.zeros(_shape(weight))
@@ -284,10 +284,11 @@ def matmul_backward(dout, x, weight, bias=True):
 
 def matmul_bias_grad_epilogue(enabled=None):
     """How matmul_backward (and the engine's linear layers) make the bias gradient on a GPU in bfloat16/float16:
-    True (the default) in cuBLASLt's epilogue of the weight gradient's product, which sums the dout tiles that
-    product loads anyway (BGRADB, in fp32), False in a separate column-sum kernel (a second pass over dout; float32
-    always takes it). Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a training step
-    keeps the path it was recorded with. None leaves it. -> the previous setting. Needs a build with CUDA."""
+    False (the default) in a column-sum kernel (a second pass over dout, 16 bytes a load, every sum in an order
+    that depends on the row count alone; float32 always takes it), True in cuBLASLt's epilogue of the weight
+    gradient's product (BGRADB, in fp32), which on an H200 ran as a second pass of its own and slowed the product.
+    Process-wide, for benchmarks and tests to compare the two; a CUDA graph of a training step keeps the path it was
+    recorded with. None leaves it. -> the previous setting. Needs a build with CUDA."""
     return _cuda_switch("matmul_bias_grad_epilogue", enabled)
 
 

@@ -1057,6 +1057,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       return;
     }
   }
+  if (block.y != 1 || block.z != 1) die("a block of more than one dimension (emulated: threadIdx.x alone)");
   g_max_smem_seen = std::max(g_max_smem_seen, bytes);
   g_grid = grid, g_block = block;
   const int nt = block.x;

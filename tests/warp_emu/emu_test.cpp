@@ -931,6 +931,76 @@ void run_encoder_cases(unsigned& seed) {
   run_encoder<f16>(1, 300, 8, 4, 1.0, 0, seed++);      // one token everywhere: a single run of all positions
 }
 
+// The bias gradient's column sums (matmul_bias.cu): dbias += the sums over rows of dout, whose order the kernels
+// fix (a 512-row chunk's row lane y sums rows y, y + 8, ... in order, the lanes added in order from 0.f; the chunks'
+// sums likewise in 8 lanes), replayed here in float for their bits, and within 1e-6 of float64; bias_add adds sums
+// as they are. offset: dout starts that many values past an aligned address (the one-value-a-load form).
+template <typename S>
+void run_bias(int64_t N, int OC, int offset, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<S> buf((size_t)(N * OC + offset));
+  for (auto& x : buf) x = from_float<S>(nd(rng));
+  const S* dout = buf.data() + offset;
+  std::vector<float> dbias0(OC);
+  for (auto& x : dbias0) x = nd(rng);
+  const auto lanes = [](const float* s) {
+    float t = 0.f;
+    for (int y = 0; y < 8; y++) t += s[y];
+    return t;
+  };
+  const int64_t nchunks = (N + 511) / 512;
+  std::vector<float> want = dbias0;
+  std::vector<double> exact(OC);
+  for (int c = 0; c < OC; c++) {
+    std::vector<float> part(nchunks);
+    for (int64_t k = 0; k < nchunks; k++) {
+      float s[8] = {};
+      for (int64_t r = k * 512; r < std::min<int64_t>(N, (k + 1) * 512); r++) {
+        s[(r - k * 512) % 8] += to_float(dout[r * OC + c]);
+        exact[c] += to_float(dout[r * OC + c]);
+      }
+      part[k] = lanes(s);
+    }
+    float t = part[0];
+    if (nchunks > 1) {
+      float s[8] = {};
+      for (int64_t k = 0; k < nchunks; k++) s[k % 8] += part[k];
+      t = lanes(s);
+    }
+    want[c] += t;
+  }
+  std::vector<float> got = dbias0;
+  cuda::bias_backward<S>(got.data(), dout, N, OC, nullptr);
+  double err2 = 0, ref2 = 0;
+  for (int c = 0; c < OC; c++) {
+    const double e = ((double)got[c] - dbias0[c]) - exact[c];
+    err2 += e * e, ref2 += exact[c] * exact[c];
+  }
+  const double rel = std::sqrt(err2 / ref2);
+  std::vector<float> added = dbias0, sums(OC);
+  for (auto& x : sums) x = nd(rng);
+  cuda::bias_add(added.data(), sums.data(), OC, nullptr);
+  bool add_ok = true;
+  for (int c = 0; c < OC; c++) add_ok = add_ok && added[c] == dbias0[c] + sums[c];
+  const bool ok = got == want && rel <= 1e-6 && add_ok;
+  if (!ok) failures++;
+  const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
+  printf("%s bias_backward %s N=%ld OC=%d offset=%d: %s, %.2e from float64; bias_add %s\n", ok ? "ok  " : "FAIL",
+         type, (long)N, OC, offset, got == want ? "the order's bits" : "DIFFERS from the order's bits", rel,
+         add_ok ? "exact" : "WRONG");
+  fflush(stdout);
+}
+
+void run_bias_cases(unsigned& seed) {
+  run_bias<bf16>(1300, 768, 0, seed++);  // three chunks, the last part-filled; GPT-2's width: three column blocks
+  run_bias<f16>(512, 40, 0, seed++);     // one chunk (added straight to dbias); five packs of a 256-column block
+  run_bias<float>(4700, 24, 0, seed++);  // ten chunks: the chunk lanes wrap; 4 floats a pack
+  run_bias<float>(700, 50, 0, seed++);   // 50 floats: not whole packs, one value a load
+  run_bias<bf16>(900, 64, 1, seed++);    // rows off 16-byte alignment: one value a load
+  run_bias<f16>(5, 304, 0, seed++);      // fewer rows than lanes; 304 columns: a second, part-filled block
+}
+
 // The optimizer step's kernels (adamw.cu) against the CPU reference (cpu/adamw.cpp, compiled in beside them): the
 // one-launch AdamW over segments with different weight decay (moments offset from the segments' start, the clip
 // factor and step counter read from StepScalars) must give the CPU's bits in every storage type, a skipped step
@@ -1161,7 +1231,10 @@ int main(int argc, char** argv) {
       run_layernorm_cases(seed);
       run_adamw_cases(seed);
       run_encoder_cases(seed);
+      run_bias_cases(seed);
       run_workspace();
+    } else if (mode == "bias") {
+      run_bias_cases(seed);
     } else if (mode == "encoder") {
       run_encoder_cases(seed);
     } else if (mode == "adamw") {

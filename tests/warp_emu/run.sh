@@ -2,17 +2,19 @@
 # Runs the tensor-core and fp32 flash attention kernels (csrc/cuda/flash_attention*.cu, attention.cu, cast.cu), the
 # KV-cache decode kernels (attention_decode.cu), the cross-entropy kernels (cross_entropy.cu), the LayerNorm ones
 # (layernorm.cu, residual_layernorm.cu), the optimizer step's (adamw.cu) and the embedding's (encoder.cu; both
-# beside their CPU references; and the scratch workspace) on the CPU, in a host emulation of the few CUDA features
-# they use (emu.h: one OS thread per CUDA thread, ldmatrix / mma.sync / shuffles / ballots as warp collectives
-# written from the PTX ISA's fragment tables (their sums exact and rounded once, or, mode tchw, cut toward zero as
-# tensor cores' adders do), cp.async copied at issue or as late as wait_group allows; Hopper's wgmma, mbarriers,
-# TMA copies and named barriers, with a vector-clock race check of the shared memory wgmma reads),
-# and compares their outputs with a float64 reference or the CPU's bits (emu_test.cpp). It checks the kernels'
+# beside their CPU references), the linear layers' bias gradient (matmul_bias.cu) and the scratch workspace on the
+# CPU, in a host emulation of the few CUDA features they use (emu.h: one OS thread per CUDA thread, ldmatrix /
+# mma.sync / shuffles / ballots as warp collectives written from the PTX ISA's fragment tables (their sums exact and
+# rounded once, or, mode tchw, cut toward zero as tensor cores' adders do), cp.async copied at issue or as late as
+# wait_group allows; Hopper's wgmma, mbarriers, TMA copies and named barriers, with a vector-clock race check of the
+# shared memory wgmma reads; one-dimensional blocks only), and compares their outputs with a float64 reference or the
+# CPU's bits (emu_test.cpp). It checks the kernels'
 # index, fragment, masking and barrier logic without a GPU; it says nothing of speed or of the real compiler's code. The
 # kernel sources are used as they are: only the asm helpers, the shared-memory declarations and the <<<>>> launches
 # are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|tiles|f32|tf32|tchw|sm75|smem|sm90|ws|fused|wsbwd|decode|ce|ln|adamw|encoder|big|peaky|grid,
+#   MODE quick|mix|tc|tiles|f32|tf32|tchw|sm75|smem|sm90|ws|fused|wsbwd|decode|ce|ln|adamw|encoder|bias|big|peaky|
+#   grid,
 #   LAZY 0|1; or MODE cute (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the
 #   emulator's wgmma against CUTLASS.
 set -euo pipefail
@@ -35,13 +37,13 @@ done
 units=(flash_attention_fwd flash_attention_bwd flash_attention flash_attention_sm90a flash_attention_ws_sm90a
        flash_attention_bwd_sm90a flash_attention_bwd_ws_sm90a flash_attention_tf32 attention cast attention_decode
        cross_entropy layernorm
-       residual_layernorm adamw encoder)
+       residual_layernorm adamw encoder matmul_bias)
 for f in "${units[@]}"; do
   # cast.cu (the 16-bit fallback of attention.cu widens and narrows through it), attention_decode.cu,
   # cross_entropy.cu and the LayerNorm files do not include the swapped flash_attention.cuh: the CUDA headers and
   # then the emulator come first.
   { { [ $f = cast ] || [ $f = attention_decode ] || [ $f = cross_entropy ] || [ $f = layernorm ] ||
-      [ $f = residual_layernorm ] || [ $f = adamw ] || [ $f = encoder ]; } &&
+      [ $f = residual_layernorm ] || [ $f = adamw ] || [ $f = encoder ] || [ $f = matmul_bias ]; } &&
       printf '#include <cuda_runtime.h>\n#include <library_types.h>\n#include "emu.h"\n'
     sed -E -e 's/extern __shared__ __align__\(16\) unsigned char smem_raw\[\];/unsigned char* smem_raw = emu::smem();/' \
       -e 's/extern __shared__ float sm\[\];/float* sm = reinterpret_cast<float*>(emu::smem());/' \
