@@ -190,10 +190,11 @@ if [ $build = ok ] && has bench; then
   done
   res[bench_layernorm]=$b
   # GPT-2's linear layers, forward and backward, with cuBLASLt's heuristic algorithm and with matmul autotune
-  # ("fwd tuned", "bwd tuned"; a line sums the chosen algorithms' times against the heuristic's), each vs torch: the
-  # block's four at B 16, lm_head at one chunk of the engine's classifier (4096 rows).
+  # ("fwd tuned", "bwd tuned"; a line sums the chosen algorithms' times against the heuristic's), and the backward
+  # with the bias gradient's epilogue ("bwd epilogue"), each vs torch: the block's four at B 16, lm_head at one chunk
+  # of the engine's classifier (4096 rows).
   b=ok
-  timeout $(tmo 60) python3 bench/bench_ops.py --device cuda --case matmul --B 16 --T 1024 --C 768 \
+  timeout $(tmo 75) python3 bench/bench_ops.py --device cuda --case matmul --B 16 --T 1024 --C 768 \
     --linears attn,attn_proj,fc,fc_proj --json "$out/bench_ops_matmul.json" >> "$out/bench.log" 2>&1 || b=FAIL
   timeout $(tmo 40) python3 bench/bench_ops.py --device cuda --case matmul --B 4 --T 1024 --C 768 --linears lm_head \
     --json "$out/bench_ops_matmul_lm_head.json" >> "$out/bench.log" 2>&1 || b=FAIL

@@ -58,13 +58,14 @@ def test_cross_entropy_rows(device, dtype, tol, capsys):
 @pytest.mark.parametrize("device,dtype,tol", [("cpu", "fp32", 1e-3),
                                               pytest.param("cuda", "bf16", 0.5, marks=needs_cuda)])
 def test_matmul_rows(device, dtype, tol, capsys):
-    # attn_proj at C 96 over 2 x 33 rows; on a GPU the tuned rows come after, and the case's last row carries the
-    # decisions: its three products (forward with the bias epilogue, dx, dW with the bias gradient's), each timed.
+    # attn_proj at C 96 over 2 x 33 rows; on a GPU the tuned rows come after, then the backward with the bias
+    # gradient's epilogue, and the case's last row carries the autotune decisions: its three products (forward with
+    # the bias epilogue, dx, dW), each timed.
     args = bench_ops.parse_args(["--device", device, "--dtype", dtype, "--case", "matmul", "--linears", "attn_proj",
                                  "--B", "2", "--T", "33", "--C", "96", "--n-head", "2", "--warmup", "1",
                                  "--repeats", "2", "--seed", "7"])
     rows = bench_ops.run_cases(args)
-    want = ["fwd", "bwd"] + (["fwd tuned", "bwd tuned"] if device == "cuda" else [])
+    want = ["fwd", "bwd"] + (["fwd tuned", "bwd tuned", "bwd epilogue"] if device == "cuda" else [])
     assert [r["pass"] for r in rows] == want
     for r in rows:
         assert r["op"] == "matmul" and r["fastgpt_ms"] > 0 and r["torch_ms"] > 0

@@ -8,8 +8,9 @@
 // (shape, strides, transposes, batch, epilogue, element and compute types and the pointers' alignments).
 // GELU epilogues (gemm_gelu): the MLP's GELU rides in the products around it, forward (GELU_AUX_BIAS, the
 // pre-activation written beside the output for backward) and backward (DGELU on the product that makes its input's
-// gradient); the bias gradient rides in the weight gradient's product (gemm_bias_grad: BGRADB sums the loaded dout
-// tiles). A plan cuBLASLt refuses is remembered, and the caller falls back to its kernels.
+// gradient); the bias gradient can ride in the weight gradient's product (gemm_bias_grad: BGRADB; off by default,
+// since on an H200 cuBLASLt ran it as a kernel of its own after the product). A plan cuBLASLt refuses is remembered,
+// and the caller falls back to its kernels.
 // Autotune (set_matmul_autotune, off by default): a plan asks the heuristic for up to tune::kMaxCandidates
 // algorithms instead of one, and its first run times them on that call's operands and keeps the fastest by
 // matmul_tune.h's rules (the heuristic's own unless another beats it by 2%), once per plan and process.

@@ -52,7 +52,9 @@ bool gemm_gelu(GeluEpilogue kind, bool trans_a, bool trans_b, int64_t M, int64_t
 // The bias gradient as the epilogue of a product (batch 1): C = alpha op(A) op(B) + beta C as gemm computes it, and
 // dbias (M, in types.bias, written, not added to) = the sum over K of op(A)'s rows, from the tiles of A the product
 // loads anyway (cuBLASLt's BGRADB: our A is its B). For a linear layer's weight gradient dW (OC, C) += dout^T inp,
-// op(A) = dout^T and dbias is the bias gradient, without a second pass over dout. dbias must be 16-byte aligned.
+// op(A) = dout^T and dbias is the bias gradient. (On an H200 cuBLASLt 13 ran it as a second kernel after the
+// product, globalKernelBgradAB, as slow as a pass over dout: matmul.cu's default is its own column sums.) dbias must
+// be 16-byte aligned.
 // Returns false, having queued nothing, when cuBLASLt cannot do it (an empty product, no algorithm): the caller
 // then runs gemm and its own column sum. Plans and refusals are cached as gemm_gelu's.
 bool gemm_bias_grad(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const void* A,

@@ -7,9 +7,10 @@
 // (chunk lane y takes chunks y, y + kLanes, ...; the lanes in order) and that total to dbias. One chunk: pass 1 adds
 // straight into dbias.
 // A thread loads 16 bytes of a row at a time (8 16-bit values or 4 floats: Pack), as a copy does, where each row is
-// 16-byte aligned; the scalar form (one value a load) takes other views. On an H200 the scalar form, and cuBLASLt's
-// own bias-gradient kernel (BGRADB's, a second pass as well), read about 2.3 TB/s, half the memory's rate
-// (BENCHMARKS.md, 2026-11-26). Every sum is fp32; 16-bit values are widened as loaded.
+// 16-byte aligned; the scalar form (one value a load) takes other views, in the same order. On an H200 the kernel
+// this replaces (one 2-byte value a load) and cuBLASLt's own bias-gradient kernel (BGRADB's, a second pass as well)
+// both read about 2.3 TB/s, half the memory's rate (BENCHMARKS.md, 2026-11-26). Every sum is fp32; 16-bit values are
+// widened as loaded.
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -30,7 +31,7 @@ constexpr int kRowChunk = 512;  // rows per pass-1 sum
 constexpr int kThreads = kVecs * kLanes;
 constexpr int kMaxCols = kVecs * 8;  // a block's columns at most: 8 per thread (16-bit packs)
 
-// The column sums of a block's kLanes lanes, in order: thread t adds column t's (and t + kThreads, ...).
+// Column c's total over a block's kLanes lanes (sums: kLanes rows of width floats), lane 0 first, from 0.f.
 __device__ __forceinline__ float lanes_in_order(const float* sums, int width, int c) {
   float t = 0.f;
   for (int y = 0; y < kLanes; y++) t += sums[y * width + c];
@@ -38,9 +39,8 @@ __device__ __forceinline__ float lanes_in_order(const float* sums, int width, in
 }
 
 // Pass 1: block (chunk, column block) of kVecs x kLanes threads (thread tid: column thread tid % kVecs, row lane
-// tid / kVecs), V columns per thread (Pack<S>::N, or 1 where rows
-// are not 16-byte aligned). Writes the chunk's column sums to partial (nchunks, OC), or with one chunk adds them to
-// dbias.
+// tid / kVecs), V columns per thread (Pack<S>::N, or 1 where rows are not 16-byte aligned). Writes the chunk's
+// column sums to partial (nchunks, OC), or with one chunk adds them to dbias.
 template <typename S, int V>
 __global__ void __launch_bounds__(kThreads) bias_partial_kernel(float* partial, float* dbias, const S* dout,
                                                                 int64_t N, int OC, int nchunks) {
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) bias_partial_kernel(float* partial, 
         }
       }
     }
-    if constexpr (V % 4 == 0) {  // 16-byte stores: a quarter warp's 128 bytes are contiguous, no bank conflict
+    if constexpr (V % 4 == 0) {  // 16-byte stores (16-bit packs: two a thread, 32 bytes apart, two-way conflicts)
       for (int j = 0; j < V; j += 4)
         sums4[(ty * kWidth + tx * V + j) / 4] = make_float4(s[j], s[j + 1], s[j + 2], s[j + 3]);
     } else {

@@ -942,6 +942,8 @@ void run_bias(int64_t N, int OC, int offset, unsigned seed) {
   std::vector<S> buf((size_t)(N * OC + offset));
   for (auto& x : buf) x = from_float<S>(nd(rng));
   const S* dout = buf.data() + offset;
+  // offset 0 must be the 16-byte path: an unaligned buffer would quietly take the other one and still pass
+  const bool aligned = reinterpret_cast<uintptr_t>(buf.data()) % 16 == 0;
   std::vector<float> dbias0(OC);
   for (auto& x : dbias0) x = nd(rng);
   const auto lanes = [](const float* s) {
@@ -983,21 +985,23 @@ void run_bias(int64_t N, int OC, int offset, unsigned seed) {
   cuda::bias_add(added.data(), sums.data(), OC, nullptr);
   bool add_ok = true;
   for (int c = 0; c < OC; c++) add_ok = add_ok && added[c] == dbias0[c] + sums[c];
-  const bool ok = got == want && rel <= 1e-6 && add_ok;
+  const bool ok = got == want && rel <= 1e-6 && add_ok && aligned;
   if (!ok) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
-  printf("%s bias_backward %s N=%ld OC=%d offset=%d: %s, %.2e from float64; bias_add %s\n", ok ? "ok  " : "FAIL",
+  printf("%s bias_backward %s N=%ld OC=%d offset=%d: %s, %.2e from float64; bias_add %s%s\n", ok ? "ok  " : "FAIL",
          type, (long)N, OC, offset, got == want ? "the order's bits" : "DIFFERS from the order's bits", rel,
-         add_ok ? "exact" : "WRONG");
+         add_ok ? "exact" : "WRONG", aligned ? "" : " (the buffer is NOT 16-byte aligned)");
   fflush(stdout);
 }
 
 void run_bias_cases(unsigned& seed) {
   run_bias<bf16>(1300, 768, 0, seed++);  // three chunks, the last part-filled; GPT-2's width: three column blocks
   run_bias<f16>(512, 40, 0, seed++);     // one chunk (added straight to dbias); five packs of a 256-column block
+  run_bias<f16>(2100, 36, 0, seed++);    // 36 values: not whole packs, one value a load; five chunks
   run_bias<float>(4700, 24, 0, seed++);  // ten chunks: the chunk lanes wrap; 4 floats a pack
   run_bias<float>(700, 50, 0, seed++);   // 50 floats: not whole packs, one value a load
   run_bias<bf16>(900, 64, 1, seed++);    // rows off 16-byte alignment: one value a load
+  run_bias<float>(1100, 64, 2, seed++);  // the same in float
   run_bias<f16>(5, 304, 0, seed++);      // fewer rows than lanes; 304 columns: a second, part-filled block
 }
 
