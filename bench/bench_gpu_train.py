@@ -27,6 +27,7 @@ TF32/bf16): a sanity line, not a test.
     python3 bench/bench_gpu_train.py --no-compile         # skip torch.compile (about a minute of compiling)
     python3 bench/bench_gpu_train.py --n-layer 2 --T 256  # a quick smoke run
     python3 bench/bench_gpu_train.py --B max --profile    # and where each side's GPU time goes (gpu_check's run)
+    python3 bench/bench_gpu_train.py --B 64 --variants "fastgpt bf16 graph,torch compiled bf16"  # just those two
 """
 import argparse
 import contextlib
@@ -74,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps; tok/s is B*T / median step time")
     p.add_argument("--seed", type=int, default=None, help="weights and data seed (default: fresh random)")
     p.add_argument("--no-compile", action="store_true", help="skip the 'torch compiled bf16' variant")
+    p.add_argument("--variants", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+                   default=VARIANTS, metavar="NAME,NAME",
+                   help="run only these variants, in the usual order (a short device call: e.g. 'fastgpt bf16\n"
+                        "graph,torch compiled bf16'); default: all of\n" + ", ".join(VARIANTS))
     p.add_argument("--sm90-tiles", type=lambda v: tuple(x.strip() for x in v.split(",")),
                    default=("sm90 ws 128x128 persistent", "sm90 ws fused 128x128 persistent", "16x64"),
                    metavar="FWD,DKDV,DQ",
@@ -98,6 +103,10 @@ def parse_args(argv=None):
         p.error("sizes and --steps must be >= 1, --warmup >= 0")
     if args.peak_tflops <= 0:
         p.error("--peak-tflops must be > 0")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        p.error(f"--variants takes names from: {', '.join(VARIANTS)}; got {', '.join(map(repr, unknown)) or 'none'}")
+    args.variants = tuple(v for v in VARIANTS if v in args.variants)
     return args
 
 
@@ -328,13 +337,13 @@ def main(argv=None):
         return {"benchmark": "bench_gpu_train", "env": env, "partial": not summary,
                 "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "batches", "vocab",
                                                          "warmup", "steps", "seed", "no_compile", "peak_tflops",
-                                                         "profile")},
+                                                         "profile", "variants")},
                 "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
                 "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,
                 **summary, "results": results}
 
     res = {}
-    for name in VARIANTS:
+    for name in args.variants:
         if name == "torch compiled bf16" and args.no_compile:
             res[name] = {"status": "skipped", "error": "--no-compile"}
             continue
@@ -377,7 +386,7 @@ def main(argv=None):
     gc.collect()
     torch.cuda.empty_cache()
 
-    ok = [k for k in VARIANTS if res[k]["status"] == "ok"]
+    ok = [k for k in args.variants if res[k]["status"] == "ok"]
     base = next((k for k in ("torch compiled bf16", "torch eager fp32") if k in ok), None)
     ref = next((k for k in ("fastgpt fp32", "torch eager fp32") if k in ok), None)
 
@@ -398,7 +407,7 @@ def main(argv=None):
 
     print(f"\n{'variant':<24} {'B':>3} {'median ms':>10} {'tok/s':>9} {'MFU':>6} {'peak mem':>9} {'first loss':>10} "
           f"{'last loss':>10} {'tok/s vs base':>14} {'mem vs base':>12}")
-    for k in VARIANTS:
+    for k in args.variants:
         r = res[k]
         if r["status"] != "ok":
             print(f"{k:<24} {r.get('B', '-'):>3} {r['status'].upper()}: "

@@ -17,7 +17,8 @@
 # TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py with a GPU case; the CPU-only
 # ones are CI's), SANITIZERS="memcheck ..." the sanitize part. FIRST="cross_entropy flash_attention@sm90 ..." runs
 # those entries (names as --list-tests prints them, less tests/test_ and .py) before the rest, in the usual order:
-# what the last GPU run failed or never reached.
+# what the last GPU run failed or never reached. BENCH_VARIANTS="NAME,NAME" runs only those variants of
+# bench_gpu_train.py (its --variants), first in the bench part.
 # A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each. A
 # session has 15 minutes of device time in all, the machine's start (a minute or more) included: `tests sanitize`
 # first; `bench` next only at once (the machine stays warm 30 s, the build folder is kept) with CALL_BUDGET cut to
@@ -165,8 +166,9 @@ if [ $build = ok ] && has bench; then
   # GPT-2 124M (T 1024, vocab 50304; each variant at the largest B of 64/32/16/8 that fits): fastgpt fp32, bf16
   # fused and unfused vs torch eager fp32 / tf32 / bf16 autocast + compile + fused AdamW.
   # --profile: then where the GPU time of fastgpt's fused/graph step and torch compiled's goes, kernel by kernel.
+  # BENCH_VARIANTS="fastgpt bf16 graph,torch compiled bf16" runs only those (a short call's budget).
   b=FAIL; timeout $(tmo 300) python3 bench/bench_gpu_train.py --B ${BENCH_B:-max} --profile \
-    --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && b=ok
+    ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && b=ok
   res[bench_gpu_train]=$b
   # The same model in fp32 / tf32 / bf16 / fp16 against torch eager / TF32 / bf16 autocast / fp16 autocast+GradScaler.
   b=FAIL; timeout $(tmo 120) python3 bench/bench_precision.py --device cuda --gpt2 --steps 4 --json "$out/bench_precision.json" \

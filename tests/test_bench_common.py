@@ -56,3 +56,16 @@ def test_gpu_train_bench_records_the_device_commit(tmp_path, monkeypatch):
     assert bench_gpu_train.git_commit() == "abc1234"
     (tmp_path / ".device" / "COMMIT").unlink()
     assert bench_gpu_train.git_commit() is None  # tmp_path is no git repository
+
+
+def test_gpu_train_bench_runs_the_named_variants_in_order_and_refuses_unknown_ones(capsys):
+    # --variants is what lets a short device call time only the variants it needs (gpu_check's BENCH_VARIANTS).
+    import bench_gpu_train
+    assert bench_gpu_train.parse_args([]).variants == bench_gpu_train.VARIANTS
+    picked = bench_gpu_train.parse_args(["--variants", "torch compiled bf16, fastgpt bf16 graph"]).variants
+    assert picked == ("fastgpt bf16 graph", "torch compiled bf16")  # the usual order, whatever the order given
+    for bad, named in (("fastgpt bf16 graph,fastgpt bf17 graph", "got 'fastgpt bf17 graph'"), (" , ", "got none")):
+        with pytest.raises(SystemExit):
+            bench_gpu_train.parse_args(["--variants", bad])
+        err = capsys.readouterr().err
+        assert "--variants takes names from" in err and "torch compiled bf16" in err and named in err

@@ -11,7 +11,9 @@
 #include <cuda_runtime.h>  // before the emulator's macros (cuda/scratch.h includes it again)
 #include "emu.h"
 #include "cuda/ops.h"
+#include "cuda/flash_attention.cuh"  // flash::compute_delta, flash::Params
 #include "cuda/scratch.h"
+#include <cmath>
 #include <algorithm>
 #include <random>
 #include <string>
@@ -994,6 +996,99 @@ void run_bias(int64_t N, int OC, int offset, unsigned seed) {
   fflush(stdout);
 }
 
+// The backward's delta (flash_attention.cu's delta_kernel): delta[b, h, t] = dout . out over the row's d elements.
+// Its order is fixed (a row's 16-byte packs spread over `lanes` lanes, the fewest powers of two up to 32 that give
+// each lane a pack; lane g sums packs g, g + lanes, ... element by element, a * b + s contracted as the GPU
+// contracts it; the lanes joined by butterfly), replayed here for its bits, and within 1e-6 of float64. Both layouts;
+// every case runs again with out and dout one element off 16-byte alignment (one element a load), against the replay
+// of those values. With one SM the grid stops at 64 blocks and its blocks loop over the rest of the rows.
+template <typename E>
+void run_delta(int B, int H, int T, int d, bool bthd, unsigned seed, bool loops = false) {
+  constexpr int N = 16 / (int)sizeof(E);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  const size_t n = (size_t)B * H * T * d, rows = (size_t)B * H * T;
+  const cpu::HeadStrides s = bthd ? cpu::HeadStrides{(int64_t)T * H * d, d, (int64_t)H * d}
+                                  : cpu::HeadStrides{(int64_t)H * T * d, (int64_t)T * d, d};
+  const int offset = 1;
+  const size_t part = (n + 31) / 16 * 16;  // out, then dout, each at a 16-byte aligned start with room for the offset
+  std::vector<E> buf(2 * part);
+  for (auto& x : buf) x = E(nd(rng));
+  E* const o = buf.data();
+  E* const dO = buf.data() + part;
+  const bool aligned = reinterpret_cast<uintptr_t>(o) % 16 == 0 && reinterpret_cast<uintptr_t>(dO) % 16 == 0;
+  const auto call = [&](int off) {
+    std::vector<float> delta(rows, NAN);
+    cuda::flash::Params p{};
+    p.out = o + off, p.dout = dO + off, p.delta = delta.data(), p.os = s, p.B = B, p.H = H, p.T = T, p.d = d;
+    cuda::flash::compute_delta<E>(p, nullptr);
+    return delta;
+  };
+  const std::vector<float> got = call(0);
+  const unsigned grid = emu::g_grid.x;  // the blocks launched; fewer than the rows need: they loop
+  std::vector<float> shifted_want(rows);  // the replay for the offset run's values
+  int lanes = 1;
+  const int packs = (d + N - 1) / N;
+  while (lanes < packs && lanes < 32) lanes *= 2;
+  bool order = true;
+  double err2 = 0, ref2 = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    const int off = pass ? offset : 0;
+    for (int b = 0; b < B; b++)
+      for (int h = 0; h < H; h++)
+        for (int t = 0; t < T; t++) {
+          const E *ro = o + off + b * s.sb + h * s.sh + t * s.st, *rd = dO + off + b * s.sb + h * s.sh + t * s.st;
+          float part[32] = {};
+          double exact = 0;
+          for (int g = 0; g < lanes; g++)
+            for (int k = g; k < packs; k += lanes)
+              for (int x = k * N; x < std::min(d, k * N + N); x++) {
+                part[g] = std::fma(float(ro[x]), float(rd[x]), part[g]);
+                exact += (double)float(ro[x]) * float(rd[x]);
+              }
+          for (int m = lanes / 2; m > 0; m >>= 1) {  // butterfly: every lane of a group ends with lane 0's sum
+            float next[32];
+            for (int g = 0; g < lanes; g++) next[g] = part[g] + part[g ^ m];
+            std::copy(next, next + lanes, part);
+          }
+          const size_t r = ((size_t)b * H + h) * T + t;
+          if (pass) {
+            shifted_want[r] = part[0];
+          } else {
+            order = order && got[r] == part[0];
+            err2 += (got[r] - exact) * (got[r] - exact), ref2 += exact * exact;
+          }
+        }
+  }
+  const std::vector<float> shifted = call(offset);
+  const bool shifted_ok = shifted == shifted_want;
+  const double rel = std::sqrt(err2 / ref2);
+  const int64_t needed = ((int64_t)rows + 256 / lanes - 1) / (256 / lanes);
+  const bool looped = grid < needed, ok = order && shifted_ok && rel <= 1e-6 && aligned && looped == loops;
+  if (!ok) failures++;
+  const char* type = std::is_same_v<E, float> ? "fp32" : std::is_same_v<E, __half> ? "fp16" : "bf16";
+  printf("%s delta %s B=%d H=%d T=%d d=%d %s (%d lanes a row, %u of %ld blocks%s): %s, %.2e from float64; "
+         "offset %d: %s%s\n", ok ? "ok  " : "FAIL", type, B, H, T, d, bthd ? "bthd" : "bhtd", lanes, grid,
+         (long)needed, looped == loops ? "" : loops ? ", NO loop" : ", a loop NOT expected",
+         order ? "the order's bits" : "DIFFERS from the order's bits", rel, offset,
+         shifted_ok ? "the order's bits" : "DIFFERS", aligned ? "" : " (the buffer is NOT 16-byte aligned)");
+  fflush(stdout);
+}
+
+void run_delta_cases(unsigned& seed) {
+  run_delta<__nv_bfloat16>(2, 3, 70, 64, true, seed++);  // GPT-2's d: 8 lanes, 32 rows a block (blocks span heads)
+  run_delta<__half>(1, 2, 40, 128, false, seed++);       // 16 lanes
+  run_delta<float>(2, 2, 33, 64, false, seed++);         // 4 floats a pack: 16 lanes
+  run_delta<float>(1, 2, 20, 256, true, seed++);         // 64 packs: 32 lanes, two packs each
+  run_delta<float>(1, 1, 9, 12, true, seed++);           // 3 packs: 4 lanes, one idle
+  run_delta<__nv_bfloat16>(1, 2, 17, 20, false, seed++); // d not whole packs: one element a load, the last pack part
+  run_delta<float>(1, 3, 5, 1, true, seed++);            // d 1: one lane a row, 256 rows a block
+  const int sms = emu::g_sm_count;
+  emu::g_sm_count = 1;  // 64 blocks at most: the 75 blocks' rows loop
+  run_delta<__nv_bfloat16>(1, 4, 600, 64, false, seed++, true);
+  emu::g_sm_count = sms;
+}
+
 void run_bias_cases(unsigned& seed) {
   run_bias<bf16>(1300, 768, 0, seed++);  // three chunks, the last part-filled; GPT-2's width: three column blocks
   run_bias<f16>(512, 40, 0, seed++);     // one chunk (added straight to dbias); five packs of a 256-column block
@@ -1236,9 +1331,12 @@ int main(int argc, char** argv) {
       run_adamw_cases(seed);
       run_encoder_cases(seed);
       run_bias_cases(seed);
+      run_delta_cases(seed);
       run_workspace();
     } else if (mode == "bias") {
       run_bias_cases(seed);
+    } else if (mode == "delta") {
+      run_delta_cases(seed);
     } else if (mode == "encoder") {
       run_encoder_cases(seed);
     } else if (mode == "adamw") {
