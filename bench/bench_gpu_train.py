@@ -77,8 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the 'torch compiled bf16' variant")
     p.add_argument("--variants", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
                    default=VARIANTS, metavar="NAME,NAME",
-                   help="run only these variants, in the usual order (a short device call: e.g. 'fastgpt bf16\n"
-                        "graph,torch compiled bf16'); default: all of\n" + ", ".join(VARIANTS))
+                   help="run only these variants, in the usual order (a short device call), e.g.\n"
+                        "'fastgpt bf16 graph,torch compiled bf16'; default: all of\n" +
+                        ",\n".join(", ".join(VARIANTS[i:i + 4]) for i in range(0, len(VARIANTS), 4)))
     p.add_argument("--sm90-tiles", type=lambda v: tuple(x.strip() for x in v.split(",")),
                    default=("sm90 ws 128x128 persistent", "sm90 ws fused 128x128 persistent", "16x64"),
                    metavar="FWD,DKDV,DQ",

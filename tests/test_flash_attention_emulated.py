@@ -6,9 +6,9 @@ sm_86/sm_89, where float32 takes the simt kernels and d 128's dq pass 32-key blo
 sums into O, dK, dV, dQ must not drift, which put an H200's dK 1.1e-5 from float64), the cross-entropy kernels of
 cross_entropy.cu, the LayerNorm ones of layernorm.cu and
 residual_layernorm.cu, the fused one giving the unfused pair's bits, the optimizer step's of adamw.cu and the
-embedding's of encoder.cu, which must give the CPU reference's bits, and the linear layers' bias-gradient column sums
-of matmul_bias.cu, the bits of their fixed order) run in tests/warp_emu (one OS thread per CUDA
-thread; ldmatrix, mma.sync (bf16/fp16 m16n8k16, tf32 m16n8k8, whose operands must be rounded to TF32), cvt.rna.tf32,
+embedding's of encoder.cu, which must give the CPU reference's bits, the linear layers' bias-gradient column sums
+of matmul_bias.cu and the flash backward's delta pass, the bits of their fixed orders) run in tests/warp_emu (one OS
+thread per CUDA thread; ldmatrix, mma.sync (bf16/fp16 m16n8k16, tf32 m16n8k8, whose operands must be rounded to TF32), cvt.rna.tf32,
 shuffles, ballots, static shared memory and cp.async emulated from the PTX ISA's definitions; also Hopper's wgmma for
 the sm90 forward, with its descriptors, 128-byte swizzle, fences and a vector-clock race check against cp.async and
 stores, the fused Hopper backward with its turn-taking between CTAs, and the warp-specialised forward's and backward's

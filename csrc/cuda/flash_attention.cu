@@ -253,10 +253,11 @@ __global__ void __launch_bounds__(kThreads) dq_simt_kernel(Params p) {
 // memory-bound (it reads out and dout once: 2 B T H d elements). A row's d elements are 16-byte packs (8 bf16/fp16
 // or 4 floats) spread over the row's `lanes` lanes (a power of two, at most 32; blockDim.x / lanes rows per block,
 // rows counted across heads), each lane summing its packs k = lane, lane + lanes, ... in order, then the row's lanes
-// joined by butterfly. Rows that are not 16-byte aligned, or d that is not whole packs, load one element at a time
-// into the same packs: the same sums in the same order, so the same bits. A row's (b, h, t) takes two 32-bit
-// divisions: the old one-warp-per-row kernel took four 64-bit ones per row and lane and 2-byte loads, and ran at
-// about 1 TB/s on the H200 (2.3 ms of a GPT-2 124M step at B 64: the 2026-11-26 profile's attention remainder).
+// joined by butterfly. Where some row would not start 16-byte aligned (out, dout or a stride that is used), or d is
+// not whole packs, the call loads one element at a time into the same packs: the same sums in the same order, so the
+// same bits. A row's (b, h, t) takes two 32-bit divisions: the old one-warp-per-row kernel took four 64-bit ones per
+// row and lane and 2-byte loads, and ran at about 1 TB/s on the H200 (2.3-2.5 ms of a GPT-2 124M step at B 64: the
+// 2026-11-26 profile's attention remainder).
 template <typename E>
 __global__ void delta_kernel(Params p, int lanes, uint32_t rows, bool vec) {
   constexpr int N = 16 / (int)sizeof(E);
@@ -354,13 +355,15 @@ void compute_delta(const Params& p, Stream stream) {
   int lanes = 1;
   while (lanes < packs && lanes < 32) lanes *= 2;
   const int64_t rows = (int64_t)p.B * p.H * p.T, per_block = kThreads / lanes;
+  if (rows == 0) return;  // (a zero-block launch is an error)
   if (rows >= UINT32_MAX)  // ~4e9 rows: hundreds of GB at any d, so never in practice
     throw std::invalid_argument("flash attention backward: B * H * T = " + std::to_string(rows) +
                                 " rows, more than it counts (2^32)");
   const auto a16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const bool vec = p.d % N == 0 && p.os.sb % N == 0 && p.os.sh % N == 0 && p.os.st % N == 0 && a16(p.out) &&
-                   a16(p.dout);
-  // At most 64 blocks per SM (8 waves of its 8 resident blocks); past that the blocks loop over the rest.
+  const bool vec = p.d % N == 0 && (p.B == 1 || p.os.sb % N == 0) && (p.H == 1 || p.os.sh % N == 0) &&
+                   (p.T == 1 || p.os.st % N == 0) && a16(p.out) && a16(p.dout);  // a stride never used may be odd
+  // At most 64 blocks per SM (8-11 waves: 32-40 registers leave room for 6-8 resident blocks of 256; each thread's
+  // 32 bytes in flight are then 48-64 KB an SM, more than the memory's latency needs); past that the blocks loop.
   int device = 0, sms = 0;
   FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
   FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

@@ -1127,8 +1127,13 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 #define blockDim emu::g_block
 #define __syncthreads() emu::syncthreads()
 // storage.cuh's 16-byte loads and stores (load_pack, store_pack): a GPU faults on an unaligned one, the host does not.
-#define FASTGPT_ALIGN16_CHECK(p)                                                              \
-  (reinterpret_cast<uintptr_t>(p) % 16 ? emu::die("a 16-byte load or store of an address not 16-byte aligned") \
+// Counted (g_align16_checks), so that a test can tell that a kernel took its 16-byte path.
+namespace emu {
+inline std::atomic<long> g_align16_checks{0};
+}
+#define FASTGPT_ALIGN16_CHECK(p)                                                                                 \
+  (emu::g_align16_checks.fetch_add(1, std::memory_order_relaxed),                                               \
+   reinterpret_cast<uintptr_t>(p) % 16 ? emu::die("a 16-byte load or store of an address not 16-byte aligned") \
                                        : (void)0)
 // The _rn intrinsics: one rounding each, never part of an FMA. The kernel units are built contracting a * b + c into
 // FMAs, as nvcc does (run.sh), so the result passes through a volatile: the compiler cannot fuse across it.

@@ -1000,28 +1000,38 @@ void run_bias(int64_t N, int OC, int offset, unsigned seed) {
 // Its order is fixed (a row's 16-byte packs spread over `lanes` lanes, the fewest powers of two up to 32 that give
 // each lane a pack; lane g sums packs g, g + lanes, ... element by element, a * b + s contracted as the GPU
 // contracts it; the lanes joined by butterfly), replayed here for its bits, and within 1e-6 of float64. Both layouts;
-// every case runs again with out and dout one element off 16-byte alignment (one element a load), against the replay
-// of those values. With one SM the grid stops at 64 blocks and its blocks loop over the rest of the rows.
+// `pad` elements after each row (a stride that is not whole packs: one element a load). Every case runs again with
+// out and dout one element off 16-byte alignment (one element a load), against the replay of those values; the
+// emulator counts 16-byte loads, so each run must have taken the path its alignment calls for. With one SM the grid
+// stops at 64 blocks and its blocks loop over the rest of the rows.
 template <typename E>
-void run_delta(int B, int H, int T, int d, bool bthd, unsigned seed, bool loops = false) {
+void run_delta(int B, int H, int T, int d, bool bthd, int pad, unsigned seed, bool loops = false) {
   constexpr int N = 16 / (int)sizeof(E);
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
-  const size_t n = (size_t)B * H * T * d, rows = (size_t)B * H * T;
-  const cpu::HeadStrides s = bthd ? cpu::HeadStrides{(int64_t)T * H * d, d, (int64_t)H * d}
-                                  : cpu::HeadStrides{(int64_t)H * T * d, (int64_t)T * d, d};
+  const size_t rows = (size_t)B * H * T;
+  cpu::HeadStrides s;
+  if (bthd) {
+    s.st = (int64_t)H * d + pad, s.sh = d, s.sb = T * s.st;
+  } else {
+    s.st = d + pad, s.sh = T * s.st, s.sb = H * s.sh;
+  }
+  const bool vec = d % N == 0 && (B == 1 || s.sb % N == 0) && (H == 1 || s.sh % N == 0) && (T == 1 || s.st % N == 0);
   const int offset = 1;
-  const size_t part = (n + 31) / 16 * 16;  // out, then dout, each at a 16-byte aligned start with room for the offset
-  std::vector<E> buf(2 * part);
+  const size_t span = (size_t)(B * s.sb + 31) / 16 * 16;  // out, then dout, 16-byte aligned, room for the offset
+  std::vector<E> buf(2 * span);
   for (auto& x : buf) x = E(nd(rng));
   E* const o = buf.data();
-  E* const dO = buf.data() + part;
+  E* const dO = buf.data() + span;
   const bool aligned = reinterpret_cast<uintptr_t>(o) % 16 == 0 && reinterpret_cast<uintptr_t>(dO) % 16 == 0;
+  long packed[2];  // 16-byte loads of the aligned and the offset run
   const auto call = [&](int off) {
     std::vector<float> delta(rows, NAN);
     cuda::flash::Params p{};
     p.out = o + off, p.dout = dO + off, p.delta = delta.data(), p.os = s, p.B = B, p.H = H, p.T = T, p.d = d;
+    emu::g_align16_checks = 0;
     cuda::flash::compute_delta<E>(p, nullptr);
+    packed[off != 0] = emu::g_align16_checks;
     return delta;
   };
   const std::vector<float> got = call(0);
@@ -1038,24 +1048,24 @@ void run_delta(int B, int H, int T, int d, bool bthd, unsigned seed, bool loops 
       for (int h = 0; h < H; h++)
         for (int t = 0; t < T; t++) {
           const E *ro = o + off + b * s.sb + h * s.sh + t * s.st, *rd = dO + off + b * s.sb + h * s.sh + t * s.st;
-          float part[32] = {};
+          float lane_sum[32] = {};
           double exact = 0;
           for (int g = 0; g < lanes; g++)
             for (int k = g; k < packs; k += lanes)
               for (int x = k * N; x < std::min(d, k * N + N); x++) {
-                part[g] = std::fma(float(ro[x]), float(rd[x]), part[g]);
+                lane_sum[g] = std::fma(float(ro[x]), float(rd[x]), lane_sum[g]);
                 exact += (double)float(ro[x]) * float(rd[x]);
               }
           for (int m = lanes / 2; m > 0; m >>= 1) {  // butterfly: every lane of a group ends with lane 0's sum
             float next[32];
-            for (int g = 0; g < lanes; g++) next[g] = part[g] + part[g ^ m];
-            std::copy(next, next + lanes, part);
+            for (int g = 0; g < lanes; g++) next[g] = lane_sum[g] + lane_sum[g ^ m];
+            std::copy(next, next + lanes, lane_sum);
           }
           const size_t r = ((size_t)b * H + h) * T + t;
           if (pass) {
-            shifted_want[r] = part[0];
+            shifted_want[r] = lane_sum[0];
           } else {
-            order = order && got[r] == part[0];
+            order = order && got[r] == lane_sum[0];
             err2 += (got[r] - exact) * (got[r] - exact), ref2 += exact * exact;
           }
         }
@@ -1064,28 +1074,32 @@ void run_delta(int B, int H, int T, int d, bool bthd, unsigned seed, bool loops 
   const bool shifted_ok = shifted == shifted_want;
   const double rel = std::sqrt(err2 / ref2);
   const int64_t needed = ((int64_t)rows + 256 / lanes - 1) / (256 / lanes);
-  const bool looped = grid < needed, ok = order && shifted_ok && rel <= 1e-6 && aligned && looped == loops;
+  const bool paths = (packed[0] > 0) == vec && packed[1] == 0, looped = grid < needed;
+  const bool ok = order && shifted_ok && rel <= 1e-6 && aligned && paths && looped == loops;
   if (!ok) failures++;
   const char* type = std::is_same_v<E, float> ? "fp32" : std::is_same_v<E, __half> ? "fp16" : "bf16";
-  printf("%s delta %s B=%d H=%d T=%d d=%d %s (%d lanes a row, %u of %ld blocks%s): %s, %.2e from float64; "
-         "offset %d: %s%s\n", ok ? "ok  " : "FAIL", type, B, H, T, d, bthd ? "bthd" : "bhtd", lanes, grid,
-         (long)needed, looped == loops ? "" : loops ? ", NO loop" : ", a loop NOT expected",
-         order ? "the order's bits" : "DIFFERS from the order's bits", rel, offset,
+  printf("%s delta %s B=%d H=%d T=%d d=%d %s pad %d (%d lanes a row, %u of %ld blocks%s; %ld and %ld 16-byte loads, "
+         "%s expected): %s, %.2e from float64; offset %d: %s%s\n", ok ? "ok  " : "FAIL", type, B, H, T, d,
+         bthd ? "bthd" : "bhtd", pad, lanes, grid, (long)needed,
+         looped == loops ? "" : loops ? ", NO loop" : ", a loop NOT expected", packed[0], packed[1],
+         vec ? "some then none" : "none", order ? "the order's bits" : "DIFFERS from the order's bits", rel, offset,
          shifted_ok ? "the order's bits" : "DIFFERS", aligned ? "" : " (the buffer is NOT 16-byte aligned)");
   fflush(stdout);
 }
 
 void run_delta_cases(unsigned& seed) {
-  run_delta<__nv_bfloat16>(2, 3, 70, 64, true, seed++);  // GPT-2's d: 8 lanes, 32 rows a block (blocks span heads)
-  run_delta<__half>(1, 2, 40, 128, false, seed++);       // 16 lanes
-  run_delta<float>(2, 2, 33, 64, false, seed++);         // 4 floats a pack: 16 lanes
-  run_delta<float>(1, 2, 20, 256, true, seed++);         // 64 packs: 32 lanes, two packs each
-  run_delta<float>(1, 1, 9, 12, true, seed++);           // 3 packs: 4 lanes, one idle
-  run_delta<__nv_bfloat16>(1, 2, 17, 20, false, seed++); // d not whole packs: one element a load, the last pack part
-  run_delta<float>(1, 3, 5, 1, true, seed++);            // d 1: one lane a row, 256 rows a block
+  run_delta<__nv_bfloat16>(2, 3, 70, 64, true, 0, seed++);  // GPT-2's d: 8 lanes, 32 rows a block (across heads)
+  run_delta<__half>(1, 2, 40, 128, false, 0, seed++);       // 16 lanes
+  run_delta<float>(2, 2, 33, 64, false, 0, seed++);         // 4 floats a pack: 16 lanes
+  run_delta<float>(1, 2, 20, 256, true, 0, seed++);         // 64 packs: 32 lanes, two packs each
+  run_delta<float>(1, 1, 9, 12, true, 0, seed++);           // 3 packs: 4 lanes, one idle
+  run_delta<__nv_bfloat16>(1, 2, 17, 20, false, 0, seed++); // d not whole packs: one element a load, the last part-full
+  run_delta<float>(1, 3, 5, 1, true, 0, seed++);            // d 1: one lane a row, 256 rows a block
+  run_delta<float>(2, 2, 30, 64, false, 2, seed++);         // rows 66 floats apart: aligned bases, one element a load
+  run_delta<__half>(1, 3, 1, 64, true, 3, seed++);          // T 1, B 1: odd row and batch strides unused: 16 bytes
   const int sms = emu::g_sm_count;
   emu::g_sm_count = 1;  // 64 blocks at most: the 75 blocks' rows loop
-  run_delta<__nv_bfloat16>(1, 4, 600, 64, false, seed++, true);
+  run_delta<__nv_bfloat16>(1, 4, 600, 64, false, 0, seed++, true);
   emu::g_sm_count = sms;
 }
 
