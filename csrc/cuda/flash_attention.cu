@@ -23,7 +23,7 @@
 #include "cuda/check.h"
 #include "cuda/flash_attention.cuh"
 #include "cuda/scratch.h"
-#include "cuda/storage.cuh"  // FASTGPT_ALIGN16_CHECK
+#include "cuda/storage.cuh"  // Pack, load_pack, aligned16: the delta pass's 16-byte loads
 #include "cuda/warp.cuh"
 
 namespace fastgpt::cuda {
@@ -260,11 +260,7 @@ __global__ void __launch_bounds__(kThreads) dq_simt_kernel(Params p) {
 // 2026-11-26 profile's attention remainder).
 template <typename E>
 __global__ void delta_kernel(Params p, int lanes, uint32_t rows, bool vec) {
-  constexpr int N = 16 / (int)sizeof(E);
-  union Pack {
-    uint4 raw;
-    E v[N];
-  };
+  constexpr int N = cuda::Pack<E>::N;  // storage.cuh's 16 bytes (flash::Pack packs two values)
   const int g = threadIdx.x % lanes, packs = (p.d + N - 1) / N;
   const uint32_t per_block = blockDim.x / lanes, T = p.T, H = p.H;
   for (uint64_t r0 = (uint64_t)blockIdx.x * per_block; r0 < rows; r0 += (uint64_t)gridDim.x * per_block) {
@@ -277,13 +273,10 @@ __global__ void delta_kernel(Params p, int lanes, uint32_t rows, bool vec) {
       const E *o = static_cast<const E*>(p.out) + off, *dO = static_cast<const E*>(p.dout) + off;
       for (int k = g; k < packs; k += lanes) {
         const int x0 = k * N, n = min(N, p.d - x0);
-        Pack a, c;
+        cuda::Pack<E> a, c;
         if (vec) {
-          FASTGPT_ALIGN16_CHECK(o + x0);
-          FASTGPT_ALIGN16_CHECK(dO + x0);
-          a.raw = *reinterpret_cast<const uint4*>(o + x0);
-          c.raw = *reinterpret_cast<const uint4*>(dO + x0);
-        } else {
+          a = load_pack(o + x0), c = load_pack(dO + x0);
+        } else {  // (PackIO would read a whole pack: the last one of a row may be part-full)
 #pragma unroll
           for (int e = 0; e < N; e++)  // unrolled: registers, not a local array
             if (e < n) a.v[e] = o[x0 + e], c.v[e] = dO[x0 + e];
@@ -348,9 +341,16 @@ int smem_optin() {
   return bytes;
 }
 
+int sm_count() {
+  int device = 0, sms = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::max(sms, 1);
+}
+
 template <typename E>
 void compute_delta(const Params& p, Stream stream) {
-  constexpr int N = 16 / (int)sizeof(E), kThreads = 256;
+  constexpr int N = cuda::Pack<E>::N, kThreads = 256;
   const int packs = (p.d + N - 1) / N;
   int lanes = 1;
   while (lanes < packs && lanes < 32) lanes *= 2;
@@ -359,15 +359,11 @@ void compute_delta(const Params& p, Stream stream) {
   if (rows >= UINT32_MAX)  // ~4e9 rows: hundreds of GB at any d, so never in practice
     throw std::invalid_argument("flash attention backward: B * H * T = " + std::to_string(rows) +
                                 " rows, more than it counts (2^32)");
-  const auto a16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool vec = p.d % N == 0 && (p.B == 1 || p.os.sb % N == 0) && (p.H == 1 || p.os.sh % N == 0) &&
-                   (p.T == 1 || p.os.st % N == 0) && a16(p.out) && a16(p.dout);  // a stride never used may be odd
+                   (p.T == 1 || p.os.st % N == 0) && aligned16(p.out) && aligned16(p.dout);  // unused strides: any
   // At most 64 blocks per SM (8-11 waves: 32-40 registers leave room for 6-8 resident blocks of 256; each thread's
   // 32 bytes in flight are then 48-64 KB an SM, more than the memory's latency needs); past that the blocks loop.
-  int device = 0, sms = 0;
-  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const unsigned grid = (unsigned)std::min<int64_t>((rows + per_block - 1) / per_block, 64 * (int64_t)std::max(sms, 1));
+  const unsigned grid = (unsigned)std::min<int64_t>((rows + per_block - 1) / per_block, 64 * (int64_t)sm_count());
   delta_kernel<E><<<grid, kThreads, 0, stream>>>(p, lanes, (uint32_t)rows, vec);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }

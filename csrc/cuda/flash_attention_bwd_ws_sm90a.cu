@@ -471,10 +471,7 @@ bool launch_ws(const Params& p, Stream stream, const char* option) {
     return false;
   int blocks = start_fused_sm90(p, stream, option);  // one per tile; the tile counter zeroed
   if (kPersistent) {
-    int device = 0, sms = 0;
-    FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-    FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    blocks = std::min(blocks, std::max(sms, 1));
+    blocks = std::min(blocks, sm_count());
   }
   const auto kernel = backward_ws_kernel<E, 64, BR, kPersistent>;
   constexpr int bytes = Layout<64, BR>::kBytes;

@@ -296,10 +296,7 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
   const Tiles ts{p.B * p.H, nqb, (int)tiles};
   int ctas = ts.n;
   if (persistent) {
-    int device = 0, sms = 0;
-    FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-    FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    ctas = (int)std::min<int64_t>(tiles, std::max(sms, 1));
+    ctas = (int)std::min<int64_t>(tiles, sm_count());
   }
   FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(forward_ws_kernel<E, D, NC, BC>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
