@@ -36,7 +36,10 @@ def group_of(name):
     return next((g for g, pat in _PATTERNS if pat.search(low)), "other")
 
 
-def breakdown(trace_events, steps, top=15):
+PRINTED = 15  # kernels a variant's table lists; the JSON keeps `top` of them (a group's small kernels, e.g. a combine)
+
+
+def breakdown(trace_events, steps, top=60):
     """GPU events of a Chrome trace ({"cat", "name", "dur" in us}) -> per-step sums: {"kernel_ms": total,
     "groups": {group: ms}, "top": [{"name", "group", "ms", "calls"}, ...] (the `top` largest by time)}."""
     per_name = {}
@@ -103,5 +106,5 @@ def print_breakdown(results, names, step_ms):
     for n in names:
         p = results[n]["profile"]
         print(f"\n{n}: {p['kernels']} distinct kernels; the largest (ms per step, calls per step, group):")
-        for r in p["top"]:
+        for r in p["top"][:PRINTED]:
             print(f"  {r['ms']:8.3f} {r['calls']:6.1f}  {r['group']:<13} {short(r['name'])[:90]}")

@@ -96,3 +96,16 @@ def test_the_table_puts_variants_side_by_side(capsys):
     fused_ms = sum(10.0 * (i + 1) for i in range(len(NAMES))) / 1e3
     assert np.isclose(float(idle.split()[1]), 50.0 - fused_ms, atol=0.006)
     assert "forward_kernel" in out and f"fastgpt bf16 fused: {len(NAMES)} distinct kernels" in out
+
+
+def test_the_json_keeps_more_kernels_than_the_table_lists(capsys):
+    # The table lists the PRINTED largest; the JSON keeps up to 60, so that a group's small kernels (a LayerNorm's
+    # combine, a bias sum's second pass) can be read from a run's evidence.
+    n = _profile.PRINTED + 5
+    events = [{"cat": "kernel", "name": f"kernel_{i:02d}", "dur": 10.0 * (i + 1)} for i in range(n)]
+    res = {"fastgpt bf16 fused": {"profile": _profile.breakdown(events, 1)}}
+    assert [r["name"] for r in res["fastgpt bf16 fused"]["profile"]["top"]] == [f"kernel_{i:02d}" for i in
+                                                                                 reversed(range(n))]
+    _profile.print_breakdown(res, ("fastgpt bf16 fused",), {"fastgpt bf16 fused": 1.0})
+    listed = [line for line in capsys.readouterr().out.splitlines() if "kernel_" in line]
+    assert len(listed) == _profile.PRINTED and "kernel_05" in listed[-1]

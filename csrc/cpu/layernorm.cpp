@@ -1,9 +1,10 @@
 // LayerNorm over the last dimension (eps 1e-5, biased variance, as torch.nn.LayerNorm), forward and backward.
 // Row statistics are accumulated in double: the CPU backend is the reference the CUDA kernels are judged against.
-// dweight/dbias sum over all rows; rows are cut into fixed chunks whose partial sums are added in chunk order,
-// so the result does not depend on the thread count. A chunk's partial is itself the sum, in order, of its parts'
-// (kRowsPerPart rows each, summed in order): the order the CUDA kernel's warps can keep (cuda/layernorm.cu), so that
-// both sum the same floats the same way. Storage may be 16-bit (S); every sum is in float or double.
+// dweight/dbias sum over all rows; rows are cut into fixed chunks whose partial sums are added in a fixed order (in
+// double, over kCombineLanes lanes of chunks, then the lanes), so the result does not depend on the thread count.
+// A chunk's partial is itself the sum, in order, of its parts' (kRowsPerPart rows each, summed in order). Both are
+// the orders the CUDA kernels can keep (cuda/layernorm.cu), so that both sum the same floats the same way. Storage
+// may be 16-bit (S); every sum is in float or double.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -16,6 +17,7 @@ namespace {
 constexpr float kEps = 1e-5f;
 constexpr int64_t kRowsPerChunk = 64;  // cuda/layernorm.cu cuts its rows the same way: keep the two equal
 constexpr int64_t kRowsPerPart = 8;
+constexpr int kCombineLanes = 16;  // and its combine's lanes
 }  // namespace
 
 template <typename S>
@@ -90,12 +92,19 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
       }
     }
   }
+  // The chunks in double, in kCombineLanes lanes (lane y: chunks y, y + kCombineLanes, ... in order), then the
+  // lanes in order: the order in which the CUDA kernel can spread a channel's chunks over threads.
 #pragma omp parallel for schedule(static)
   for (int c = 0; c < C; c++) {
-    double w = 0.0, b = 0.0;
+    double lw[kCombineLanes] = {}, lb[kCombineLanes] = {};
     for (int64_t ch = 0; ch < nchunks; ch++) {
-      w += part[ch * 4 * C + c];
-      b += part[ch * 4 * C + C + c];
+      lw[ch % kCombineLanes] += part[ch * 4 * C + c];
+      lb[ch % kCombineLanes] += part[ch * 4 * C + C + c];
+    }
+    double w = 0.0, b = 0.0;
+    for (int y = 0; y < kCombineLanes; y++) {
+      w += lw[y];
+      b += lb[y];
     }
     dweight[c] += (float)w;
     dbias[c] += (float)b;

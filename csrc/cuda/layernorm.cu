@@ -6,13 +6,15 @@
 // (layernorm_row_fits): one read of the row instead of three. The older forward, which reads it for each pass, takes
 // other widths and runs when set_layernorm_one_pass(false).
 // dweight/dbias sum over all rows without atomics: each chunk of kRowsPerChunk rows gets a partial sum in a scratch
-// buffer, then one thread per channel adds the chunks in order in double, as the CPU does. A chunk's partial is the
-// CPU's: the in-order float sum of its parts' sums, a part being kRowsPerPart rows summed in order. The result never
-// depends on launch configuration or timing.
+// buffer, then the chunks are added in double in the CPU's order: kCombineLanes lanes a channel, lane y taking chunks
+// y, y + kCombineLanes, ... in order, then the lanes in order. A chunk's partial is the CPU's: the in-order float sum
+// of its parts' sums, a part being kRowsPerPart rows summed in order. The result never depends on launch
+// configuration or timing.
 // The backward reads each row once (llm.c's layernorm_backward does the same): a block takes a chunk, each of its
 // warps one part, and a lane keeps its columns of the row (16-byte packs) in registers from the row's two sums to
 // its dinp, and its columns' part sums beside them; the warps then add their part sums into the chunk's partial in
-// turn, through shared memory. The two-pass form it replaces (one kernel for dinp, a second that reads dout and inp
+// turn, through shared memory. A row's dinp is loaded with it, before the row's sums, so that a warp waits on
+// memory once a row. The two-pass form it replaces (one kernel for dinp, a second that reads dout and inp
 // again for the partials: half as much traffic again) is kept for rows it cannot take (C not a whole number of
 // packs, over kMaxCols, unaligned views) and, by set_layernorm_one_pass(false), for benchmarks and tests; both give
 // the same dweight/dbias bits (fmaf in both).
@@ -36,6 +38,8 @@ constexpr int kRowsPerPart = 8;
 constexpr int kParts = kRowsPerChunk / kRowsPerPart;  // the one-pass kernel's warps per block
 constexpr int kWarpsPerBlock = 8;
 constexpr int kColThreads = 128;
+constexpr int kCombineLanes = 16;  // chunk lanes of the combine: must stay equal to the CPU's
+constexpr int kCombineCols = 32;   // columns a combine block: a warp reads 128 contiguous bytes of a chunk's partial
 constexpr int kMaxCols = kLayerNormMaxPackedCols;  // the one-pass backward's widest row (64 sums per lane)
 
 // Read by every layernorm_forward, residual_layernorm_forward and layernorm_backward (set_layernorm_one_pass).
@@ -128,11 +132,16 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
   partial[ch * 2 * C + C + c] = sb;
 }
 
+// Blocks an SM must hold at once (ptxas keeps registers to 65536 / (256 * this)): two for 16-bit rows up to 768
+// (GPT-2 124M's), which fit 128 registers without spilling; one where the row needs more to stay in registers.
+template <typename S, int K>
+constexpr int kOnePassBlocks = sizeof(S) == 2 && K <= 3 ? 2 : 1;
+
 // One block per chunk, one warp per part (grid: nchunks; kParts warps). Lane l's columns are the K packs
 // (32 k + l) * P .. + P - 1 (P = Pack<S>::N): each warp-wide load is 512 contiguous bytes. Needs C a multiple of P
 // (a pack is in the row or out of it), C <= 32 K P <= kMaxCols and 16-byte aligned rows (one_pass_fits).
 template <typename S, int K>
-__global__ void __launch_bounds__(32 * kParts)
+__global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     layernorm_backward_one_pass_kernel(S* __restrict__ dinp, float* __restrict__ partial, const S* __restrict__ dout,
                                        const S* __restrict__ inp, const S* __restrict__ weight,
                                        const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
@@ -154,13 +163,16 @@ __global__ void __launch_bounds__(32 * kParts)
   for (int64_t n = p0; n < p1; n++) {  // a warp past N has no rows: it only takes its turns below
     const S* x = inp + n * C;
     const S* dy = dout + n * C;
-    Pack<S> xv[K], gv[K];  // the row, read once
+    S* dx = dinp + n * C;
+    // The row and its dinp so far, read once and all before the row's sums: one wait on memory a row, not two.
+    Pack<S> xv[K], gv[K], dv[K];
 #pragma unroll
     for (int k = 0; k < K; k++) {
       const int c = (32 * k + lane) * P;
       if (c < C) {
         xv[k] = load_pack(x + c);
         gv[k] = load_pack(dy + c);
+        dv[k] = load_pack(dx + c);
       }
     }
     const float m = mean[n], r = rstd[n];
@@ -177,12 +189,11 @@ __global__ void __launch_bounds__(32 * kParts)
         }
       }
     const float md = warp_sum(sd) / C, mdn = warp_sum(sdn) / C;
-    S* dx = dinp + n * C;
 #pragma unroll
     for (int k = 0; k < K; k++) {
       const int c = (32 * k + lane) * P;
       if (c < C) {
-        Pack<S> d = load_pack(dx + c);
+        Pack<S>& d = dv[k];
 #pragma unroll
         for (int e = 0; e < P; e++) {
           const float norm = (to_float(xv[k].v[e]) - m) * r, g = to_float(gv[k].v[e]);
@@ -214,17 +225,34 @@ __global__ void __launch_bounds__(32 * kParts)
   for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) partial[(int64_t)blockIdx.x * 2 * C + i] = sums[i];
 }
 
-__global__ void layernorm_backward_combine_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
-                                                  const float* __restrict__ partial, int64_t nchunks, int C) {
-  const int c = blockIdx.x * kColThreads + threadIdx.x;
-  if (c >= C) return;
+// grid: ceil(C / kCombineCols); block: kCombineCols columns x kCombineLanes chunk lanes. Chunk lane y sums chunks
+// y, y + kCombineLanes, ... in order in double, and the lanes' sums are then added in order, lane 0 first: the
+// CPU's order (cpu/layernorm.cpp). The kernel this replaces gave a column one thread, which walked all 1024 chunks
+// of a 64k-row batch in 6 blocks at C 768: a few hundred waits on the L2 in a row, an estimated 0.05-0.1 ms a call
+// at 25 calls a step (not measured on its own: the 2026-11-26 profile lists only each variant's 15 largest kernels).
+__global__ void __launch_bounds__(kCombineCols * kCombineLanes)
+    layernorm_backward_combine_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
+                                      const float* __restrict__ partial, int64_t nchunks, int C) {
+  __shared__ double lanes[2 * kCombineLanes * kCombineCols];  // (2, kCombineLanes, kCombineCols): dweight | dbias
+  const int tx = threadIdx.x % kCombineCols, ty = threadIdx.x / kCombineCols;
+  const int c = blockIdx.x * kCombineCols + tx;
   double w = 0.0, b = 0.0;
-  for (int64_t ch = 0; ch < nchunks; ch++) {
-    w += partial[ch * 2 * C + c];
-    b += partial[ch * 2 * C + C + c];
+  if (c < C)
+    for (int64_t ch = ty; ch < nchunks; ch += kCombineLanes) {
+      w += partial[ch * 2 * C + c];
+      b += partial[ch * 2 * C + C + c];
+    }
+  lanes[ty * kCombineCols + tx] = w;
+  lanes[(kCombineLanes + ty) * kCombineCols + tx] = b;
+  __syncthreads();
+  if (ty != 0 || c >= C) return;
+  double tw = 0.0, tb = 0.0;
+  for (int y = 0; y < kCombineLanes; y++) {
+    tw += lanes[y * kCombineCols + tx];
+    tb += lanes[(kCombineLanes + y) * kCombineCols + tx];
   }
-  dweight[c] += (float)w;
-  dbias[c] += (float)b;
+  dweight[c] += (float)tw;
+  dbias[c] += (float)tb;
 }
 
 template <typename S, int K>
@@ -287,7 +315,9 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
     partial_kernel<<<grid, kColThreads, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
     FASTGPT_CUDA_CHECK_LAUNCH();
   }
-  layernorm_backward_combine_kernel<<<col_blocks, kColThreads, 0, stream>>>(dweight, dbias, partial, nchunks, C);
+  const unsigned combine_blocks = (unsigned)((C + kCombineCols - 1) / kCombineCols);
+  auto* combine = layernorm_backward_combine_kernel;
+  combine<<<combine_blocks, kCombineCols * kCombineLanes, 0, stream>>>(dweight, dbias, partial, nchunks, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
