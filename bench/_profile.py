@@ -36,7 +36,7 @@ def group_of(name):
     return next((g for g, pat in _PATTERNS if pat.search(low)), "other")
 
 
-PRINTED = 15  # kernels a variant's table lists; the JSON keeps `top` of them (a group's small kernels, e.g. a combine)
+PRINTED = 15  # kernels a variant's table lists; its JSON `top` keeps 60 (a group's small kernels: a LayerNorm combine)
 
 
 def breakdown(trace_events, steps, top=60):

@@ -4,7 +4,7 @@ path on CUDA cores and on TF32 tensor cores, three products per product within 5
 sm_86/sm_89, where float32 takes the simt kernels and d 128's dq pass 32-key blocks; mode "smem" also 163 KB), in
 "quick" mode fp32 on TF32 x3 at T 256 with mma.sync adding as tensor cores do (each sum cut toward zero: the long
 sums into O, dK, dV, dQ must not drift, which put an H200's dK 1.1e-5 from float64), the cross-entropy kernels of
-cross_entropy.cu, the LayerNorm ones of layernorm.cu and
+cross_entropy.cu, the LayerNorm ones of layernorm.cu (their weight gradients the CPU reference's bits) and
 residual_layernorm.cu, the fused one giving the unfused pair's bits, the optimizer step's of adamw.cu and the
 embedding's of encoder.cu, which must give the CPU reference's bits, the linear layers' bias-gradient column sums
 of matmul_bias.cu and the flash backward's delta pass, the bits of their fixed orders) run in tests/warp_emu (one OS

@@ -81,7 +81,7 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
         for (int c = 0; c < C; c++) {
           const float norm = (to_float(x[c]) - m) * r, g = to_float(dy[c]);
           dx[c] = from_float<S>(to_float(dx[c]) + (g * to_float(weight[c]) - md - norm * mdn) * r);
-          qw[c] += g * norm;
+          qw[c] = std::fma(g, norm, qw[c]);  // the GPU's fmaf, whether or not the build contracts
           qb[c] += g;
         }
       }

@@ -132,10 +132,11 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
   partial[ch * 2 * C + C + c] = sb;
 }
 
-// Blocks an SM must hold at once (ptxas keeps registers to 65536 / (256 * this)): two for 16-bit rows up to 768
-// (GPT-2 124M's), which fit 128 registers without spilling; one where the row needs more to stay in registers.
+// Blocks an SM must hold at once (ptxas keeps registers to 65536 / (256 * this)), by a lane's columns (K packs of
+// P): as many as each instance held before a row's dinp was loaded with it (ptxas sm_90), so that no instance holds
+// fewer; 16-bit rows up to 768 columns (GPT-2 124M's) two, at 128 registers without spilling (fp16 took 170 unbound).
 template <typename S, int K>
-constexpr int kOnePassBlocks = sizeof(S) == 2 && K <= 3 ? 2 : 1;
+constexpr int kOnePassBlocks = sizeof(S) == 2 ? (K == 1 ? 4 : K <= 3 ? 2 : 1) : (K <= 2 ? 3 : K <= 4 ? 2 : 1);
 
 // One block per chunk, one warp per part (grid: nchunks; kParts warps). Lane l's columns are the K packs
 // (32 k + l) * P .. + P - 1 (P = Pack<S>::N): each warp-wide load is 512 contiguous bytes. Needs C a multiple of P

@@ -814,9 +814,13 @@ void layernorm_grad_replay(const S* x, const S* dy, const float* mean, const flo
 // add their sums in turn) and the two-pass kernels. They must give the same dweight/dbias bits (the same parts in
 // the same order, fmaf in both), each within tol of float64 for dinp (added onto values already there) and 1e-5 for
 // dweight/dbias (also added onto values). `offset` elements shift every row view off 16-byte alignment; `fits` is
-// whether the one-pass kernel must take the shape (else both calls run the two passes).
+// whether the one-pass kernel must take the shape (else both calls run the two passes). dweight/dbias must also be
+// the bits of the host replay of their order and of the CPU reference (cpu/layernorm.cpp) on the same inputs.
+// `cancel`: rows 0-63 get dout times 2^60 and rows 64-127 their copy with dout negated, so chunks 0 and 1 cancel
+// exactly in the combine's lane order (lane 0, lane 1, then the rest) and in no other: summed after the small chunks,
+// they would round those away (the float64 reference leaves the two chunks out, as they add exactly 0).
 template <typename S>
-void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsigned seed) {
+void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsigned seed, bool cancel = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   const size_t n = (size_t)N * C + offset;
@@ -825,8 +829,17 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
     for (auto& x : v) x = from_float<S>(shift + scale * nd(rng));
     return v;
   };
-  const std::vector<S> x = fill(n, 2.f, 0.5f), dy = fill(n, 1.f, 0.f), dinp0 = fill(n, 1.f, 0.f),
-                       w = fill(C + offset, 1.f, 0.f), bias = fill(C + offset, 1.f, 0.f);
+  std::vector<S> x = fill(n, 2.f, 0.5f), dy = fill(n, 1.f, 0.f);
+  const std::vector<S> dinp0 = fill(n, 1.f, 0.f), w = fill(C + offset, 1.f, 0.f), bias = fill(C + offset, 1.f, 0.f);
+  const int skip = cancel ? 128 : 0;  // rows the float64 dweight/dbias leave out
+  if (cancel) {
+    if (N < 128 || N > 16 * 64) throw std::invalid_argument("run_layernorm_paths: cancel needs 2 to 16 chunks");
+    for (size_t i = offset; i < offset + 64 * (size_t)C; i++) {
+      dy[i] = from_float<S>(to_float(dy[i]) * 0x1p60f);
+      x[i + 64 * C] = x[i];
+      dy[i + 64 * C] = from_float<S>(-to_float(dy[i]));
+    }
+  }
   std::vector<float> dw0(C), db0(C);
   for (int c = 0; c < C; c++) dw0[c] = nd(rng), db0[c] = nd(rng);
   std::vector<S> out(n);
@@ -835,8 +848,12 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
                           bias.data() + offset, N, C, nullptr);
   std::vector<double> rout((size_t)N * C), rdx((size_t)N * C), rdw(dw0.begin(), dw0.end()),
       rdb(db0.begin(), db0.end());
+  std::vector<double> cut_dw(C), cut_db(C);  // the cancelled chunks' float64 sums, thrown away
   layernorm_f64(x.data() + offset, w.data() + offset, bias.data() + offset, dy.data() + offset, dinp0.data() + offset,
-                N, C, rout.data(), rdx.data(), rdw.data(), rdb.data());
+                skip, C, rout.data(), rdx.data(), cut_dw.data(), cut_db.data());
+  layernorm_f64(x.data() + offset + (size_t)skip * C, w.data() + offset, bias.data() + offset,
+                dy.data() + offset + (size_t)skip * C, dinp0.data() + offset + (size_t)skip * C, N - skip, C,
+                rout.data() + (size_t)skip * C, rdx.data() + (size_t)skip * C, rdw.data(), rdb.data());
   const auto wide = [offset](const auto& v) {
     std::vector<double> o(v.size() - offset);
     for (size_t i = 0; i < o.size(); i++) o[i] = to_float(v[i + offset]);
@@ -862,19 +879,24 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
     ok = ok && ex[one_pass] < tol && ew[one_pass] < 1e-5 && eb[one_pass] < 1e-5;
     dws[one_pass] = dw, dbs[one_pass] = db;
   }
-  std::vector<float> want_dw = dw0, want_db = db0;
+  std::vector<float> want_dw = dw0, want_db = db0, cpu_dw = dw0, cpu_db = db0;
   layernorm_grad_replay(x.data() + offset, dy.data() + offset, mean.data(), rstd.data(), N, C, want_dw.data(),
                         want_db.data());
-  const bool same = memcmp(dws[0].data(), dws[1].data(), C * 4) == 0 &&
-                    memcmp(dbs[0].data(), dbs[1].data(), C * 4) == 0 &&
-                    memcmp(dws[1].data(), want_dw.data(), C * 4) == 0 &&
-                    memcmp(dbs[1].data(), want_db.data(), C * 4) == 0;
+  std::vector<S> cpu_dinp = dinp0;
+  cpu::layernorm_backward(cpu_dinp.data() + offset, cpu_dw.data(), cpu_db.data(), dy.data() + offset,
+                          x.data() + offset, w.data() + offset, mean.data(), rstd.data(), N, C);
+  const auto same_bits = [C](const std::vector<float>& a, const std::vector<float>& b) {
+    return memcmp(a.data(), b.data(), C * sizeof(float)) == 0;
+  };
+  const bool same = same_bits(dws[0], dws[1]) && same_bits(dbs[0], dbs[1]) && same_bits(dws[1], want_dw) &&
+                    same_bits(dbs[1], want_db) && same_bits(dws[1], cpu_dw) && same_bits(dbs[1], cpu_db);
   ok = ok && same;
   if (!ok) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
-  printf("%s layernorm_backward %s N=%d C=%d offset %d (%s): dweight/dbias %s as replayed; one pass: dinp %.2e, "
+  printf("%s layernorm_backward %s N=%d C=%d offset %d (%s%s): dweight/dbias %s, replayed, CPU; one pass: dinp %.2e, "
          "dweight %.2e, dbias %.2e; two: %.2e, %.2e, %.2e; forward out %.2e\n", ok ? "ok  " : "FAIL", type, N, C,
-         offset, fits ? "one pass" : "two passes only", same ? "same bits" : "DIFFER", ex[1], ew[1], eb[1], ex[0],
+         offset, fits ? "one pass" : "two passes only", cancel ? ", chunks 0 and 1 cancel" : "",
+         same ? "same bits" : "DIFFER", ex[1], ew[1], eb[1], ex[0],
          ew[0], eb[0], eo);
   fflush(stdout);
 }
@@ -913,6 +935,7 @@ void run_layernorm_cases(unsigned& seed) {
   // More chunks than the combine's 16 lanes (the cases above have 1 or 2: lanes with none): 17, lane 0 taking two,
   // the last of one row.
   run_layernorm_paths<bf16>(64 * 16 + 1, 40, 0, true, 1e-2, seed++);
+  run_layernorm_paths<bf16>(64 * 5 + 3, 40, 0, true, 1e-2, seed++, true);  // the lanes' order
 }
 
 // The embedding's kernels (encoder.cu) against the CPU reference (cpu/encoder.cpp, compiled in beside them): the

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the tensor-core and fp32 flash attention kernels (csrc/cuda/flash_attention*.cu, attention.cu, cast.cu), the
 # KV-cache decode kernels (attention_decode.cu), the cross-entropy kernels (cross_entropy.cu), the LayerNorm ones
-# (layernorm.cu, residual_layernorm.cu), the optimizer step's (adamw.cu) and the embedding's (encoder.cu; both
-# beside their CPU references), the linear layers' bias gradient (matmul_bias.cu) and the scratch workspace on the
+# (layernorm.cu, residual_layernorm.cu), the optimizer step's (adamw.cu) and the embedding's (encoder.cu; these
+# three beside their CPU references), the linear layers' bias gradient (matmul_bias.cu) and the scratch workspace on the
 # CPU, in a host emulation of the few CUDA features they use (emu.h: one OS thread per CUDA thread, ldmatrix /
 # mma.sync / shuffles / ballots as warp collectives written from the PTX ISA's fragment tables (their sums exact and
 # rounded once, or, mode tchw, cut toward zero as tensor cores' adders do), cp.async copied at issue or as late as
@@ -59,6 +59,7 @@ fi
 cp "$here/emu_test.cpp" "$out/test.cpp"
 cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU references the adamw and encoder kernels are compared with
 cp "$src/cpu/encoder.cpp" "$out/cpu_encoder.cpp"
+cp "$src/cpu/layernorm.cpp" "$out/cpu_layernorm.cpp"  # and the LayerNorm gradients' (dweight/dbias: the CPU's bits)
 # The kernel units are built as nvcc builds them: a * b + c contracted into one FMA where the compiler likes (nvcc's
 # default, --fmad=true; GCC's -O1 does it with -fexpensive-optimizations and -mfma), so that code whose bits depend
 # on where the roundings fall (a merge that must give both lanes of a shuffle the same bits) fails here as on a GPU.
@@ -81,7 +82,7 @@ digest=$( { printf '%s\n' "${flags[@]}"; cat "$0"; cat "$out"/*.cpp "$out"/*.h "
 if [ "$(cat "$out/emu_test.digest" 2>/dev/null)" != "$digest" ] || ! [ -x "$out/emu_test" ]; then
   rm -f "$out/emu_test.digest" "$out/emu_test"
   objs=() pids=()
-  for f in "${units[@]}" cpu_adamw cpu_encoder test; do
+  for f in "${units[@]}" cpu_adamw cpu_encoder cpu_layernorm test; do
     rm -f "$out/$f.o"  # a failed compile must not leave an old object to link
     case $f in cpu_*|test|adamw) kf=() ;; *) kf=("${kernel_flags[@]}") ;; esac
     g++ "${flags[@]}" "${kf[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
