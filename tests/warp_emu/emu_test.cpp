@@ -775,47 +775,13 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
   fflush(stdout);
 }
 
-// dweight/dbias of the LayerNorm backward as layernorm.cu and cpu/layernorm.cpp sum them, replayed on the host and
-// added onto dw/db: chunks of 64 rows, each the in-order sum of its parts' (8 rows, the fmaf chain over them), then
-// the chunks in double over 16 lanes (lane y: chunks y, y + 16, ...) and the lanes in order. This file is built
-// without FMA contraction, so only the explicit fmas are fused, as in the kernels.
-template <typename S>
-void layernorm_grad_replay(const S* x, const S* dy, const float* mean, const float* rstd, int N, int C, float* dw,
-                           float* db) {
-  constexpr int kChunk = 64, kPart = 8, kLanes = 16;
-  const int nchunks = (N + kChunk - 1) / kChunk;
-  for (int c = 0; c < C; c++) {
-    double lw[kLanes] = {}, lb[kLanes] = {};
-    for (int ch = 0; ch < nchunks; ch++) {
-      const int n1 = std::min(N, (ch + 1) * kChunk);
-      float sw = 0.f, sb = 0.f;
-      for (int p0 = ch * kChunk; p0 < n1; p0 += kPart) {
-        float pw = 0.f, pb = 0.f;
-        for (int n = p0; n < std::min(p0 + kPart, n1); n++) {
-          const float g = to_float(dy[(size_t)n * C + c]);
-          const float norm = (to_float(x[(size_t)n * C + c]) - mean[n]) * rstd[n];
-          pw = std::fma(g, norm, pw);
-          pb += g;
-        }
-        sw = p0 == ch * kChunk ? pw : sw + pw;
-        sb = p0 == ch * kChunk ? pb : sb + pb;
-      }
-      lw[ch % kLanes] += sw;
-      lb[ch % kLanes] += sb;
-    }
-    double w = 0.0, b = 0.0;
-    for (int y = 0; y < kLanes; y++) w += lw[y], b += lb[y];
-    dw[c] += (float)w;
-    db[c] += (float)b;
-  }
-}
-
 // The LayerNorm backward's two paths (layernorm.cu): rows read once (warps of a block take the parts of a chunk and
 // add their sums in turn) and the two-pass kernels. They must give the same dweight/dbias bits (the same parts in
 // the same order, fmaf in both), each within tol of float64 for dinp (added onto values already there) and 1e-5 for
 // dweight/dbias (also added onto values). `offset` elements shift every row view off 16-byte alignment; `fits` is
 // whether the one-pass kernel must take the shape (else both calls run the two passes). dweight/dbias must also be
-// the bits of the host replay of their order and of the CPU reference (cpu/layernorm.cpp) on the same inputs.
+// the bits of the CPU reference (cpu/layernorm.cpp, compiled in beside them) on the same inputs, mean and rstd:
+// 64-row chunks of 8-row fmaf parts, the chunks in double over 16 lanes of chunks, then the lanes in order.
 // `cancel`: rows 0-63 get dout times 2^60 and rows 64-127 their copy with dout negated, so chunks 0 and 1 cancel
 // exactly in the combine's lane order (lane 0, lane 1, then the rest) and in no other: summed after the small chunks,
 // they would round those away (the float64 reference leaves the two chunks out, as they add exactly 0).
@@ -879,25 +845,22 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
     ok = ok && ex[one_pass] < tol && ew[one_pass] < 1e-5 && eb[one_pass] < 1e-5;
     dws[one_pass] = dw, dbs[one_pass] = db;
   }
-  std::vector<float> want_dw = dw0, want_db = db0, cpu_dw = dw0, cpu_db = db0;
-  layernorm_grad_replay(x.data() + offset, dy.data() + offset, mean.data(), rstd.data(), N, C, want_dw.data(),
-                        want_db.data());
+  std::vector<float> cpu_dw = dw0, cpu_db = db0;
   std::vector<S> cpu_dinp = dinp0;
   cpu::layernorm_backward(cpu_dinp.data() + offset, cpu_dw.data(), cpu_db.data(), dy.data() + offset,
                           x.data() + offset, w.data() + offset, mean.data(), rstd.data(), N, C);
   const auto same_bits = [C](const std::vector<float>& a, const std::vector<float>& b) {
     return memcmp(a.data(), b.data(), C * sizeof(float)) == 0;
   };
-  const bool same = same_bits(dws[0], dws[1]) && same_bits(dbs[0], dbs[1]) && same_bits(dws[1], want_dw) &&
-                    same_bits(dbs[1], want_db) && same_bits(dws[1], cpu_dw) && same_bits(dbs[1], cpu_db);
+  const bool same = same_bits(dws[0], dws[1]) && same_bits(dbs[0], dbs[1]) && same_bits(dws[1], cpu_dw) &&
+                    same_bits(dbs[1], cpu_db);
   ok = ok && same;
   if (!ok) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
-  printf("%s layernorm_backward %s N=%d C=%d offset %d (%s%s): dweight/dbias %s, replayed, CPU; one pass: dinp %.2e, "
-         "dweight %.2e, dbias %.2e; two: %.2e, %.2e, %.2e; forward out %.2e\n", ok ? "ok  " : "FAIL", type, N, C,
-         offset, fits ? "one pass" : "two passes only", cancel ? ", chunks 0 and 1 cancel" : "",
-         same ? "same bits" : "DIFFER", ex[1], ew[1], eb[1], ex[0],
-         ew[0], eb[0], eo);
+  printf("%s layernorm_backward %s N=%d C=%d offset %d (%s%s): dweight/dbias %s, two paths and CPU; one pass: "
+         "dinp %.2e, dweight %.2e, dbias %.2e; two: %.2e, %.2e, %.2e; forward out %.2e\n", ok ? "ok  " : "FAIL", type,
+         N, C, offset, fits ? "one pass" : "two passes only", cancel ? ", chunks 0 and 1 cancel" : "",
+         same ? "same bits" : "DIFFER", ex[1], ew[1], eb[1], ex[0], ew[0], eb[0], eo);
   fflush(stdout);
 }
 
