@@ -17,8 +17,8 @@ EFFICIENT_ATTENTION and CUDNN_ATTENTION (a backend that refuses the case is list
 restriction ("default", with the backend torch._fused_sdp_choice says it picks). The ratio compares fastgpt with the
 fastest torch backend: torch ms / fastgpt ms, above 1 means fastgpt is faster. --deterministic adds fastgpt's
 deterministic backward. --tiles adds, at d 64, a forward row for each other tile shape of the tensor-core kernels
-and a deterministic backward row for each (dkdv, dq) pair (fastgpt.ops.flash_attention_tiles; the default shapes
-are the plain rows), at d 128 a row for each choice of the Hopper ("sm90", wgmma) kernels, and prints the fastest
+and a deterministic backward row for each (dkdv, dq) pair (fastgpt.ops.flash_attention_tiles; the default, "auto",
+is the plain rows), at d 128 a row for each choice of the Hopper ("sm90", wgmma) kernels, and prints the fastest
 of each; the engine's GPT-2 attention is d 64 with this backward.
 Without a GPU: one small CPU case (fp32, B 2, H 4, T 512, d 64, causal) against torch SDPA
 on the CPU, reported as ratios only (absolute CPU times are not recorded in this project; see bench/README.md).
@@ -171,19 +171,23 @@ FUSED = ("sm90 fused", "sm90 ws fused", "sm90 ws fused 128x128", "sm90 ws fused 
 
 
 def tile_rows(record, q, k, v, dout, causal, d):
-    """fastgpt's other tile shapes: a forward row per fwd option (with its output's largest difference from the
-    default's), a deterministic backward row per (dkdv, dq) pair (its forward from the default tiles: every option
-    reads the same out and lse; dkdv "sm90 fused" and "sm90 ws fused ..." make dq themselves: one row each, with dq's
-    first option), the default shapes put back. At d 128 only the Hopper ("sm90") kernels: d 128 has no other
-    mma.sync shapes. An sm90 option this GPU or build cannot run is a skipped row."""
+    """fastgpt's tile shapes one by one (the plain rows run the default, "auto": the Hopper kernels on an H100/H200):
+    a forward row per fwd kernel option (with its output's largest difference from the default's), a deterministic
+    backward row per (dkdv, dq) pair (its forward from the default tiles: every option reads the same out and lse;
+    dkdv "sm90 fused" and "sm90 ws fused ..." make dq themselves: one row each, with dq's first option), the other
+    kernel at its first option (the mma.sync 16x64), the default put back. At d 128 only the first options and the
+    Hopper ("sm90") kernels: d 128 has no other mma.sync shapes. An sm90 option this GPU or build cannot run is a
+    skipped row."""
     from fastgpt import ops
 
     options = ops.flash_attention_tile_options()
-    first = dict(fwd=options["fwd"][0], dkdv=options["dkdv"][0], dq=options["dq"][0])
+    first = dict(fwd=options["fwd"][0], dkdv=options["dkdv"][0], dq=options["dq"][0])  # "auto"
+    kernels = {kernel: [n for n in names if n != "auto"] for kernel, names in options.items()}
+    base = {kernel: names[0] for kernel, names in kernels.items()}
     out, lse = ops.flash_attention_forward(q, k, v, causal=causal)
 
     def applies(tiles):  # at d 128 every kernel at its first option or an sm90 one
-        return d == 64 or all(name == first[k] or name.startswith("sm90") for k, name in tiles.items())
+        return d == 64 or all(name == base[k] or name.startswith("sm90") for k, name in tiles.items())
 
     def choose(name, tiles):
         try:
@@ -197,16 +201,15 @@ def tile_rows(record, q, k, v, dout, causal, d):
         return any(n.startswith("sm90") for n in names)
 
     try:
-        for fwd in sorted(options["fwd"][1:], key=hopper):
+        for fwd in sorted(kernels["fwd"], key=hopper):
             name = f"fastgpt tiles fwd {fwd}"
-            if applies(dict(first, fwd=fwd)) and choose(name, dict(first, fwd=fwd)):
+            if applies(dict(base, fwd=fwd)) and choose(name, dict(base, fwd=fwd)):
                 o, _ = ops.flash_attention_forward(q, k, v, causal=causal)
                 record(name, lambda: ops.flash_attention_forward(q, k, v, causal=causal), out=o, tiles=fwd)
-        for dkdv, dq in sorted(itertools.product(options["dkdv"], options["dq"]), key=lambda p: hopper(*p)):
-            tiles, name = dict(first, dkdv=dkdv, dq=dq), f"fastgpt tiles bwd {dkdv}/{dq}"
-            if (dkdv, dq) == (first["dkdv"], first["dq"]) or not applies(tiles) or (dkdv in FUSED and
-                                                                                      dq != first["dq"]):
-                continue  # the first pair is the "fastgpt deterministic" row; fused ignores dq
+        for dkdv, dq in sorted(itertools.product(kernels["dkdv"], kernels["dq"]), key=lambda p: hopper(*p)):
+            tiles, name = dict(base, dkdv=dkdv, dq=dq), f"fastgpt tiles bwd {dkdv}/{dq}"
+            if not applies(tiles) or (dkdv in FUSED and dq != base["dq"]):
+                continue  # fused ignores dq
             if choose(name, tiles):
                 record(name, None, lambda: ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                         deterministic=True), tiles=f"{dkdv}/{dq}")

@@ -27,11 +27,24 @@ TOL = 2e-2
 def choices(options):
     """The kernel choices of ops.flash_attention_tile_options() (passed in: {"fwd": [names], "dkdv": ..., "dq": ...})
     as (label, tiles): each fwd option, each dkdv option, each dq option but the first (it runs with every dkdv
-    choice), the others at option 0; in running order: the Hopper ("sm90") choices last, the warp-specialised ones
-    after them (if they hang, the caller's time limit cuts them, not the others). scripts/ncu_targets.py profiles
-    the same list."""
-    out = [(f"{key} {name}", {key: name}) for key in ("fwd", "dkdv", "dq") for name in options[key][key == "dq":]]
+    choice; never "auto"), the others at their first kernel option (base()); in running order: the Hopper ("sm90")
+    choices last, the warp-specialised ones after them (if they hang, the caller's time limit cuts them, not the
+    others). scripts/ncu_targets.py profiles the same list."""
+    out = [(f"{key} {name}", {key: name}) for key in ("fwd", "dkdv", "dq")
+           for name in kernels(options[key])[key == "dq":]]
     return sorted(out, key=lambda c: is_sm90(c[1]) + (" ws" in c[0]))
+
+
+def kernels(names):
+    """An option list less "auto" (option 0 of the build's: the Hopper kernels on an H100/H200, else the first
+    kernel option), which names no kernel of its own."""
+    return [name for name in names if name != "auto"]
+
+
+def base(options):
+    """The first kernel option of each (the mma.sync 16x64 kernels): the others' choice while one is checked, so that
+    a dq choice is not lost in "auto"'s fused Hopper backward, which makes dq itself."""
+    return {key: kernels(names)[0] for key, names in options.items()}
 
 
 def is_sm90(tiles):
@@ -105,8 +118,7 @@ def check_choice(label, tiles, device, seed):
     import torch
 
     from fastgpt import ops
-    first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
-    before = ops.flash_attention_tiles(**dict(first, **tiles))
+    before = ops.flash_attention_tiles(**dict(base(ops.flash_attention_tile_options()), **tiles))
     try:
         cases = [(64, T, causal) for T in (64, 130, 256) for causal in (True, False)]
         if is_sm90(tiles):

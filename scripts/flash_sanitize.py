@@ -1,8 +1,9 @@
 """Runs every flash attention kernel variant once on small shapes, for compute-sanitizer (memcheck, racecheck):
 bf16 and fp16 at d 64 and 128, fp32 at d 64 and 128 (TF32 tensor cores, three products per product and one) and
-at odd d (CUDA cores), causal and not, T that is and is not a multiple of the tiles, both
-layouts, atomic and deterministic backward; and every tile option of the tensor-core kernels (bf16, d 64, T 130;
-the sm90 kernels also fp16, d 128, T 200; the persistent ones also at T 1024 with more tiles than SMs).
+at odd d (CUDA cores), causal and not, T that is and is not a multiple of the tiles, both layouts, atomic and
+deterministic backward (the default, "auto", and the mma.sync 16x64 kernels); and every tile option of the
+tensor-core kernels (bf16, d 64, T 130; the sm90 kernels also fp16, d 128, T 200; the persistent ones also at T 1024
+with more tiles than SMs).
 It checks nothing numerically (the tests do); it exits non-zero only if a call raises.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/flash_sanitize.py"""
 import itertools
@@ -25,19 +26,24 @@ def main():
     for dtype, d in [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128),
                      (torch.float32, 12), (torch.float32, 64), (torch.float32, 128), (torch.float32, 160)]:
         for T, causal, layout, det in itertools.product((17, 130), (True, False), ("bhtd", "bthd"), (False, True)):
+            # The default, "auto" (the Hopper kernels on an H100/H200), in layout bhtd; the mma.sync 16x64 kernels
+            # (option 1 of each) in bthd, so that both serve every dtype, d, T and backward here.
+            ops.flash_attention_tiles(*((0, 0, 0) if layout == "bhtd" else (1, 1, 1)))
             # fp32 has one (deterministic) backward: det picks its TF32 choice instead (CUDA cores at d 12, 160).
             run(dtype, d, T, causal, layout, det and dtype != torch.float32, "tf32" if det else "tf32x3")
             n += 1
-    # The tensor-core kernels' other tile shapes (d 64; ops.flash_attention_tiles), deterministic backward: each
-    # forward shape, then each (dkdv, dq) pair, the other kernels at their defaults. The Hopper ("sm90") kernels
-    # also at d 128 in fp16, and only where they run (an sm_90 GPU, a build with sm_90a code). dkdv "sm90 fused"
-    # and "sm90 ws fused" make dq themselves: once each, with dq's first option.
+    ops.flash_attention_tiles(0, 0, 0)
+    # Then each kernel option of the tensor-core kernels (d 64; ops.flash_attention_tiles; option 0 is "auto", 1 the
+    # mma.sync 16x64 of each), deterministic backward: each forward shape, then each (dkdv, dq) pair, the other
+    # kernels at option 1. The Hopper ("sm90") kernels also at d 128 in fp16, and only where they run (an sm_90 GPU,
+    # a build with sm_90a code). dkdv "sm90 fused" and "sm90 ws fused" make dq themselves: once each, with dq's
+    # option 1.
     options = ops.flash_attention_tile_options()
-    combos = [(f, 0, 0) for f in range(1, len(options["fwd"]))] + [
-        (0, k, q) for k, q in itertools.product(range(len(options["dkdv"])), range(len(options["dq"])))
-        if (k or q) and not ("fused" in options["dkdv"][k] and q)]
-    # The Hopper ones last, the warp-specialised after the rest: they have never run on a GPU, and a trap (their 60 s
-    # wait limit) or a fault would end the process before the choices after it.
+    combos = [(f, 1, 1) for f in range(1, len(options["fwd"]))] + [
+        (1, k, q) for k, q in itertools.product(range(2, len(options["dkdv"])), range(1, len(options["dq"])))
+        if not ("fused" in options["dkdv"][k] and q > 1)] + [(1, 1, q) for q in range(2, len(options["dq"]))]
+    # The Hopper ones last, the warp-specialised after the rest: a trap (their 60 s wait limit) or a fault would end
+    # the process before the choices after it.
     combos.sort(key=lambda c: sum(2 if " ws" in n else 1 for n in (options["fwd"][c[0]], options["dkdv"][c[1]],
                                                                      options["dq"][c[2]]) if n.startswith("sm90")))
     try:
@@ -61,7 +67,7 @@ def main():
                 run(torch.bfloat16, 64, 1024, True, "bthd", True, B=1, H=sms // 8 + 1)
                 n += 1
     finally:
-        ops.flash_attention_tiles(0, 0, 0)
+        ops.flash_attention_tiles(0, 0, 0)  # "auto"
     torch.cuda.synchronize()
     print(f"flash_sanitize: {n} forward+backward calls ran")
 

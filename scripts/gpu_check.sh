@@ -104,6 +104,15 @@ if [ $build = ok ] && has sanitize; then
       san_jobs+=("$tool-$prog")
     done
   done
+  # Does initcheck see TMA stores? (scripts/initcheck_tma.py: the flash forward that stores O by TMA, and the one
+  # with ordinary stores and the same bits; a line of its own in the table, not a failure of the build.)
+  if [[ " ${SANITIZERS:-initcheck} " == *" initcheck "* ]]; then
+    (for how in tma plain; do
+       timeout $(tmo 120) compute-sanitizer --tool initcheck --error-exitcode 1 python3 scripts/initcheck_tma.py $how \
+         > "$out/san/initcheck-tma-$how.log" 2>&1
+       echo $? > "$out/san/initcheck-tma-$how.rc"
+     done) &
+  fi
 fi
 
 if [ $build = ok ] && has tests; then
@@ -154,6 +163,16 @@ if [ ${#san_jobs[@]} -gt 0 ]; then
       tail -20 "$out/san/$j.log"; } >> "$out/sanitize.log"
     rm -f "$out/san/$j.rc"
   done
+  if [ -f "$out/san/initcheck-tma-tma.rc" ]; then
+    t=$(cat "$out/san/initcheck-tma-tma.rc") p=$(cat "$out/san/initcheck-tma-plain.rc" 2>/dev/null || echo missing)
+    if grep -q "skipped" "$out/san/initcheck-tma-tma.log"; then r="n/a (no H100/H200)"
+    elif [ "$t" = 1 ] && [ "$p" = 0 ]; then r="initcheck does not see TMA stores (tma rc 1, plain rc 0)"
+    elif [ "$t" = 0 ] && [ "$p" = 0 ]; then r="initcheck sees TMA stores (both rc 0)"
+    else r="unclear: tma rc $t, plain rc $p"; fi
+    res[initcheck-tma-probe]=$r
+    { echo "== initcheck-tma-probe: $r"; tail -5 "$out/san/initcheck-tma-tma.log"; } >> "$out/sanitize.log"
+    rm -f "$out"/san/initcheck-tma-*.rc
+  fi
   echo "sanitizers done ($((SECONDS - t0)) s)"
 fi
 

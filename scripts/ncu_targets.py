@@ -21,14 +21,14 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from flash_diagnose import choices, is_sm90  # noqa: E402  (the kernel choices, derived from the build's options)
+from flash_diagnose import base, choices, is_sm90  # noqa: E402  (the kernel choices, derived from the build's options)
 
 
 def fastgpt_targets(options, sm90):
     """(label, tiles, pass) for each of flash_diagnose.choices(options), the Hopper ones (sm90) or the others: a
     forward choice times the forward, a dkdv or dq choice the deterministic backward (its two passes are separate
-    kernels, so each is profiled with the other at its default; the fused dkdv options make dq themselves); the
-    others add the atomic backward at the default tiles."""
+    kernels, so each is profiled with the other at its first kernel option; the fused dkdv options make dq
+    themselves); the others add the atomic backward with the others' choice (flash_diagnose.base: 16x64)."""
     out = [(label, tiles, "fwd" if "fwd" in tiles else "bwd det") for label, tiles in choices(options)
            if is_sm90(tiles) == sm90]
     return out if sm90 else out + [("bwd atomic", {}, "bwd atomic")]
@@ -106,11 +106,12 @@ def flash(args, torch, run):
     g = torch.Generator(device=args.device).manual_seed(1234)
     q, k, v, dout = (torch.randn(B, H, T, d, device=args.device, generator=g, dtype=torch.bfloat16)
                      for _ in range(4))
-    first = {name: names[0] for name, names in ops.flash_attention_tile_options().items()}
+    options = ops.flash_attention_tile_options()
+    first = {name: names[0] for name, names in options.items()}  # "auto", put back after
     try:
-        for label, tiles, what in fastgpt_targets(ops.flash_attention_tile_options(), args.what == "sm90"):
+        for label, tiles, what in fastgpt_targets(options, args.what == "sm90"):
             try:
-                ops.flash_attention_tiles(**dict(first, **tiles))
+                ops.flash_attention_tiles(**dict(base(options), **tiles))
             except ValueError as e:  # not an sm_90 GPU, or a build without sm_90a code
                 print(f"skipped: {label}: {e}", flush=True)
                 continue

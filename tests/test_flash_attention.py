@@ -13,6 +13,8 @@ kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the 
 (wgmma, "sm90") kernels, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
 """
 import math
+import subprocess
+import sys
 import shutil
 
 import numpy as np
@@ -409,7 +411,8 @@ TILE_CHOICES = [dict(fwd=f, dkdv=k, dq=q) for f in ("16x64", "32x64", "16x128") 
 
 @pytest.fixture
 def default_tiles():
-    """Runs the test from the default tiles and puts back whatever it changed, even when it fails."""
+    """Runs the test from the mma.sync 16x64 kernels (the default, "auto", off an H100/H200) and puts back whatever it
+    changed, even when it fails."""
     before = ops.flash_attention_tiles("16x64", "16x64", "16x64")
     yield
     ops.flash_attention_tiles(**before)
@@ -418,13 +421,16 @@ def default_tiles():
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
 def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     options = ops.flash_attention_tile_options()
-    assert options == {"fwd": ["16x64", "32x64", "16x128"] + SM90_FWD,
-                       "dkdv": ["16x64", "32x32", SM90_BWD, SM90_FUSED, SM90_WS_FUSED, SM90_WS_FUSED_128]
+    assert options == {"fwd": ["auto", "16x64", "32x64", "16x128"] + SM90_FWD,
+                       "dkdv": ["auto", "16x64", "32x32", SM90_BWD, SM90_FUSED, SM90_WS_FUSED, SM90_WS_FUSED_128]
                        + SM90_WS_PERSISTENT,
-                       "dq": ["16x64", "32x64", "32x32", SM90_BWD]}
-    assert ops.flash_attention_tiles(fwd="32x64", dq=2) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
-    assert ops.flash_attention_tiles(dkdv=1) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
+                       "dq": ["auto", "16x64", "32x64", "32x32", SM90_BWD]}
+    assert ops.flash_attention_tiles(fwd="32x64", dq=3) == dict(fwd="16x64", dkdv="16x64", dq="16x64")
+    assert ops.flash_attention_tiles(dkdv=2) == dict(fwd="32x64", dkdv="16x64", dq="32x32")
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # None keeps each
+    # "auto" (option 0) is taken anywhere: it picks kernels per call (test_cuda_auto_tiles_...)
+    assert ops.flash_attention_tiles(fwd="auto", dkdv=0) == dict(fwd="32x64", dkdv="32x32", dq="32x32")
+    assert ops.flash_attention_tiles(fwd="32x64", dkdv="32x32") == dict(fwd="auto", dkdv="auto", dq="32x32")
     n = len(options["dkdv"])  # one past the last dkdv option
     for bad in (dict(fwd="64x64"), dict(dkdv=n), dict(dq=-1), dict(fwd=True), dict(dq=1.0)):
         name = next(iter(bad))
@@ -433,6 +439,17 @@ def test_tile_choice_is_set_by_name_or_index_and_checked(default_tiles):
     assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")  # a refusal changes nothing
     with pytest.raises(ValueError, match=rf"dkdv takes an option in \[0, {n}\), got {n}"):  # the engine's own check
         _C.ops.flash_attention_tiles((0, n, 0))
+    assert ops.flash_attention_tiles() == dict(fwd="32x64", dkdv="32x32", dq="32x32")
+
+
+def test_tile_choice_starts_at_auto():
+    """A fresh process runs the default, "auto" (the Hopper kernels on an H100/H200, the mma.sync 16x64 elsewhere)."""
+    if not _C.built_with_cuda:
+        pytest.skip("the tile choice exists in builds with CUDA")
+    code = "from fastgpt import ops; print(sorted(ops.flash_attention_tiles().items()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([("dkdv", "auto"), ("dq", "auto"), ("fwd", "auto")])
 
 
 @pytest.mark.skipif(not _C.built_with_cuda, reason="the tile choice exists in builds with CUDA")
@@ -483,6 +500,43 @@ def test_cuda_tile_options_give_the_first_options_bits(rng, default_tiles, causa
     out, lse, *grads = first[128]
     for name, got, yardstick, want in zip(("out", "dq", "dk", "dv"), [out] + grads, pt, ref[:1] + ref[2:]):
         check_rule(name, got, yardstick, want)
+    assert lse_err(lse, ref[1]) < 1e-3
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_auto_tiles_run_the_kernels_they_name(rng, default_tiles, d):
+    """The default, "auto", gives the bits of the kernels flash_attention.cu names for it: on an H100/H200 the
+    warp-specialised persistent forward and, at d 64, the fused warp-specialised backward in steps of 128 queries
+    (either backward), at d 128 the two-pass Hopper backward (deterministic) or "sm90 fused" (atomic); elsewhere the
+    mma.sync 16x64 kernels. bf16 at d 64, fp16 at 128, and near float64 (flash-attention's rule)."""
+    dtype = torch.bfloat16 if d == 64 else torch.float16
+    q, k, v, dout = cuda_inputs(2, 3, 700, d, "bthd", dtype, rng)
+
+    def once(tiles, deterministic):
+        ops.flash_attention_tiles(**tiles)
+        out, lse = ops.flash_attention_forward(q, k, v, causal=True, layout="bthd")
+        grads = ops.flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bthd",
+                                             deterministic=deterministic)
+        return (out, lse) + tuple(grads)
+
+    for deterministic in (True, False):
+        if not sm90_device():
+            named = dict(fwd="16x64", dkdv="16x64", dq="16x64")
+        elif d == 64:
+            named = dict(fwd="sm90 ws 128x128 persistent", dkdv=SM90_WS_PERSISTENT[1], dq="16x64")
+        else:
+            named = dict(fwd="sm90 ws 128x128 persistent", dkdv=SM90_BWD if deterministic else SM90_FUSED,
+                         dq=SM90_BWD)
+        want = once(named, deterministic)
+        got = once(dict(fwd="auto", dkdv="auto", dq="auto"), deterministic)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            if deterministic or name in ("out", "lse"):  # (the atomic dq of the mma.sync kernels: any order)
+                assert torch.equal(a, b), f"auto, deterministic={deterministic}: {name} differs from {named}"
+    ref, pt = reference(q, k, v, dout, True, "bthd"), torch_sdpa(q, k, v, dout, True, "bthd")
+    out, lse, *grads = got
+    for name, g, yardstick, w in zip(("out", "dq", "dk", "dv"), [out] + grads, pt, ref[:1] + ref[2:]):
+        check_rule(name, g, yardstick, w)
     assert lse_err(lse, ref[1]) < 1e-3
 
 

@@ -16,10 +16,12 @@ spec.loader.exec_module(diag)
 
 def test_choices_cover_every_option_hopper_last():
     """choices() from an options table like the build's: every option once (dq's first runs with every dkdv
-    choice), each choice changing one kernel, the Hopper ones after the others, the warp-specialised last."""
-    options = {"fwd": ["16x64", "32x64", "sm90 128x128", "sm90 ws 128x128"], "dkdv": ["16x64", "sm90 ws fused",
-                                                                                      "sm90 fused"],
-               "dq": ["16x64", "32x64", "sm90 128x64"]}
+    choice; "auto" names no kernel), each choice changing one kernel, the Hopper ones after the others, the
+    warp-specialised last; base() the first kernel options, the others' choice meanwhile."""
+    options = {"fwd": ["auto", "16x64", "32x64", "sm90 128x128", "sm90 ws 128x128"],
+               "dkdv": ["auto", "16x64", "sm90 ws fused", "sm90 fused"],
+               "dq": ["auto", "16x64", "32x64", "sm90 128x64"]}
+    assert diag.base(options) == {"fwd": "16x64", "dkdv": "16x64", "dq": "16x64"}
     got = diag.choices(options)
     assert [label for label, _ in got] == ["fwd 16x64", "fwd 32x64", "dkdv 16x64", "dq 32x64", "fwd sm90 128x128",
                                            "dkdv sm90 fused", "dq sm90 128x64", "fwd sm90 ws 128x128",

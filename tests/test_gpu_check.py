@@ -56,3 +56,18 @@ def test_first_moves_named_entries_ahead_and_refuses_unknown_ones():
     assert moved[3:] == [e for e in base if e not in head]
     bad = listing("cross_entropy no_such_file")
     assert bad.returncode == 2 and "no_such_file" in bad.stderr
+
+
+def test_the_initcheck_probe_refuses_a_bad_argument_and_says_when_it_cannot_run():
+    # scripts/initcheck_tma.py (gpu_check's "does initcheck see TMA stores" line): without an H100/H200 it runs
+    # nothing and says why; a wrong argument is a usage error.
+    import sys
+    bad = subprocess.run([sys.executable, "scripts/initcheck_tma.py", "both"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "usage: initcheck_tma.py tma|plain" in bad.stderr
+    import torch
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        return  # on an H100/H200 it runs (gpu_check's sanitize part, under initcheck)
+    out = subprocess.run([sys.executable, "scripts/initcheck_tma.py", "tma"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("initcheck_tma: skipped ("), (out.stdout, out.stderr)

@@ -160,7 +160,8 @@ def test_an_empty_report_is_an_error(tmp_path):
 def test_targets_split_the_choices_into_two_reports():
     """ncu_targets.py's two flash reports between them hold every choice of flash_diagnose.choices once, the Hopper
     ones alone in "sm90", each timing the pass its choice changes, and --list prints them in running order."""
-    options = {"fwd": ["16x64", "sm90 ws 128x128"], "dkdv": ["16x64", "sm90 fused"], "dq": ["16x64", "32x64"]}
+    options = {"fwd": ["auto", "16x64", "sm90 ws 128x128"], "dkdv": ["auto", "16x64", "sm90 fused"],
+               "dq": ["auto", "16x64", "32x64"]}
     flash, sm90 = targets.fastgpt_targets(options, False), targets.fastgpt_targets(options, True)
     assert flash == [("fwd 16x64", {"fwd": "16x64"}, "fwd"), ("dkdv 16x64", {"dkdv": "16x64"}, "bwd det"),
                      ("dq 32x64", {"dq": "32x64"}, "bwd det"), ("bwd atomic", {}, "bwd atomic")]

@@ -372,25 +372,45 @@ void compute_delta(const Params& p, Stream stream) {
 
 namespace {
 
-// The tile choice (set_flash_tiles): read by every call, set by benchmarks between calls.
+// The tile choice (set_flash_tiles): read by every call, set by benchmarks between calls. It holds option indices
+// of kTileOptions, where 0 is "auto" and k > 0 names kernel option k - 1 (flash::Tiles, kKernelOptions' order).
 std::atomic<int> g_fwd_tiles{0}, g_dkdv_tiles{0}, g_dq_tiles{0};
-const FlashTileOptions kTileOptions{{"16x64", "32x64", "16x128", "sm90 128x128", "sm90 192x128", "sm90 128x64",
-                                     "sm90 ws 128x128", "sm90 ws 192x128", "sm90 ws 128x128 persistent",
-                                     "sm90 ws 192x128 persistent"},
-                                    {"16x64", "32x32", "sm90 128x64", "sm90 fused", "sm90 ws fused",
-                                     "sm90 ws fused 128x128", "sm90 ws fused persistent",
-                                     "sm90 ws fused 128x128 persistent"},
-                                    {"16x64", "32x64", "32x32", "sm90 128x64"}};
+const FlashTileOptions kKernelOptions{{"16x64", "32x64", "16x128", "sm90 128x128", "sm90 192x128", "sm90 128x64",
+                                       "sm90 ws 128x128", "sm90 ws 192x128", "sm90 ws 128x128 persistent",
+                                       "sm90 ws 192x128 persistent"},
+                                      {"16x64", "32x32", "sm90 128x64", "sm90 fused", "sm90 ws fused",
+                                       "sm90 ws fused 128x128", "sm90 ws fused persistent",
+                                       "sm90 ws fused 128x128 persistent"},
+                                      {"16x64", "32x64", "32x32", "sm90 128x64"}};
 static_assert(flash::kFirstSm90.fwd == 3 && flash::kFirstSm90.dkdv == 2 && flash::kFirstSm90.dq == 3,
-              "kTileOptions: the sm90 options start at kFirstSm90");
+              "kKernelOptions: the sm90 options start at kFirstSm90");
 static_assert(flash::kFusedSm90 == 3 && flash::kWsFusedSm90 == 4 && flash::kWsFused128Sm90 == 5 &&
                   flash::kWsFusedPersistentSm90 == 6 && flash::kWsFused128PersistentSm90 == 7,
-              "kTileOptions: dkdv's 'sm90 fused' is kFusedSm90, 'sm90 ws fused' kWsFusedSm90, "
+              "kKernelOptions: dkdv's 'sm90 fused' is kFusedSm90, 'sm90 ws fused' kWsFusedSm90, "
               "'sm90 ws fused 128x128' kWsFused128Sm90, then the two persistent");
-static_assert(flash::kFirstWsSm90 == 6, "kTileOptions: the fwd 'sm90 ws' options start at kFirstWsSm90");
+static_assert(flash::kFirstWsSm90 == 6, "kKernelOptions: the fwd 'sm90 ws' options start at kFirstWsSm90");
+const FlashTileOptions kTileOptions = [] {
+  FlashTileOptions o = kKernelOptions;
+  for (auto* names : {&o.fwd, &o.dkdv, &o.dq}) names->insert(names->begin(), "auto");
+  return o;
+}();
+// What "auto" runs on an H100/H200 (bf16/fp16 with sm_90a code), the fastest in the 2026-11-26 H200 runs
+// (BENCHMARKS.md): GPT-2's d 64, T 1024 causal at 269 TFLOP/s forward and 256 backward, against 194 and 136 for
+// the mma.sync kernels (16x64, deterministic), and its B 64 training step 1.08x torch.compile's where 16x64 gave
+// 0.96x. Forward "sm90 ws 128x128 persistent"; backward at d 64 "sm90 ws fused 128x128 persistent" (dq made in the
+// same kernel, for either backward), at d 128, where the warp-specialised backward does not run, "sm90 128x64" for
+// both passes of the deterministic backward (170-228 TFLOP/s against 131-150 for "sm90 fused") and "sm90 fused" for
+// the atomic one (which takes no two-pass choice: the mma.sync atomic kernels gave 94-116). Elsewhere "auto" is the
+// mma.sync 16x64 kernels, kernel option 0. A dq left at "auto" beside a chosen dkdv is 16x64 at d 64.
+constexpr int kAutoFwdSm90 = flash::kFirstWsSm90 + 2, kAutoDkdvSm90 = flash::kWsFused128PersistentSm90,
+              kAutoAtomic128 = flash::kFusedSm90;
+static_assert(kAutoFwdSm90 == 8, "kKernelOptions: fwd 'sm90 ws 128x128 persistent' is kAutoFwdSm90");
 
-// Whether a choice names a Hopper kernel, per kernel.
-bool any_sm90(const FlashTiles& t) {
+// The kernel options a choice (public indices) names; "auto" (0) stays -1.
+flash::Tiles named(const FlashTiles& t) { return {t.fwd - 1, t.dkdv - 1, t.dq - 1}; }
+
+// Whether a choice of kernel options names a Hopper kernel, per kernel.
+bool any_sm90(const flash::Tiles& t) {
   return t.fwd >= flash::kFirstSm90.fwd || t.dkdv >= flash::kFirstSm90.dkdv || t.dq >= flash::kFirstSm90.dq;
 }
 
@@ -435,21 +455,28 @@ bool tf32_kernels(F32Math f32, const AttentionShape& s, const HeadStrides& is, c
   return tensor_cores() && flash::tf32_smem(s.d) <= flash::smem_optin();
 }
 
-flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s, bool tc) {
+// deterministic: the backward's (forward: any), which "auto" at d 128 chooses by.
+flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const AttentionShape& s, bool tc,
+                          bool deterministic = true) {
   flash::Params p{};
   p.is = is;
   p.os = os;
   p.B = s.B, p.H = s.H, p.T = s.T, p.d = s.d;
   p.causal = s.causal;
   p.scale = 1.f / std::sqrt((float)s.d);
-  p.tiles = flash_tiles();
+  p.tiles = named(flash_tiles());
   // The sm90 options run only where the Hopper kernels do; elsewhere (another device of the process, fp32, no sm_90a
-  // code) those kernels take their mma.sync default.
-  if (any_sm90(p.tiles) && !(tc && sm90_kernels())) {
-    if (p.tiles.fwd >= flash::kFirstSm90.fwd) p.tiles.fwd = 0;
-    if (p.tiles.dkdv >= flash::kFirstSm90.dkdv) p.tiles.dkdv = 0;
-    if (p.tiles.dq >= flash::kFirstSm90.dq) p.tiles.dq = 0;
+  // code) those kernels take their mma.sync default, as "auto" does.
+  const bool auto_tiles = p.tiles.fwd < 0 || p.tiles.dkdv < 0 || p.tiles.dq < 0;
+  if ((any_sm90(p.tiles) || auto_tiles) && !(tc && sm90_kernels())) {
+    if (p.tiles.fwd >= flash::kFirstSm90.fwd || p.tiles.fwd < 0) p.tiles.fwd = 0;
+    if (p.tiles.dkdv >= flash::kFirstSm90.dkdv || p.tiles.dkdv < 0) p.tiles.dkdv = 0;
+    if (p.tiles.dq >= flash::kFirstSm90.dq || p.tiles.dq < 0) p.tiles.dq = 0;
   }
+  if (p.tiles.fwd < 0) p.tiles.fwd = kAutoFwdSm90;
+  if (p.tiles.dkdv < 0)
+    p.tiles.dkdv = s.d == 64 ? kAutoDkdvSm90 : deterministic ? flash::kFirstSm90.dkdv : kAutoAtomic128;
+  if (p.tiles.dq < 0) p.tiles.dq = s.d == 64 ? 0 : flash::kFirstSm90.dq;  // (unused where dkdv makes dq)
   return p;
 }
 
@@ -492,8 +519,8 @@ FlashTiles set_flash_tiles(const FlashTiles& tiles) {
   need(tiles.fwd, kTileOptions.fwd, "fwd");
   need(tiles.dkdv, kTileOptions.dkdv, "dkdv");
   need(tiles.dq, kTileOptions.dq, "dq");
-  if (any_sm90(tiles) && !sm90_kernels()) {
-    const bool f = tiles.fwd >= flash::kFirstSm90.fwd, k = tiles.dkdv >= flash::kFirstSm90.dkdv;
+  if (any_sm90(named(tiles)) && !sm90_kernels()) {  // ("auto" is taken anywhere)
+    const bool f = tiles.fwd - 1 >= flash::kFirstSm90.fwd, k = tiles.dkdv - 1 >= flash::kFirstSm90.dkdv;
     const std::string which = f ? "fwd option '" + kTileOptions.fwd[tiles.fwd]
                               : k ? "dkdv option '" + kTileOptions.dkdv[tiles.dkdv]
                                   : "dq option '" + kTileOptions.dq[tiles.dq];
@@ -545,7 +572,7 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   const bool tf32 = dtype == DType::f32 && tf32_kernels(f32, shape, is, os, {q, k, v, out, dout, dq, dk, dv});
   const int64_t rows = (int64_t)shape.B * shape.H * shape.T;
   if (rows == 0) return;
-  flash::Params p = make_params(is, os, shape, tc);
+  flash::Params p = make_params(is, os, shape, tc, deterministic);
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
   p.out = const_cast<void*>(out), p.lse = const_cast<float*>(lse);  // only read in backward
   Scratch delta(rows, stream);

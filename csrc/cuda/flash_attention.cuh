@@ -19,7 +19,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // The tile shapes of the tensor-core kernels at head dim 64 (d 128 has only option 0 of each, and the sm90 ones),
-// named in flash_attention.cu's kTileOptions: fwd rows per warp x keys per block; dkdv keys per warp x queries per
+// kernel options numbered as flash_attention.cu's kKernelOptions names them (set_flash_tiles' choice counts from
+// "auto", its option 0, which make_params resolves to kernel options before any launch): fwd rows per warp x keys per block; dkdv keys per warp x queries per
 // step; dq (the deterministic backward's dq pass) queries per warp x keys per block; then each one's Hopper kernels
 // ("sm90", the same per CTA).
 // 32 rows per warp read each fragment of the other operand from shared memory once for two mma tiles. Every dkdv

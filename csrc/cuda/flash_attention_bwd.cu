@@ -8,7 +8,7 @@
 // dQ = dS K needs a sum over every key block: either (fast) each CTA adds its part into an fp32 buffer with atomics,
 // via dS staged in shared memory, or (deterministic) dq_kernel, the mirror image of the forward, recomputes S and dP
 // per query block and sums its key blocks in a fixed order: bit-reproducible, at 7 instead of 5 GEMM passes.
-// The tile shapes (MT, BR) of dkdv and (MT, BC) of dq are Params::tiles' options (kTileOptions): MT = 2
+// The tile shapes (MT, BR) of dkdv and (MT, BC) of dq are Params::tiles' options (kKernelOptions): MT = 2
 // reads each Q/dO (K/V) fragment from shared memory once for two mma tiles. Every option sums the same products in
 // the same order (k16 chunks of queries, or keys, in sequence order), and a warp skips only the products of a block
 // wholly outside its causal triangle, which would add zeros: all options give the same bits.
@@ -325,7 +325,7 @@ void launch_dq(const Params& p, Stream stream) {
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
-// The dkdv / dq options of kTileOptions (flash_attention.cu) in order; head dim 128 has only the first of each (more
+// The dkdv / dq options of kKernelOptions (flash_attention.cu) in order; head dim 128 has only the first of each (more
 // would not fit in registers), with 32 queries per dkdv step (and, on GPUs with 99 KB of shared memory, 32 keys per dq
 // block), and the sm90 ones (flash_attention_bwd_sm90a.cu,
 // passed on to only where the caller found them runnable). The atomic path keeps the first dkdv shape; the fused

@@ -36,7 +36,7 @@
 // share would leave whole CTAs idle. The CTA's prologue (barriers, registers, the first copies) is paid once, not per
 // tile, and the next tile's first Q and dO land while the consumers finish the last tile's last step; only K and V,
 // which the consumers read up to that step's dQ product, wait for them (kv_empty).
-// Written and run only in the warp emulator (tests/warp_emu) so far.
+// Ran and passed its tests on an H200 (2026-11-26); "sm90 ws fused 128x128 persistent" is "auto"'s backward at d 64.
 #include <algorithm>
 #include <stdexcept>
 
@@ -252,12 +252,17 @@ __device__ __forceinline__ void add_part(float* sum, uint32_t part, int* counter
 
 // Key block 0's warps 1-3 of warpgroup 0 (wt 0-95): each step's dQ part from the ring, added in this CTA's turn (the
 // last) to the sums of query step i and written to dq (times the scale, rounded once), as dq_part in
-// flash_attention_bwd_sm90a.cu: the same additions in the same order. Each thread hands the part's buffer back (its
-// own arrival, after its own loads: an arrive releases only the arriving thread's accesses, and compute-sanitizer's
-// racecheck does not carry a named barrier's order into one thread's arrive, so a barrier then thread 0's arrival
-// alone, correct as it was, read as a race of every other thread's loads with the consumers' next stores). u0: the
-// CTA's steps before this tile (the ring's count); w0: its key block 0 steps before it (dq_sum's). Two ways to the
-// finished sum:
+// flash_attention_bwd_sm90a.cu: the same additions in the same order. The part is ready once thread wt 0 (thread 32,
+// also dq_adder: it follows every step of the CTA, so its dq_full waits name the right phases) has waited for it;
+// the others learn that from wt 0 (dq_sum, or the writers' barrier) and then wait for dq_full themselves, where the
+// phase can no longer be an older one of the same parity (the next cannot complete before they arrive on dq_empty;
+// in a persistent CTA they skip the key blocks j > 0 that dq_adder serves, and a wait before wt 0's could pass on a
+// phase two steps back). That own wait orders nothing more for the GPU, but compute-sanitizer's racecheck takes an
+// mbarrier as ordering only the accesses of the threads that arrived on it before those of the threads that waited
+// for it, not what the arriving thread had itself waited for (the PTX memory model's cumulativity), and flagged
+// every reader but thread 0 on the H200 (2026-11-26) when it reached the consumers' stores only through wt 0. For
+// the same reason each thread hands the buffer back itself (dq_empty). u0: the CTA's steps before this
+// tile (the ring's count); w0: its key block 0 steps before it (dq_sum's). Two ways to the finished sum:
 // - kBulkSum (128-query steps): thread wt 0 has the copy engine add the part to the sum in L2, as dq_adder does,
 //   and bring the finished sum back into the part's buffer (one bulk copy each way, the whole 32 KB in flight at
 //   once); the writers read it there. Where no other key block meets the step (turn 0) the part is the sum.
@@ -296,11 +301,15 @@ __device__ __forceinline__ void dq_writer(const Params& p, unsigned char* sm, Ba
         }
       }
       wgmma::mbar_wait(bars.dq_sum(s), (w0 + i - i_first) & 1);
+      if (wt != 0) wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);  // (racecheck: above)
       for (int q = wt; q < kChunks; q += kWriters) write(q, q0, wgmma::ld_shared_v4(part + q));
     } else {
-      wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
-      if (wt == 0) wgmma::wait_count(p.dq_turn + (int64_t)bh * n_q + i, turn);
-      wgmma::bar_sync(kWriterBar, kWriters);  // the turn is this CTA's: the sums before it are visible
+      if (wt == 0) {
+        wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);
+        wgmma::wait_count(p.dq_turn + (int64_t)bh * n_q + i, turn);
+      }
+      wgmma::bar_sync(kWriterBar, kWriters);  // the part is ready, the turn is this CTA's: the sums before it visible
+      if (wt != 0) wgmma::mbar_wait(bars.dq_full(s), (u / kDqStages) & 1);  // (racecheck: above)
       const float4* acc = reinterpret_cast<const float4*>(sum);
       constexpr int kBatch = Step<BR>::kBatch;
       for (int qb = wt; qb < kChunks; qb += kBatch * kWriters) {

@@ -3,8 +3,8 @@
 // an online softmax in registers (running max m and sum l per row, in log2 units so exp is one exp2), O += P V with P
 // fed straight from the S accumulators as the A operand. K and V blocks are double-buffered with cp.async, so the next
 // block streams in while this one is multiplied. Only O and the row's log-sum-exp are written. (MT, BC) is the tile
-// shape (Params::tiles.fwd; option names in flash_attention.cu's kTileOptions): with MT = 2 every K and V fragment read
-// from shared memory feeds two mma tiles instead of one (twice the rows per CTA, the same shared-memory reads per
+// shape (Params::tiles.fwd; option names in flash_attention.cu's kKernelOptions): with MT = 2 every K and V fragment
+// read from shared memory feeds two mma tiles instead of one (twice the rows per CTA, the same shared-memory reads per
 // block). Causal: blocks above the diagonal are skipped, the diagonal block is masked, and a warp skips the products of
 // a block that lies wholly after its rows (it would add P = 0 with alpha = 1: the same bits); grid order puts the
 // longest (last) query blocks first (grid y counts down, and x, the (b, h) pairs, is dispatched first). T needs not be
@@ -135,7 +135,7 @@ void launch(const Params& p, Stream stream) {
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
-// The fwd options of kTileOptions in order; head dim 128 has only the first (more rows per warp would not fit in
+// The fwd options of kKernelOptions in order; head dim 128 has only the first (more rows per warp would not fit in
 // registers).
 template <typename E, int D>
 void launch_tiles(const Params& p, Stream stream) {

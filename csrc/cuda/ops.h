@@ -127,10 +127,12 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
                               Stream stream, F32Math f32 = F32Math::tf32x3);
 
-// The tensor-core kernels' tile shapes at head dim 64 (flash_attention.cuh): a process-wide choice, so that a
-// benchmark can time each on the GPU at hand; option 0 of each is the default, and d 128 always runs option 0.
-// set_flash_tiles returns the previous choice and throws std::invalid_argument for an option out of range. Each
-// call reads the choice when it launches (a recorded CUDA graph keeps the shapes it was recorded with).
+// The tensor-core kernels' tile shapes (flash_attention.cuh): a process-wide choice, so that a benchmark can time
+// each on the GPU at hand. Option 0 of each, the default, is "auto": the Hopper kernels measured fastest where they
+// run (bf16/fp16 on compute capability 9.0 with sm_90a code), else the mma.sync "16x64" (option 1); d 128 runs the
+// first mma.sync option of each and the sm90 ones. set_flash_tiles returns the previous choice and throws
+// std::invalid_argument for an option out of range. Each call reads the choice when it launches (a recorded CUDA
+// graph keeps the kernels it was recorded with).
 struct FlashTiles {
   int fwd = 0, dkdv = 0, dq = 0;
 };

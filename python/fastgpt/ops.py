@@ -474,10 +474,13 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout="bhtd"
 
 
 def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
-    """Picks the tile shapes of the GPU's bfloat16/float16 flash attention kernels at head dim 64, process-wide, so
-    that a benchmark can time each on the GPU at hand (bench/bench_flash_attention.py --tiles). Each argument is an
-    option's name or index (flash_attention_tile_options()); None keeps the current one. Option 0 of each is the
-    default; head dim 128 runs option 0 except for the "sm90" ones. The mma.sync dkdv and dq options give the same
+    """Picks the GPU's bfloat16/float16 flash attention kernels and their tile shapes, process-wide, so that a
+    benchmark can time each on the GPU at hand (bench/bench_flash_attention.py --tiles). Each argument is an option's
+    name or index (flash_attention_tile_options()); None keeps the current one. Option 0 of each, "auto", is the
+    default: on an H100/H200 (compute capability 9.0, a build with sm_90a code) the Hopper kernels measured fastest
+    there (fwd "sm90 ws 128x128 persistent"; backward at head dim 64 dkdv "sm90 ws fused 128x128 persistent", at 128
+    dkdv and dq "sm90 128x64", or dkdv "sm90 fused" for the atomic backward), elsewhere the mma.sync "16x64" of each. Head dim 128 runs the first mma.sync option
+    of each except for the "sm90" ones. The mma.sync dkdv and dq options give the same
     bits, and so do the mma.sync forward options with the same key block. The "sm90" options are Hopper kernels
     (warpgroup MMA, wgmma; fwd "sm90 ws ...": warp-specialised, one warpgroup copying K and V while the others take
     turns on the tensor cores; dkdv and dq: the deterministic backward's passes; dkdv "sm90 fused": one kernel that also
@@ -508,8 +511,9 @@ def flash_attention_tiles(fwd=None, dkdv=None, dq=None):
 
 def flash_attention_tile_options():
     """-> {"fwd": [names], "dkdv": [...], "dq": [...]}: the tile shapes flash_attention_tiles takes, option 0 first.
-    fwd: rows per warp x keys per block; dkdv: keys per warp x queries per step; dq (the deterministic backward's dq
-    pass): queries per warp x keys per block; then each one's Hopper ("sm90") kernels, per CTA instead of per warp.
+    "auto" (the default, flash_attention_tiles), then fwd: rows per warp x keys per block; dkdv: keys per warp x
+    queries per step; dq (the deterministic backward's dq pass): queries per warp x keys per block; then each one's
+    Hopper ("sm90") kernels, per CTA instead of per warp.
     Needs a build with CUDA."""
     fwd, dkdv, dq = _ops.flash_attention_tile_options()
     return {"fwd": list(fwd), "dkdv": list(dkdv), "dq": list(dq)}

@@ -87,33 +87,40 @@ struct Phases {
   int64_t tx = 0;
   unsigned phase = 0;
   Clock seen, done[4];
+  Clock seen_rc, done_rc[4];  // the same in racecheck's reading (tl_rc)
   void clear(int threads) {  // a fresh barrier: phase 0 pending, the ones "before" it complete and carrying nothing
     arrived = 0, phase = 0, tx = 0;
     seen.assign(threads, 0);
+    seen_rc.assign(threads, 0);
     for (Clock& d : done) d.assign(threads, 0);
+    for (Clock& d : done_rc) d.assign(threads, 0);
   }
   void complete_if_done(std::condition_variable& cv) {
     if (arrived != count || tx != 0) return;
     done[phase % 4] = seen;
+    done_rc[phase % 4] = seen_rc;
     std::fill(seen.begin(), seen.end(), 0);
+    std::fill(seen_rc.begin(), seen_rc.end(), 0);
     arrived = 0;
     phase++;
     cv.notify_all();
   }
-  // Under the block's sync_mu: counts n arrivals with clock c, declaring `expect` transaction bytes; -> the phase
-  // they arrived in.
-  unsigned arrive(const Clock& c, std::condition_variable& cv, int64_t expect = 0, int n = 1) {
+  // Under the block's sync_mu: counts n arrivals with clock c (racecheck's reading: rc), declaring `expect`
+  // transaction bytes; -> the phase they arrived in.
+  unsigned arrive(const Clock& c, const Clock& rc, std::condition_variable& cv, int64_t expect = 0, int n = 1) {
     const unsigned at = phase;
     join(seen, c);
+    join(seen_rc, rc);
     tx += expect;
     arrived += n;
     if (arrived > count) die("mbarrier: an arrival past its count (its phase still waits for transaction bytes)");
     complete_if_done(cv);
     return at;
   }
-  // `bytes` of a copy landed (complete_tx), its writes as of clock c.
-  void complete_tx(const Clock& c, int64_t bytes, std::condition_variable& cv) {
+  // `bytes` of a copy landed (complete_tx), its writes as of clock c (rc).
+  void complete_tx(const Clock& c, const Clock& rc, int64_t bytes, std::condition_variable& cv) {
     join(seen, c);
+    join(seen_rc, rc);
     tx -= bytes;
     complete_if_done(cv);
   }
@@ -172,11 +179,30 @@ inline void deposit(int op) {
 inline void done() { warp().bar.arrive_and_wait(); }
 inline thread_local int tl_phase = 0;  // __syncthreads passed by this thread in this block
 inline thread_local Clock tl_clock;     // this thread's vector clock
-// A release: what this thread has seen so far goes with it; its later accesses count as after it.
-inline Clock release() {
-  Clock c = tl_clock;
-  tl_clock[tl_tid.x]++;
-  return c;
+// The same clock in compute-sanitizer racecheck's reading of a barrier (g_racecheck_model; else the same as
+// tl_clock): an mbarrier's phase, or a named barrier, orders before the waiters only the accesses of the threads that
+// arrived on it (or issued the copies that completed it), not what those threads had themselves waited for. The PTX
+// memory model's barriers are cumulative, so code correct under it can still be flagged by racecheck on a GPU: the
+// H200 runs of 2026-11-26 flagged the ws backward's dQ readers, which had reached the consumers' stores only through
+// thread wt 0's wait for them and then its arrival (on dq_sum) or the writers' named barrier. Racecheck sees ordinary
+// shared loads and stores only, so only their checks against each other use it; the checks that involve wgmma's
+// reads or async copies keep tl_clock (a store after a bulk copy's read is checked in tl_rc too: stricter than
+// racecheck, which does not see that read). Each thread's own entry is the same in both clocks. (__syncthreads
+// joins every thread's own entry: the same in both readings.)
+inline bool g_racecheck_model = false;
+inline thread_local Clock tl_rc;
+// A release: what this thread has seen so far goes with it (rc: in racecheck's reading, its own accesses alone when
+// own_only); its later accesses count as after it.
+struct Released {
+  Clock c, rc;
+};
+inline Released release_both(bool own_only) {
+  Released r{tl_clock, tl_rc};
+  if (own_only)
+    for (size_t t = 0; t < r.rc.size(); t++)
+      if (t != tl_tid.x) r.rc[t] = 0;
+  tl_rc[tl_tid.x] = ++tl_clock[tl_tid.x];
+  return r;
 }
 // A CTA-wide barrier joins everyone's clock; as no thread has seen more of thread t than t itself, each thread's own
 // entry is enough (double-buffered by parity: a thread cannot reach the barrier after next before all have read).
@@ -185,7 +211,8 @@ inline void syncthreads() {
   slot[tl_tid.x] = tl_clock[tl_tid.x];
   tl_block->bar.arrive_and_wait();
   join(tl_clock, slot);
-  tl_clock[tl_tid.x]++;
+  join(tl_rc, slot);
+  tl_rc[tl_tid.x] = ++tl_clock[tl_tid.x];
   tl_phase++;
 }
 inline float shfl_xor(unsigned mask, float v, int m) {
@@ -387,8 +414,9 @@ inline void mark_unfenced(size_t off, int n) {
 }
 // A write (cp.async or store, named by `what`) of a 16-byte chunk that another warpgroup's wgmma read is a race
 // unless the writer has seen, through barriers, that read retire. The write is recorded for wg_mma's check:
-// pending (a cp.async) until its wait_group, complete at once (a store).
-inline void note_write(size_t off, const char* what, bool pending) {
+// pending (a cp.async) until its wait_group, complete at once (a store). ordinary: an st.shared (its check against
+// earlier loads in racecheck's reading, tl_rc).
+inline void note_write(size_t off, const char* what, bool pending, bool ordinary = false) {
   Block& b = *tl_block;
   const size_t chunk = off / 16;
   const int wg = tl_tid.x / 128;
@@ -402,8 +430,9 @@ inline void note_write(size_t off, const char* what, bool pending) {
   }
   {
     std::lock_guard<std::mutex> lock(b.reads_mu);
+    const Clock& seen = ordinary ? tl_rc : tl_clock;  // an ordinary store after ordinary loads: racecheck's reading
     for (auto [t, clk] : b.reads[chunk])
-      if (t != (int)tl_tid.x && clk > tl_clock[t])
+      if (t != (int)tl_tid.x && clk > seen[t])
         race(what, "writes shared memory another thread read, with no barrier after that read", chunk, t);
     b.reads[chunk].clear();
   }
@@ -411,14 +440,15 @@ inline void note_write(size_t off, const char* what, bool pending) {
 }
 // An ordinary load of a 16-byte chunk: the last write to it must be complete and seen through barriers; the load
 // is recorded for note_write's check of the next write (pending: a bulk copy's read, which any write is a race with
-// until the issuing thread's wait_group.read refreshes it).
-inline void note_read(size_t off, const char* what, bool pending = false) {
+// until the issuing thread's wait_group.read refreshes it). ordinary: an ld.shared (checked in racecheck's reading,
+// tl_rc).
+inline void note_read(size_t off, const char* what, bool pending = false, bool ordinary = false) {
   Block& b = *tl_block;
   const size_t chunk = off / 16;
   const auto [wt, wclk] = unpack_write(b.wlast[chunk].load());
   if (wt >= 0 && wclk == kPending)
     race(what, "reads shared memory whose cp.async has not been waited for", chunk, wt);
-  if (wt >= 0 && wt != (int)tl_tid.x && tl_clock[wt] < wclk)
+  if (wt >= 0 && wt != (int)tl_tid.x && (ordinary ? tl_rc : tl_clock)[wt] < wclk)
     race(what, "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
   const uint32_t now = pending ? kPending : tl_clock[tl_tid.x];
   std::lock_guard<std::mutex> lock(b.reads_mu);
@@ -620,7 +650,7 @@ inline T ld_shared(const T* p, const char* what) {
   const size_t off = (const unsigned char*)p - tl_block->smem;
   if (off % sizeof(T)) die("ld.shared not aligned to its size");
   check_smem(p, sizeof(T));
-  note_read(off, what);
+  note_read(off, what, false, true);
   T v;
   memcpy(&v, p, sizeof(T));
   return v;
@@ -630,7 +660,7 @@ inline void st_shared(T* p, T v, const char* what) {
   const size_t off = (unsigned char*)p - tl_block->smem;
   if (off % sizeof(T)) die("st.shared not aligned to its size");
   check_smem(p, sizeof(T));
-  note_write(off, what, false);
+  note_write(off, what, false, true);
   memcpy(p, &v, sizeof(T));
   mark_unfenced(off, sizeof(T));
 }
@@ -646,6 +676,7 @@ inline void wait_phase(std::unique_lock<std::mutex>& lock, const Phases& b, unsi
     abort();
   }
   join(tl_clock, b.done[at % 4]);
+  join(tl_rc, b.done_rc[at % 4]);
 }
 inline Phases& mbar_at(uint32_t off) {
   auto it = tl_block->mbars.find(off);
@@ -663,9 +694,9 @@ inline void mbar_init(uint32_t off, int count) {
 // mbarrier.arrive, or with expect > 0 mbarrier.arrive.expect_tx (tma.cuh's arrive_expect); n arrivals at once with
 // the count operand (wgmma.cuh's mbar_arrive(bar, count)): more than the phase still waits for is an error.
 inline void mbar_arrive(uint32_t off, uint32_t expect = 0, int n = 1) {
-  const Clock c = release();
+  const Released r = release_both(g_racecheck_model);
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  mbar_at(off).arrive(c, tl_block->sync_cv, expect, n);
+  mbar_at(off).arrive(r.c, r.rc, tl_block->sync_cv, expect, n);
 }
 // mbarrier.expect_tx (tma.cuh's expect): more transaction bytes for the current phase, no arrival.
 inline void mbar_expect(uint32_t off, uint32_t bytes) {
@@ -760,9 +791,9 @@ inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, std::ar
     memcpy(b.smem + to, &v, 2);
   });
   g_tma_copies++;
-  const Clock clk = release();
+  const Released r = release_both(g_racecheck_model);
   std::lock_guard<std::mutex> lock(b.sync_mu);
-  mbar_at(bar).complete_tx(clk, (int64_t)bytes, b.sync_cv);
+  mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes, b.sync_cv);
 }
 inline Phases& named_at(int id, int count) {
   if (id < 1 || id > 15) die("named barrier: id must be 1-15 (0 is __syncthreads)");
@@ -775,15 +806,15 @@ inline Phases& named_at(int id, int count) {
   return n;
 }
 inline void bar_sync(int id, int count) {
-  const Clock c = release();
+  const Released r = release_both(g_racecheck_model);
   std::unique_lock<std::mutex> lock(tl_block->sync_mu);
   Phases& n = named_at(id, count);
-  wait_phase(lock, n, n.arrive(c, tl_block->sync_cv), "named barrier", id);
+  wait_phase(lock, n, n.arrive(r.c, r.rc, tl_block->sync_cv), "named barrier", id);
 }
 inline void bar_arrive(int id, int count) {
-  const Clock c = release();
+  const Released r = release_both(g_racecheck_model);
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  named_at(id, count).arrive(c, tl_block->sync_cv);
+  named_at(id, count).arrive(r.c, r.rc, tl_block->sync_cv);
 }
 
 // ---- Bulk copies from shared to global memory (tma.cuh's store, reduce_add, commit, wait_read, wait,
@@ -904,9 +935,9 @@ inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t ba
   }
   memcpy(b.smem + dst, src, bytes);
   g_bulk_loads++;
-  const Clock clk = release();
+  const Released r = release_both(g_racecheck_model);
   std::lock_guard<std::mutex> lock(b.sync_mu);
-  mbar_at(bar).complete_tx(clk, (int64_t)bytes, b.sync_cv);
+  mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes, b.sync_cv);
 }
 
 // The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
@@ -1085,6 +1116,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
         tl_phase = 0;
         tl_clock.assign(nt, 0);
         tl_clock[t] = 1;
+        tl_rc = tl_clock;
         tl_wg_fenced = false;
         tl_wg_cur.clear();
         tl_wg_groups.clear();

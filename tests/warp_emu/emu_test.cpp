@@ -89,6 +89,13 @@ static double relerr(const std::vector<double>& got, const std::vector<double>& 
   return e / std::max(mx, 1e-2);
 }
 
+// The tile choice in the kernels' numbering (flash::Tiles, kKernelOptions' order, used throughout this file):
+// cuda::set_flash_tiles counts from "auto", its option 0, so kernel option k is its k + 1; "auto" reads back as -1.
+void set_tiles(const cuda::FlashTiles& t) { cuda::set_flash_tiles({t.fwd + 1, t.dkdv + 1, t.dq + 1}); }
+cuda::FlashTiles kernel_tiles() {
+  const cuda::FlashTiles t = cuda::flash_tiles();
+  return {t.fwd - 1, t.dkdv - 1, t.dq - 1};
+}
 struct Outs { std::vector<double> out, lse, dq, dk, dv; };  // a run's results, logical (B, H, T, d) order
 
 template <typename E>
@@ -132,7 +139,7 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
   if (!g_fwd_only) eq = relerr(got.dq, r.dq), ek = relerr(got.dk, r.dk), ev = relerr(got.dv, r.dv);
   bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
   if (!ok) failures++;
-  const cuda::FlashTiles tiles = cuda::flash_tiles();
+  const cuda::FlashTiles tiles = kernel_tiles();
   if (getenv("EMU_HASH")) {  // a digest of the outputs' bits, to compare two builds of the same case (FNV-1a)
     uint64_t hsh = 1469598103934665603ull;
     for (const std::vector<double>* v : {&got.out, &got.lse, &got.dq, &got.dk, &got.dv})
@@ -167,18 +174,18 @@ void run_tiles(int B, int H, int T, bool causal, bool bthd, DType dt, double tol
   for (const cuda::FlashTiles& t : list) {
     const int kb = t.fwd == 2;
     if (!have[kb]) {
-      cuda::set_flash_tiles({kb ? 2 : 0, 0, 0});
+      set_tiles({kb ? 2 : 0, 0, 0});
       base[kb] = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
       have[kb] = true;
     }
-    cuda::set_flash_tiles(t);
+    set_tiles(t);
     const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
     const Outs& r = base[kb];
     const bool same = o.out == r.out && o.lse == r.lse && o.dq == r.dq && o.dk == r.dk && o.dv == r.dv;
     if (!same) failures++;
     printf("%s tiles=%d%d%d give the bits of tiles=%d00\n", same ? "ok  " : "FAIL", t.fwd, t.dkdv, t.dq, kb ? 2 : 0);
   }
-  cuda::set_flash_tiles({0, 0, 0});
+  set_tiles({0, 0, 0});
   fflush(stdout);
 }
 
@@ -190,10 +197,10 @@ template <typename E>
 void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt, double tol, unsigned seed,
               std::initializer_list<cuda::FlashTiles> list) {
   for (const cuda::FlashTiles& t : list) {
-    cuda::set_flash_tiles(t);
+    set_tiles(t);
     run<E>(B, H, T, d, causal, bthd, det, dt, tol, seed);
   }
-  cuda::set_flash_tiles({0, 0, 0});
+  set_tiles({0, 0, 0});
 }
 
 // The warp-specialised Hopper forward (fwd options 6 "sm90 ws 128x128" and 7 "sm90 ws 192x128", 8 and 9 the same
@@ -204,10 +211,10 @@ void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DTyp
 // SM (emu::g_sm_count: each CTA then takes several tiles in turn, its Q buffers and rings reused across them).
 template <typename E>
 void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double tol, unsigned seed, int dkdv, int dq) {
-  cuda::set_flash_tiles({3, dkdv, dq});
+  set_tiles({3, dkdv, dq});
   const Outs base = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
   for (int fwd : {6, 7, 8, 9}) {
-    cuda::set_flash_tiles({fwd, dkdv, dq});
+    set_tiles({fwd, dkdv, dq});
     g_fwd_only = true;
     const long stores0 = emu::g_tma_stores;
     const Outs o = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
@@ -223,7 +230,7 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
     printf("%s sm90 ws fwd %d: out and lse are fwd 3's bits %d; %u CTAs for %ld tiles; %ld O stores\n",
            same && grid && stores == want ? "ok  " : "FAIL", fwd, same, emu::g_grid.x, tiles, stores);
   }
-  cuda::set_flash_tiles({0, 0, 0});
+  set_tiles({0, 0, 0});
   fflush(stdout);
 }
 
@@ -263,7 +270,7 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
   for (int fwd : {3, 6, 7, 8}) {
     std::vector<E> out(n, E(NAN));
     std::vector<float> lse((size_t)B * H * T, NAN);
-    cuda::set_flash_tiles({fwd, 0, 0});
+    set_tiles({fwd, 0, 0});
     const long copies = emu::g_tma_copies;
     cuda::flash_attention_forward(out.data(), contiguous, lse.data(), buf.data(), buf.data() + part,
                                   buf.data() + 2 * part, is, sh, dt, nullptr);
@@ -292,7 +299,7 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
   std::vector<E> grads0;
   for (int dkdv : {3, 4, 5, 6, 7}) {
     std::vector<E> grads(q.size(), E(NAN));
-    cuda::set_flash_tiles({3, dkdv, 0});
+    set_tiles({3, dkdv, 0});
     const long copies = emu::g_tma_copies, bulk0 = emu::g_bulk_copies, loads0 = emu::g_bulk_loads;
     cuda::flash_attention_backward(grads.data(), grads.data() + qpart, grads.data() + 2 * qpart, is_bwd, dout.data(),
                                    out.data(), os_bwd, q.data(), q.data() + qpart, q.data() + 2 * qpart, lse0.data(),
@@ -314,7 +321,7 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
            "bulk %d, bulk loads %d\n", ok ? "ok  " : "FAIL", dkdv, what, B, H, T, causal, eq, ek, ev, same, tma, bulk,
            loads);
   }
-  cuda::set_flash_tiles({0, 0, 0});
+  set_tiles({0, 0, 0});
   fflush(stdout);
 }
 
@@ -326,9 +333,9 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
 // key block 0's tiles between the others') and the others find none left.
 template <typename E>
 void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd,
-                const Outs& fused) {
-  for (int dkdv : {4, 5, 6, 7}) {
-    cuda::set_flash_tiles({fwd, dkdv, 0});
+                const Outs& fused, std::initializer_list<int> options = {4, 5, 6, 7}) {
+  for (int dkdv : options) {
+    set_tiles({fwd, dkdv, 0});
     const long bulk0 = emu::g_bulk_copies, loads0 = emu::g_bulk_loads;
     const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
     const bool step128 = dkdv % 2 == 1, persistent = dkdv >= 6;
@@ -346,13 +353,15 @@ void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double to
            "%d, %u CTAs for %ld tiles\n", same && bulk_ok && grid ? "ok  " : "FAIL", step128 ? 128 : 64,
            persistent ? ", persistent" : "", same, bulk_ok, emu::g_grid.x, tiles);
   }
-  cuda::set_flash_tiles({0, 0, 0});
+  set_tiles({0, 0, 0});
   fflush(stdout);
 }
 template <typename E>
-void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd) {
-  cuda::set_flash_tiles({fwd, 3, 0});
-  run_ws_bwd<E>(B, H, T, causal, bthd, dt, tol, seed, fwd, run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed));
+void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd,
+                std::initializer_list<int> options = {4, 5, 6, 7}) {
+  set_tiles({fwd, 3, 0});
+  run_ws_bwd<E>(B, H, T, causal, bthd, dt, tol, seed, fwd, run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed),
+                options);
 }
 
 // The fused Hopper backward (dkdv option 3, "sm90 fused": dq made in the dkdv kernel, the CTAs of a (b, h) adding
@@ -361,11 +370,11 @@ void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double to
 // order), and out and lse those of the same forward; at head dim 64 the warp-specialised form follows (run_ws_bwd).
 template <typename E>
 void run_fused_sm90(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double tol, unsigned seed, int fwd) {
-  cuda::set_flash_tiles({fwd, 2, 3});
+  set_tiles({fwd, 2, 3});
   const Outs two = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
   Outs fused;
   for (bool det : {true, false}) {
-    cuda::set_flash_tiles({fwd, 3, 0});
+    set_tiles({fwd, 3, 0});
     const Outs o = run<E>(B, H, T, d, causal, bthd, det, dt, tol, seed);
     const bool same = o.out == two.out && o.lse == two.lse && o.dk == two.dk && o.dv == two.dv;
     if (!same) failures++;
@@ -374,7 +383,7 @@ void run_fused_sm90(int B, int H, int T, int d, bool causal, bool bthd, DType dt
     if (det) fused = o;
   }
   if (d == 64) run_ws_bwd<E>(B, H, T, causal, bthd, dt, tol, seed, fwd, fused);
-  cuda::set_flash_tiles({0, 0, 0});
+  set_tiles({0, 0, 0});
   fflush(stdout);
 }
 
@@ -526,6 +535,40 @@ void run_sm75_cases(unsigned& seed) {
   run<__half>(1, 1, 37, 48, false, false, true, DType::f16, 5e-3, seed++);
   run<__nv_bfloat16>(1, 1, 19, 160, true, false, false, DType::bf16, 3e-2, seed++);
   emu::g_cc_major = 9;
+}
+
+// The default tile choice, "auto" (cuda::set_flash_tiles' option 0): on a compute capability 9.0 device the Hopper
+// kernels flash_attention.cu names for it (fwd 8 "sm90 ws 128x128 persistent"; at d 64 dkdv 7 "sm90 ws fused 128x128
+// persistent", at d 128 dkdv 2 and dq 3, "sm90 128x64", for the atomic backward dkdv 3, "sm90 fused"), on an sm_80
+// one the mma.sync kernels (option 0 of each): each run's outputs must be the bits of that explicit choice, also where
+// only some kernels are "auto".
+void run_auto_cases(unsigned& seed) {
+  struct Case {
+    int cc, d;
+    bool det;
+    cuda::FlashTiles chosen, want;  // the choice (public numbering: 0 "auto") and the kernels it must run
+  };
+  const Case cases[] = {{9, 64, true, {0, 0, 0}, {8, 7, 0}},  {9, 64, false, {0, 0, 0}, {8, 7, 0}},
+                        {9, 128, true, {0, 0, 0}, {8, 2, 3}}, {9, 128, false, {0, 0, 0}, {8, 3, 3}},
+                        {9, 64, true, {1, 0, 0}, {0, 7, 0}},  {8, 64, true, {0, 0, 0}, {0, 0, 0}}};
+  for (const Case& c : cases) {
+    const bool det = c.det;
+    emu::g_cc_major = c.cc;
+    const unsigned s = seed++;
+    set_tiles(c.want);
+    const Outs want = run<__nv_bfloat16>(1, 2, 150, c.d, true, det, det, DType::bf16, 3e-2, s);
+    cuda::set_flash_tiles(c.chosen);
+    const Outs got = run<__nv_bfloat16>(1, 2, 150, c.d, true, det, det, DType::bf16, 3e-2, s);
+    const bool same = got.out == want.out && got.lse == want.lse && got.dq == want.dq && got.dk == want.dk &&
+                      got.dv == want.dv;
+    if (!same) failures++;
+    printf("%s cc %d.0 d %d det %d: tiles %d%d%d (0 auto) give the bits of kernel options %d%d%d\n",
+           same ? "ok  " : "FAIL", c.cc, c.d, det, c.chosen.fwd, c.chosen.dkdv, c.chosen.dq, c.want.fwd,
+           c.want.dkdv, c.want.dq);
+  }
+  emu::g_cc_major = 9;
+  set_tiles({0, 0, 0});
+  fflush(stdout);
 }
 
 // GPUs with less shared memory per block than an H100 (emu::g_smem_optin): sm_86/sm_89 (A10, L4, RTX 30xx/40xx)
@@ -1356,8 +1399,14 @@ int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "quick";
   emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
   unsigned seed = 1;
+  set_tiles({0, 0, 0});  // the mma.sync kernels, which the cases below run unless they choose others ("auto" is
+                         // the Hopper kernels at the emulator's compute capability 9.0: run_auto_cases)
   try {
     if (mode == "quick") {
+      run_auto_cases(seed);
+      emu::g_racecheck_model = true;  // racecheck's reading (mode racecheck has more): the default backward's dQ ring,
+      run_ws_bwd<__nv_bfloat16>(1, 1, 260, true, false, DType::bf16, 3e-2, seed++, 3, {7});  // a turn-0 step in it
+      emu::g_racecheck_model = false;
       run<__nv_bfloat16>(1, 2, 100, 64, true, false, false, DType::bf16, 3e-2, seed++);
       run_tiles<__nv_bfloat16>(1, 1, 150, true, false, DType::bf16, 3e-2, seed++, {{1, 1, 1}, {2, 1, 2}});
       run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {{3, 2, 3}});
@@ -1475,6 +1524,21 @@ int main(int argc, char** argv) {
       run_ws_bwd<__half>(2, 1, 190, true, false, DType::f16, 5e-3, seed++, 0);
       run_ws_views<__nv_bfloat16>(2, 3, 200, true, false, DType::bf16, 3e-2, seed++);
       run_ws_views<__half>(1, 2, 130, false, true, DType::f16, 5e-3, seed++);
+    } else if (mode == "racecheck") {  // the warp-specialised kernels under racecheck's reading of an mbarrier
+      // (emu.h's g_racecheck_model, tl_rc); causal: query steps that key block 0 alone meets (turn 0: the part is the
+      // sum, the writers read the consumers' stores). The old dq_writer (only wt 0 waiting for dq_full at 128-query
+      // steps; at 64 the others' own waits before wt 0's) fails here, as it did under racecheck on the H200.
+      emu::g_racecheck_model = true;
+      for (int causal : {1, 0}) {
+        run_ws<__nv_bfloat16>(1, 2, 300, 64, causal, causal, DType::bf16, 3e-2, seed++, 0, 0);
+        run_ws_bwd<__nv_bfloat16>(1, 2, 260, causal, !causal, DType::bf16, 3e-2, seed++, 3);
+        // persistent CTAs with many tiles: readers that skip key blocks j > 0 run ahead of the consumers (the old
+        // dq_writer's waits passed on a phase of the same parity there, ordered only through wt 0's barrier)
+        run_ws_bwd<__nv_bfloat16>(1, 3, 520, causal, !causal, DType::bf16, 3e-2, seed++, 3, {6});
+      }
+      run_ws<__half>(2, 3, 200, 128, true, true, DType::f16, 5e-3, seed++, 0, 0);
+    } else if (mode == "auto") {
+      run_auto_cases(seed);
     } else if (mode == "sm75") {
       run_sm75_cases(seed);
     } else if (mode == "smem") {

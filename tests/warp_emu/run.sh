@@ -13,8 +13,8 @@
 # kernel sources are used as they are: only the asm helpers, the shared-memory declarations and the <<<>>> launches
 # are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
-#   MODE quick|mix|tc|tiles|f32|tf32|tchw|sm75|smem|sm90|ws|fused|wsbwd|decode|ce|ln|adamw|encoder|bias|delta|big|
-#   peaky|grid,
+#   MODE quick|mix|tc|tiles|f32|tf32|tchw|sm75|smem|sm90|ws|fused|wsbwd|racecheck|auto|decode|ce|ln|adamw|encoder|
+#   bias|delta|big|peaky|grid,
 #   LAZY 0|1; or MODE cute (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the
 #   emulator's wgmma against CUTLASS.
 set -euo pipefail
