@@ -465,18 +465,17 @@ flash::Params make_params(const HeadStrides& is, const HeadStrides& os, const At
   p.causal = s.causal;
   p.scale = 1.f / std::sqrt((float)s.d);
   p.tiles = named(flash_tiles());
-  // The sm90 options run only where the Hopper kernels do; elsewhere (another device of the process, fp32, no sm_90a
-  // code) those kernels take their mma.sync default, as "auto" does.
-  const bool auto_tiles = p.tiles.fwd < 0 || p.tiles.dkdv < 0 || p.tiles.dq < 0;
-  if ((any_sm90(p.tiles) || auto_tiles) && !(tc && sm90_kernels())) {
-    if (p.tiles.fwd >= flash::kFirstSm90.fwd || p.tiles.fwd < 0) p.tiles.fwd = 0;
-    if (p.tiles.dkdv >= flash::kFirstSm90.dkdv || p.tiles.dkdv < 0) p.tiles.dkdv = 0;
-    if (p.tiles.dq >= flash::kFirstSm90.dq || p.tiles.dq < 0) p.tiles.dq = 0;
+  flash::Tiles& t = p.tiles;
+  if (!(any_sm90(t) || t.fwd < 0 || t.dkdv < 0 || t.dq < 0)) return p;  // mma.sync options: no device to ask
+  if (tc && sm90_kernels()) {  // "auto": the Hopper kernels above
+    if (t.fwd < 0) t.fwd = kAutoFwdSm90;
+    if (t.dkdv < 0) t.dkdv = s.d == 64 ? kAutoDkdvSm90 : deterministic ? flash::kFirstSm90.dkdv : kAutoAtomic128;
+    if (t.dq < 0) t.dq = s.d == 64 ? 0 : flash::kFirstSm90.dq;  // (unused where dkdv makes dq)
+  } else {  // another device of the process, fp32, no sm_90a code: "auto" and the sm90 options run mma.sync 16x64
+    if (t.fwd < 0 || t.fwd >= flash::kFirstSm90.fwd) t.fwd = 0;
+    if (t.dkdv < 0 || t.dkdv >= flash::kFirstSm90.dkdv) t.dkdv = 0;
+    if (t.dq < 0 || t.dq >= flash::kFirstSm90.dq) t.dq = 0;
   }
-  if (p.tiles.fwd < 0) p.tiles.fwd = kAutoFwdSm90;
-  if (p.tiles.dkdv < 0)
-    p.tiles.dkdv = s.d == 64 ? kAutoDkdvSm90 : deterministic ? flash::kFirstSm90.dkdv : kAutoAtomic128;
-  if (p.tiles.dq < 0) p.tiles.dq = s.d == 64 ? 0 : flash::kFirstSm90.dq;  // (unused where dkdv makes dq)
   return p;
 }
 
@@ -519,8 +518,9 @@ FlashTiles set_flash_tiles(const FlashTiles& tiles) {
   need(tiles.fwd, kTileOptions.fwd, "fwd");
   need(tiles.dkdv, kTileOptions.dkdv, "dkdv");
   need(tiles.dq, kTileOptions.dq, "dq");
-  if (any_sm90(named(tiles)) && !sm90_kernels()) {  // ("auto" is taken anywhere)
-    const bool f = tiles.fwd - 1 >= flash::kFirstSm90.fwd, k = tiles.dkdv - 1 >= flash::kFirstSm90.dkdv;
+  const flash::Tiles kernels = named(tiles);
+  if (any_sm90(kernels) && !sm90_kernels()) {  // ("auto" is taken anywhere)
+    const bool f = kernels.fwd >= flash::kFirstSm90.fwd, k = kernels.dkdv >= flash::kFirstSm90.dkdv;
     const std::string which = f ? "fwd option '" + kTileOptions.fwd[tiles.fwd]
                               : k ? "dkdv option '" + kTileOptions.dkdv[tiles.dkdv]
                                   : "dq option '" + kTileOptions.dq[tiles.dq];

@@ -191,14 +191,14 @@ inline thread_local Clock tl_clock;     // this thread's vector clock
 // joins every thread's own entry: the same in both readings.)
 inline bool g_racecheck_model = false;
 inline thread_local Clock tl_rc;
-// A release: what this thread has seen so far goes with it (rc: in racecheck's reading, its own accesses alone when
-// own_only); its later accesses count as after it.
+// A release (a barrier arrival, a copy's completion): what this thread has seen so far goes with it (rc: under
+// g_racecheck_model its own accesses alone); its later accesses count as after it.
 struct Released {
   Clock c, rc;
 };
-inline Released release_both(bool own_only) {
+inline Released release() {
   Released r{tl_clock, tl_rc};
-  if (own_only)
+  if (g_racecheck_model)
     for (size_t t = 0; t < r.rc.size(); t++)
       if (t != tl_tid.x) r.rc[t] = 0;
   tl_rc[tl_tid.x] = ++tl_clock[tl_tid.x];
@@ -694,7 +694,7 @@ inline void mbar_init(uint32_t off, int count) {
 // mbarrier.arrive, or with expect > 0 mbarrier.arrive.expect_tx (tma.cuh's arrive_expect); n arrivals at once with
 // the count operand (wgmma.cuh's mbar_arrive(bar, count)): more than the phase still waits for is an error.
 inline void mbar_arrive(uint32_t off, uint32_t expect = 0, int n = 1) {
-  const Released r = release_both(g_racecheck_model);
+  const Released r = release();
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
   mbar_at(off).arrive(r.c, r.rc, tl_block->sync_cv, expect, n);
 }
@@ -791,7 +791,7 @@ inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, std::ar
     memcpy(b.smem + to, &v, 2);
   });
   g_tma_copies++;
-  const Released r = release_both(g_racecheck_model);
+  const Released r = release();
   std::lock_guard<std::mutex> lock(b.sync_mu);
   mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes, b.sync_cv);
 }
@@ -806,13 +806,13 @@ inline Phases& named_at(int id, int count) {
   return n;
 }
 inline void bar_sync(int id, int count) {
-  const Released r = release_both(g_racecheck_model);
+  const Released r = release();
   std::unique_lock<std::mutex> lock(tl_block->sync_mu);
   Phases& n = named_at(id, count);
   wait_phase(lock, n, n.arrive(r.c, r.rc, tl_block->sync_cv), "named barrier", id);
 }
 inline void bar_arrive(int id, int count) {
-  const Released r = release_both(g_racecheck_model);
+  const Released r = release();
   std::lock_guard<std::mutex> lock(tl_block->sync_mu);
   named_at(id, count).arrive(r.c, r.rc, tl_block->sync_cv);
 }
@@ -935,7 +935,7 @@ inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t ba
   }
   memcpy(b.smem + dst, src, bytes);
   g_bulk_loads++;
-  const Released r = release_both(g_racecheck_model);
+  const Released r = release();
   std::lock_guard<std::mutex> lock(b.sync_mu);
   mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes, b.sync_cv);
 }
