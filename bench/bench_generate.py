@@ -10,6 +10,11 @@ not asserted: benchmarks are never tests). GPT-2 124M by default (L12 H12 C768, 
     python3 bench/bench_generate.py                              # 124M, B 1, prompt 32, 32 new tokens
     python3 bench/bench_generate.py --prompt-len 128 --new-tokens 64 --B 4 --json /tmp/gen.json
     python3 bench/bench_generate.py --device cuda --precision bf16 --new-tokens 256   # on a GPU (torch in bf16 too)
+    python3 bench/bench_generate.py --device cuda --precision bf16 --profile  # and each fastgpt variant's kernels
+
+--profile runs one more generation of each fastgpt variant under torch.profiler (bench/_profile.py) and prints the GPU
+kernel time per token beside the wall time per token (the rest is the host: launches, the logits' copy, sampling),
+with the largest kernels: where the cache's time goes (it was slower than recomputing on an H200, 2026-11-26).
 """
 import argparse
 import os
@@ -19,6 +24,7 @@ import tempfile
 import time
 
 from _common import OtherLoad, default_threads, environment, report_other_load, write_json
+from _profile import print_breakdown, profile_steps
 
 
 def parse_args(argv=None):
@@ -37,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: $OMP_NUM_THREADS or all)")
     p.add_argument("--no-torch", action="store_true", help="skip the transformers variant")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="one more generation of each fastgpt variant under torch.profiler: kernels per token")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     if args.prompt_len + args.new_tokens > args.block_size:
@@ -54,6 +62,14 @@ def timed(fn, repeats):
         out = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+def per_token(profile, n):
+    """A breakdown of one generation (bench/_profile.py's) shared out among its n new tokens: ms and calls per
+    token."""
+    return {**profile, "kernel_ms": profile["kernel_ms"] / n,
+            "groups": {g: ms / n for g, ms in profile["groups"].items()},
+            "top": [{**r, "ms": r["ms"] / n, "calls": r["calls"] / n} for r in profile["top"]]}
 
 
 def main(argv=None):
@@ -83,6 +99,11 @@ def main(argv=None):
     for use_cache in (True, False):
         s, out = timed(lambda: model.generate(prompt, n, temperature=0.0, use_cache=use_cache), args.repeats)
         add("fastgpt, KV cache" if use_cache else "fastgpt, full recompute", s, out)
+        if args.profile:  # after the timing: the profiler's overhead is in no timed run
+            gpu = args.device.startswith("cuda")
+            one = profile_steps(lambda _: model.generate(prompt, n, temperature=0.0, use_cache=use_cache), range(1),
+                                torch.cuda.synchronize if gpu else (lambda: None), activity="CUDA" if gpu else "CPU")
+            rows[-1]["profile"] = per_token(one, n)
     if not args.no_torch:
         try:
             from transformers import GPT2LMHeadModel
@@ -121,6 +142,10 @@ def main(argv=None):
               f"{str(same):>12s}")
     if len(rows) == 3:
         print(f"fastgpt with cache / torch with cache: {rows[2]['seconds'] / rows[0]['seconds']:.2f}x")
+    if args.profile:
+        prof = {r["variant"]: {"profile": r["profile"]} for r in rows if "profile" in r}
+        print("\n(--profile: a step below is one new token, the prompt's forward shared out among them)")
+        print_breakdown(prof, list(prof), {r["variant"]: r["ms_per_token"] for r in rows if "profile" in r})
     report_other_load(share)
     if args.json:
         write_json(args.json, {"benchmark": "generate", "args": vars(args), "seed": seed,

@@ -6,13 +6,15 @@ attention, fused AdamW). fastgpt's fused step is one AdamW.train_step call (the 
 device, one-launch AdamW), recorded as a CUDA graph and replayed in "fastgpt bf16 graph"; unfused it is
 forward_backward, clip_grad_norm, step. The fused model recomputes GELU in backward (GPT(recompute=1), its default);
 "fastgpt bf16 recompute=0" keeps every activation and "recompute=2" also recomputes the LayerNorms: the time and
-memory of each setting. "fastgpt bf16 graph sm90" is the graph step with Hopper's wgmma flash attention kernels
-(--sm90-tiles; H100/H200 only); "fastgpt bf16 graph bias-epilogue" the graph step with the linear layers' bias
-gradients from cuBLASLt's epilogue of the weight gradient's product instead of the column-sum kernel, the default
-(fastgpt.ops.matmul_bias_grad_epilogue(True)): which of the two to keep as the default; "fastgpt bf16 graph tuned"
-the graph step with every product's cuBLASLt algorithm timed at its first run (fastgpt.ops.matmul_autotune(True);
-its results carry the decisions and the sum of the chosen algorithms' times against the heuristic's): whether that
-becomes the default.
+memory of each setting ("fastgpt bf16 graph recompute=0": the graph step keeping every activation). "fastgpt bf16
+graph rows=16384" is the graph step with the classifier in chunks of 16384 rows (GPT.classifier_rows; 4096 is the
+default): four lm_head products a step at B 64, T 1024, not sixteen, for 1.2 GB more logits. "fastgpt bf16 graph
+sm90" is the graph step with Hopper's wgmma flash attention kernels (--sm90-tiles; H100/H200 only); "fastgpt bf16
+graph bias-epilogue" the graph step with the linear layers' bias gradients from cuBLASLt's epilogue of the weight
+gradient's product instead of the column-sum kernel, the default (fastgpt.ops.matmul_bias_grad_epilogue(True)):
+which of the two to keep as the default; "fastgpt bf16 graph tuned" the graph step with every product's cuBLASLt
+algorithm timed at its first run (fastgpt.ops.matmul_autotune(True); its results carry the decisions and the sum of
+the chosen algorithms' times against the heuristic's): whether that becomes the default.
 
 Why: what a user of a GPU trainer cares about is tokens per second of a whole training step (zero_grad, forward,
 backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). torch eager fp32 does the same
@@ -48,15 +50,22 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 # "... graph sm90" runs last: its kernels have never run on a GPU, and a trap (their 60 s wait limit) or a fault
 # would leave the CUDA context unusable for every variant after it.
-VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-epilogue",
-            "fastgpt bf16 graph tuned",
+VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph recompute=0",
+            "fastgpt bf16 graph rows=16384", "fastgpt bf16 graph bias-epilogue", "fastgpt bf16 graph tuned",
             "fastgpt bf16 recompute=0", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32",
             "torch eager tf32", "torch compiled bf16", "fastgpt bf16 graph sm90")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
 # --profile's variants: issue 10's pair (and the graph), and fp32's like-for-like pair.
-PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph bias-epilogue", "fastgpt bf16 graph sm90",
+PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph recompute=0",
+            "fastgpt bf16 graph rows=16384", "fastgpt bf16 graph bias-epilogue", "fastgpt bf16 graph sm90",
             "torch compiled bf16", "fastgpt fp32", "torch eager fp32")
 PROFILE_STEPS = 2
+
+
+def variant_options(name):
+    """A variant's settings written into its name as key=integer words: {"recompute": 0} of "fastgpt bf16 graph
+    recompute=0", {"rows": 16384} (classifier_rows) of "... rows=16384"."""
+    return {k: int(v) for k, _, v in (w.partition("=") for w in name.split()) if _}
 
 
 def parse_args(argv=None):
@@ -222,9 +231,11 @@ def main(argv=None):
         # (weights, gradients, moments, activations) are exact: model.memory()["total"].
         precision = name.split()[1]
         free0 = torch.cuda.mem_get_info(dev)[0]
-        recompute = int(name[-1]) if "recompute=" in name else None
+        options = variant_options(name)
         model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=args.seed, fused=not name.endswith("unfused"),
-                            recompute=recompute)
+                            recompute=options.get("recompute"))
+        if "rows" in options:
+            model.classifier_rows = options["rows"]
         model.load_state_dict(weights)
         opt = fastgpt.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         free_min = [torch.cuda.mem_get_info(dev)[0]]

@@ -227,8 +227,9 @@ if [ $build = ok ] && has bench; then
   res[bench_cross_entropy]=$b
   b=FAIL; timeout $(tmo 40) python3 bench/bench_adamw.py --json "$out/bench_adamw.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_adamw]=$b
+  # --profile: why the KV cache was slower than recomputing (third run): kernels per token against wall time
   b=FAIL; timeout $(tmo 90) python3 bench/bench_generate.py --device cuda --precision bf16 --prompt-len 64 --new-tokens 128 \
-    --json "$out/bench_generate.json" >> "$out/bench.log" 2>&1 && b=ok
+    --profile --json "$out/bench_generate.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_generate]=$b
 fi
 if [ $build = ok ] && has diagnose; then
@@ -254,7 +255,7 @@ echo
 if has ncu && [ -f "$out/ncu.log" ]; then cut -c1-230 "$out/ncu.log"; fi
 if has diagnose && [ -f "$out/diagnose.log" ]; then grep "^== " "$out/diagnose.log"; fi
 if has bench && [ -f "$out/bench.log" ]; then
-  grep -E -A13 "^variant " "$out/bench.log"  # bench_gpu_train's variants (12) and its base line
+  grep -E -A15 "^variant " "$out/bench.log"  # bench_gpu_train's variants (14) and its base line
   grep -E -A5 "^precision " "$out/bench.log"
   grep -E "vs fastest torch|^  tiles:|^adamw|^fastgpt adamw|copy|AdamW" "$out/bench.log" | cut -c1-200
   grep -E "^(residual_)?layernorm |^matmul |^cross_entropy " "$out/bench.log"

@@ -69,3 +69,14 @@ def test_gpu_train_bench_runs_the_named_variants_in_order_and_refuses_unknown_on
             bench_gpu_train.parse_args(["--variants", bad])
         err = capsys.readouterr().err
         assert "--variants takes names from" in err and "torch compiled bf16" in err and named in err
+
+
+def test_gpu_train_bench_variant_names_carry_their_settings():
+    # "... recompute=0" must build GPT(recompute=0) and "... rows=16384" set classifier_rows, not the defaults.
+    import bench_gpu_train
+    assert bench_gpu_train.variant_options("fastgpt bf16 graph rows=16384") == {"rows": 16384}
+    assert bench_gpu_train.variant_options("fastgpt bf16 graph recompute=0") == {"recompute": 0}
+    assert bench_gpu_train.variant_options("fastgpt bf16 recompute=2") == {"recompute": 2}
+    assert bench_gpu_train.variant_options("fastgpt bf16 graph sm90") == {}
+    for name in bench_gpu_train.VARIANTS:  # every name parses (a stray "=" would raise here, not on the GPU)
+        assert set(bench_gpu_train.variant_options(name)) <= {"recompute", "rows"}

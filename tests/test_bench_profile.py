@@ -109,3 +109,27 @@ def test_the_json_keeps_more_kernels_than_the_table_lists(capsys):
     _profile.print_breakdown(res, ("fastgpt bf16 fused",), {"fastgpt bf16 fused": 1.0})
     listed = [line for line in capsys.readouterr().out.splitlines() if "kernel_" in line]
     assert len(listed) == _profile.PRINTED and "kernel_05" in listed[-1]
+
+
+def test_generate_profile_is_per_new_token(tmp_path):
+    # bench_generate.py --profile: one generation's kernels shared out among its new tokens (the table's "step"),
+    # recorded with each fastgpt variant; on the CPU no GPU kernels, but the wiring and the JSON are the GPU's.
+    import json
+
+    import bench_generate
+    rng = np.random.default_rng()
+    durs = rng.uniform(5, 50, 3)
+    events = [{"cat": "kernel", "name": "gemm_a", "dur": durs[0]}, {"cat": "kernel", "name": "gemm_a", "dur": durs[1]},
+              {"cat": "kernel", "name": "layernorm_forward_kernel", "dur": durs[2]}]
+    n = int(rng.integers(2, 9))
+    p = bench_generate.per_token(_profile.breakdown(events, steps=1), n)
+    assert np.isclose(p["kernel_ms"], durs.sum() / 1e3 / n)
+    assert np.isclose(p["groups"]["matmul"], (durs[0] + durs[1]) / 1e3 / n)
+    assert p["top"][0]["name"] == "gemm_a" and np.isclose(p["top"][0]["calls"], 2 / n)
+    out = tmp_path / "gen.json"
+    bench_generate.main(["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--vocab", "97", "--block-size", "32",
+                         "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--no-torch", "--profile",
+                         "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == ["fastgpt, KV cache", "fastgpt, full recompute"]
+    assert all(set(r["profile"]["groups"]) == set(_profile.GROUP_NAMES) for r in rows)

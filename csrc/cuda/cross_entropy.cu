@@ -2,17 +2,16 @@
 // csrc/cpu/cross_entropy.cpp. One block per row, in two passes over it. Pass one (row_lse) keeps a running
 // (max, sum of exp) per thread, merged across the block into lse = max + log(sum): the forward keeps lse for the
 // backward. Pass two (row_grad) rebuilds each probability from lse and writes the gradient. forward_backward (the
-// training step's chunked classifier) runs both passes in one kernel: two reads of the logits, not three.
+// training step's chunked classifier) runs both passes in one kernel, reading the logits from memory once where a row
+// fits in shared memory (pass one keeps what it loads there: 100.6 KB at V 50304 in 16 bits, two blocks an SM on
+// sm_90), else twice (which ran at 2 TB/s, reads and writes, in an H200's training step).
 // Memory-bound, so a row is walked in units of one 16-byte pack (N = 8 16-bit logits or 4 float), the V % N logits
-// past the last whole pack a unit each: thread i takes units i, i + blockDim.x, ... in both passes. Where V is a whole
-// number of packs and the rows are 16-byte aligned the units move as 128-bit loads and stores; otherwise as single
-// elements, in the same order (PackIO), so every result depends on V alone, never on alignment. forward and
+// past the last whole pack a unit each: thread i takes units i, i + blockDim.x, ... in both passes, kBatch of them
+// loaded before the first is used (one wait on memory a batch, not a unit). Where V is a whole number of packs and
+// the rows are 16-byte aligned the units move as 128-bit loads and stores; otherwise as single elements, in the same
+// order (PackIO), so every result depends on V alone, never on alignment or on where pass two reads. forward and
 // forward_backward share pass one, so their losses are the same bits, and backward from forward's lse gives
 // forward_backward's gradient bits.
-// dlogits may alias logits (written in place), so no __restrict__ there: a thread writes only the units it read.
-// Templates over the storage type S (float, bf16, f16) of the logits: widened as loaded, all arithmetic in float,
-// losses and lse float. The gradient is (p - onehot) * dloss rounded once to S, as the CPU writes it: in 16 bits
-// p - 1 at the target is formed before rounding (not p rounded, then - 1).
 #include <cmath>
 
 #include "cuda/check.h"
@@ -23,6 +22,7 @@ namespace fastgpt::cuda {
 
 namespace {
 constexpr int kThreads = 512;  // a multiple of 32 (the block reduction assumes full warps), at least a pack
+constexpr int kBatch = 4;      // units a thread loads before it uses the first
 
 // (max, sum of exp(x - max)) over a part of a row; an empty part, or one of -inf logits only, is (-inf, 0).
 struct MaxSum {
@@ -81,20 +81,33 @@ __device__ __forceinline__ void widen(float (&v)[Pack<S>::N], const Pack<S>& p) 
   for (int k = 0; k < Pack<S>::N; k++) v[k] = to_float(p.v[k]);
 }
 
-// Pass one: the row's lse (every thread gets it).
+// Pass one: the row's lse (every thread gets it). keep (shared memory, 16-byte aligned, or null): where the row's
+// values go as they are loaded, each thread's own units, for its pass two.
 template <typename S>
-__device__ float row_lse(const S* x, int V, PackIO<S> io) {
+__device__ float row_lse(const S* x, int V, PackIO<S> io, S* keep) {
   constexpr int N = Pack<S>::N;
   const int units = V / N, tid = threadIdx.x, threads = blockDim.x;
   MaxSum a{-INFINITY, 0.f};
-  for (int u = tid; u < units; u += threads) {
+  auto use = [&](int u, const Pack<S>& p) {
     float v[N];
-    widen(v, io.load(x + u * N));
+    widen(v, p);
     add(a, v);
+    if (keep) store_pack(keep + u * N, p);
+  };
+  int u = tid;
+  for (; u + (kBatch - 1) * threads < units; u += kBatch * threads) {
+    Pack<S> p[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) p[b] = io.load(x + (u + b * threads) * N);
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) use(u + b * threads, p[b]);
   }
+  for (; u < units; u += threads) use(u, io.load(x + u * N));
   for (int j = units * N + tid; j < V; j += threads) {
-    const float v[1] = {to_float(x[j])};
+    const S s = x[j];
+    const float v[1] = {to_float(s)};
     add(a, v);
+    if (keep) keep[j] = s;
   }
   a = block_reduce(a);
   return a.m + logf(a.s);
@@ -118,11 +131,12 @@ __device__ __forceinline__ void unit_grad(float (&g)[W], const float (&v)[W], fl
   }
 }
 
-// Pass two: this thread's units of dx from x and lse, the tail first and then the packs from the last down: the
-// units pass one read last are the likeliest to be still in L2. (The order cannot change a bit: each element is
-// its own.)
+// Pass two: this thread's units of dx from x (read through in: memory, or the shared copy pass one kept) and lse,
+// the tail first and then the packs from the last down: the units pass one read last are the likeliest to be still
+// in L2. (The order cannot change a bit: each element is its own.)
 template <typename S>
-__device__ void row_grad(S* dx, const S* x, float l, int t, float dloss, int V, PackIO<S> io, float* loss) {
+__device__ void row_grad(S* dx, PackIO<S> out, const S* x, PackIO<S> in, float l, int t, float dloss, int V,
+                         float* loss) {
   constexpr int N = Pack<S>::N;
   const int units = V / N, tid = threadIdx.x, threads = blockDim.x;
   for (int j = units * N + tid; j < V; j += threads) {
@@ -132,15 +146,24 @@ __device__ void row_grad(S* dx, const S* x, float l, int t, float dloss, int V, 
     dx[j] = from_float<S>(g[0]);
   }
   if (tid >= units) return;
-  for (int u = tid + (units - 1 - tid) / threads * threads; u >= 0; u -= threads) {  // the thread's last unit, down
+  auto write = [&](int u, const Pack<S>& p) {
     float v[N], g[N];
-    widen(v, io.load(x + u * N));
+    widen(v, p);
     unit_grad(g, v, l, t - u * N, dloss, loss);
     Pack<S> o;
 #pragma unroll
     for (int k = 0; k < N; k++) o.v[k] = from_float<S>(g[k]);
-    io.store(dx + u * N, o);
+    out.store(dx + u * N, o);
+  };
+  int u = tid + (units - 1 - tid) / threads * threads;  // the thread's last unit, then down
+  for (; u - (kBatch - 1) * threads >= 0; u -= kBatch * threads) {
+    Pack<S> p[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) p[b] = in.load(x + (u - b * threads) * N);
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) write(u - b * threads, p[b]);
   }
+  for (; u >= 0; u -= threads) write(u, in.load(x + u * N));
 }
 
 template <typename S>
@@ -149,7 +172,7 @@ __global__ void cross_entropy_forward_kernel(float* __restrict__ losses, float* 
                                              int V, PackIO<S> io) {
   const int64_t n = blockIdx.x;
   const S* x = logits + n * V;
-  const float l = row_lse(x, V, io);
+  const float l = row_lse(x, V, io, (S*)nullptr);
   if (threadIdx.x == 0) {
     lse[n] = l;
     losses[n] = l - to_float(x[targets[n]]);
@@ -162,9 +185,10 @@ __global__ void cross_entropy_backward_kernel(S* dlogits, const S* logits, const
                                               const float* __restrict__ dloss_scale, int V, PackIO<S> io) {
   if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
   const int64_t n = blockIdx.x;
-  row_grad(dlogits + n * V, logits + n * V, lse[n], targets[n], dloss, V, io, (float*)nullptr);
+  row_grad(dlogits + n * V, io, logits + n * V, io, lse[n], targets[n], dloss, V, (float*)nullptr);
 }
 
+// Both passes, the row read from memory twice (a row larger than shared memory).
 template <typename S>
 __global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
                                                       const int32_t* __restrict__ targets, float dloss,
@@ -172,8 +196,33 @@ __global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses
   if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
   const int64_t n = blockIdx.x;
   const S* x = logits + n * V;
-  const float l = row_lse(x, V, io);
-  row_grad(dlogits + n * V, x, l, targets[n], dloss, V, io, losses + n);
+  const float l = row_lse(x, V, io, (S*)nullptr);
+  row_grad(dlogits + n * V, io, x, io, l, targets[n], dloss, V, losses + n);
+}
+
+// Both passes, the row read once: pass two reads the copy pass one kept in shared memory (V values of S). Each
+// thread reads back only the units it wrote, so no barrier is needed between the passes.
+template <typename S>
+__global__ void cross_entropy_forward_backward_smem_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
+                                                           const int32_t* __restrict__ targets, float dloss,
+                                                           const float* __restrict__ dloss_scale, int V,
+                                                           PackIO<S> io) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  S* row = reinterpret_cast<S*>(smem_raw);  // (V)
+  if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
+  const int64_t n = blockIdx.x;
+  const float l = row_lse(logits + n * V, V, io, row);
+  row_grad(dlogits + n * V, io, (const S*)row, PackIO<S>{true}, l, targets[n], dloss, V, losses + n);
+}
+
+// The largest row copy a block may keep in shared memory: the device's opt-in limit per block
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/89) less 1 KB for
+// block_reduce's arrays.
+int64_t row_copy_limit() {
+  int device = 0, optin = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return optin - 1024;
 }
 
 // 16-byte units: V a whole number of packs, so every row starts where the first does, and both bases aligned.
@@ -208,8 +257,12 @@ void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, 
                                     const float* dloss_scale, int64_t N, int V, Stream stream) {
   if (N <= 0 || V <= 0) return;
   const PackIO<S> io = units_of(V, logits, dlogits);
-  auto* kernel = cross_entropy_forward_backward_kernel<S>;  // (a launch on one line: tests/warp_emu rewrites it)
-  kernel<<<(unsigned)N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, dloss, dloss_scale, V, io);
+  const int64_t bytes = ((int64_t)V * (int64_t)sizeof(S) + 15) / 16 * 16;  // the row's copy, in whole packs
+  const bool keep = bytes <= row_copy_limit();
+  auto* kernel = keep ? cross_entropy_forward_backward_smem_kernel<S> : cross_entropy_forward_backward_kernel<S>;
+  const size_t smem = keep ? (size_t)bytes : 0;
+  if (keep) FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<(unsigned)N, kThreads, smem, stream>>>(losses, dlogits, logits, targets, dloss, dloss_scale, V, io);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
