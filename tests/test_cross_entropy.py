@@ -2,8 +2,9 @@
 float64, including large-magnitude logits (the log-sum-exp must not overflow) and -inf ones (masked: they add
 nothing); forward_backward (the training step's one-pass kernel) against the same reference and against the two
 separate kernels (the same bits). On a GPU: 16-bit logits, and views off 16-byte alignment, which take the same
-order of sums through single loads (the same bits); forward_backward keeps a row in shared memory where it fits, and
-reads it twice where not (V 60000 in fp32, 240 KB: every GPU), the same bits either way."""
+order of sums through single loads (the same bits); forward_backward keeps a row in shared memory where two blocks'
+rows fit on an SM (V 50304 in 16 bits on an H100/H200), and reads it twice where not (V 60000 on every GPU, fp32 at
+50304), the same bits either way."""
 import numpy as np
 import pytest
 import torch

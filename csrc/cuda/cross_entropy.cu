@@ -2,8 +2,8 @@
 // csrc/cpu/cross_entropy.cpp. One block per row, in two passes over it. Pass one (row_lse) keeps a running
 // (max, sum of exp) per thread, merged across the block into lse = max + log(sum): the forward keeps lse for the
 // backward. Pass two (row_grad) rebuilds each probability from lse and writes the gradient. forward_backward (the
-// training step's chunked classifier) runs both passes in one kernel, reading the logits from memory once where a row
-// fits in shared memory (pass one keeps what it loads there: 100.6 KB at V 50304 in 16 bits, two blocks an SM on
+// training step's chunked classifier) runs both passes in one kernel, reading the logits from memory once where two
+// blocks' rows fit in an SM's shared memory (pass one keeps what it loads there: 100.6 KB at V 50304 in 16 bits on
 // sm_90), else twice (which ran at 2 TB/s, reads and writes, in an H200's training step).
 // Memory-bound, so a row is walked in units of one 16-byte pack (N = 8 16-bit logits or 4 float), the V % N logits
 // past the last whole pack a unit each: thread i takes units i, i + blockDim.x, ... in both passes, kBatch of them
@@ -12,6 +12,11 @@
 // order (PackIO), so every result depends on V alone, never on alignment or on where pass two reads. forward and
 // forward_backward share pass one, so their losses are the same bits, and backward from forward's lse gives
 // forward_backward's gradient bits.
+// dlogits may alias logits (written in place), so no __restrict__ there: a thread writes only the units it read.
+// Templates over the storage type S (float, bf16, f16) of the logits: widened as loaded, all arithmetic in float,
+// losses and lse float. The gradient is (p - onehot) * dloss rounded once to S, as the CPU writes it: in 16 bits
+// p - 1 at the target is formed before rounding (not p rounded, then - 1).
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/check.h"
@@ -215,14 +220,17 @@ __global__ void cross_entropy_forward_backward_smem_kernel(float* __restrict__ l
   row_grad(dlogits + n * V, io, (const S*)row, PackIO<S>{true}, l, targets[n], dloss, V, losses + n);
 }
 
-// The largest row copy a block may keep in shared memory: the device's opt-in limit per block
-// (cudaDevAttrMaxSharedMemoryPerBlockOptin: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/89) less 1 KB for
-// block_reduce's arrays.
+// The largest row copy (bytes) with which two blocks fit on an SM: half the SM's shared memory
+// (cudaDevAttrMaxSharedMemoryPerMultiprocessor: 228 KB on sm_90, 164 KB on sm_80, 100 KB on sm_86/89) less 2 KB for
+// each block's static arrays (256 bytes) and the 1 KB the runtime reserves a block, within the opt-in limit a block.
+// One block an SM would leave the SM's loads idle while its block reduces and writes; untried on a GPU, so rows that
+// need it (fp32 at V 50304, 201 KB; 16 bits on sm_80) keep the two-read kernel: 57,344 16-bit logits on sm_90.
 int64_t row_copy_limit() {
-  int device = 0, optin = 0;
+  int device = 0, per_sm = 0, per_block = 0;
   FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return optin - 1024;
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return std::min<int64_t>(per_sm / 2 - 2048, per_block - 1024);
 }
 
 // 16-byte units: V a whole number of packs, so every row starts where the first does, and both bases aligned.
@@ -257,11 +265,13 @@ void cross_entropy_forward_backward(float* losses, S* dlogits, const S* logits, 
                                     const float* dloss_scale, int64_t N, int V, Stream stream) {
   if (N <= 0 || V <= 0) return;
   const PackIO<S> io = units_of(V, logits, dlogits);
-  const int64_t bytes = ((int64_t)V * (int64_t)sizeof(S) + 15) / 16 * 16;  // the row's copy, in whole packs
-  const bool keep = bytes <= row_copy_limit();
+  const int64_t bytes = ((int64_t)V * (int64_t)sizeof(S) + 15) / 16 * 16, limit = row_copy_limit();  // whole packs
+  const bool keep = bytes <= limit;
   auto* kernel = keep ? cross_entropy_forward_backward_smem_kernel<S> : cross_entropy_forward_backward_kernel<S>;
   const size_t smem = keep ? (size_t)bytes : 0;
-  if (keep) FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  // The kernel's cap, not this launch's size: the same for every call, so no call lowers it under another's launch
+  // (another thread's, or one a graph recorded).
+  if (keep) FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)limit));
   kernel<<<(unsigned)N, kThreads, smem, stream>>>(losses, dlogits, logits, targets, dloss, dloss_scale, V, io);
   FASTGPT_CUDA_CHECK_LAUNCH();
 }

@@ -962,6 +962,8 @@ inline std::map<const void*, int> g_attr;
 // a case sets another GPU's (99 KB: sm_86/sm_89, A10, L4, RTX 30xx/40xx; 163 KB: A100); a kernel's attribute above
 // it fails as cudaFuncSetAttribute does there.
 inline int g_smem_optin = 227 * 1024;
+// The SM's shared memory (cudaDevAttrMaxSharedMemoryPerMultiprocessor): an H100's unless a case sets another.
+inline int g_smem_per_sm = 228 * 1024;
 inline cudaError_t g_last = cudaSuccess;
 inline long g_launches = 0;
 template <class F>
@@ -1024,6 +1026,7 @@ inline cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
   *value = attr == cudaDevAttrComputeCapabilityMajor        ? g_cc_major
            : attr == cudaDevAttrMultiProcessorCount          ? g_sm_count
            : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? g_smem_optin
+           : attr == cudaDevAttrMaxSharedMemoryPerMultiprocessor ? g_smem_per_sm
                                                              : 0;
   return cudaSuccess;
 }

@@ -602,9 +602,9 @@ void run_smem_cases(unsigned& seed, std::initializer_list<int> limits_kb = {99, 
 // single loads), and every result must be the offset-0 run's bits. special: -inf logits (row 0's first unit, and
 // every unit of threads 1 and 17, so one thread's (max, sum) starts from -inf and others' stay there; every 97th
 // logit of the middle rows) and a NaN in the last row among thread 1's -inf (the warp's first merge is of two -inf
-// maxima): that row's loss and gradient must be NaN. forward_backward keeps the row in shared memory where it fits
-// (the launch's dynamic shared memory is the row, rounded up to 16 bytes), else reads it twice (none): both give the
-// same bits, and the case checks which of the two ran.
+// maxima): that row's loss and gradient must be NaN. forward_backward keeps the row in shared memory where two
+// blocks' rows fit on an SM (the launch's dynamic shared memory is the row, rounded up to 16 bytes), else reads it
+// twice (none): both give the same bits, and the case checks which of the two ran.
 struct CrossEntropyRun {
   std::vector<float> l1, lse, l2, l3;
   std::vector<double> g1, g2, g3, g4;  // the gradients, widened
@@ -680,7 +680,8 @@ void run_cross_entropy(int N, int V, float amp, double tol, unsigned seed, int o
   emu::g_max_smem_seen = 0;
   const CrossEntropyRun a = cross_entropy_calls(x, tgt, N, V, dloss, 0);
   const size_t row = ((size_t)V * sizeof(S) + 15) / 16 * 16;
-  const bool copy = row + 1024 <= (size_t)emu::g_smem_optin, kernel = emu::g_max_smem_seen == (copy ? row : 0);
+  const bool copy = (int64_t)row <= std::min<int64_t>(emu::g_smem_per_sm / 2 - 2048, emu::g_smem_optin - 1024),
+             kernel = emu::g_max_smem_seen == (copy ? row : 0);
   emu::g_max_smem_seen = std::max(seen, emu::g_max_smem_seen);
   auto head = [&](const auto& v, size_t k) { return std::vector<double>(v.begin(), v.begin() + k); };
   const size_t ng = (size_t)rows * V;
@@ -724,12 +725,18 @@ void run_cross_entropy_cases(unsigned& seed) {
   // lse bits, so the block's merges must give every lane the same bits (with the kernels built contracting a * b + c
   // into FMAs, as nvcc does, an FMA in the merge rounds one lane's product and not its partner's).
   run_cross_entropy<float>(48, 3000, 3.f, 1e-5, seed++);
-  // Rows larger than the shared memory a block may have (here 8 KB: small rows, for the emulator's time; on an
-  // H100, 16-bit rows past 115,712 logits, float past 57,856) are read twice: aligned or not, a tail, -inf / NaN.
-  emu::g_smem_optin = 8 * 1024;
+  // Rows larger than two blocks an SM can keep (here an SM of 16 KB, 6 KB a row: small rows, for the emulator's time;
+  // on an H100, 16-bit rows past 57,344 logits, float past 28,672) are read twice: aligned or not, a tail, -inf / NaN,
+  // and 2050 units (each thread's batches of 4, in place as the engine runs it).
+  emu::g_smem_per_sm = 16 * 1024;
   run_cross_entropy<bf16>(3, 5000, 3.f, 8e-3, seed++, 3, true);
   run_cross_entropy<f16>(2, 4099, 3.f, 1e-3, seed++);
   run_cross_entropy<float>(2, 2600, 3.f, 1e-5, seed++, 1);
+  run_cross_entropy<bf16>(2, 16400, 3.f, 8e-3, seed++, 1);
+  emu::g_smem_per_sm = 228 * 1024;
+  // The per-block opt-in limit alone (an SM with room for two, a block allowed less): read twice too.
+  emu::g_smem_optin = 8 * 1024;
+  run_cross_entropy<float>(2, 2600, 3.f, 1e-5, seed++);
   emu::g_smem_optin = 227 * 1024;
 }
 
