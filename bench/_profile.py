@@ -58,9 +58,10 @@ def breakdown(trace_events, steps, top=60):
     return {"kernel_ms": sum(groups.values()), "groups": groups, "top": rows[:top], "kernels": len(rows)}
 
 
-def profile_steps(step, indices, sync, activity="CUDA"):
+def profile_steps(step, indices, sync, activity="CUDA", steps=None):
     """Runs step(i) for each i under torch.profiler (`activity`: a ProfilerActivity name), after sync();
-    -> breakdown() per step."""
+    -> breakdown() per step. steps: how many steps those calls make in all (a generation's new tokens), by default
+    one a call."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -76,7 +77,7 @@ def profile_steps(step, indices, sync, activity="CUDA"):
             trace = json.load(f)
     finally:
         os.remove(path)
-    return breakdown(trace.get("traceEvents", []), len(indices))
+    return breakdown(trace.get("traceEvents", []), steps or len(indices))
 
 
 def short(name):

@@ -64,14 +64,6 @@ def timed(fn, repeats):
     return statistics.median(times), out
 
 
-def per_token(profile, n):
-    """A breakdown of one generation (bench/_profile.py's) shared out among its n new tokens: ms and calls per
-    token."""
-    return {**profile, "kernel_ms": profile["kernel_ms"] / n,
-            "groups": {g: ms / n for g, ms in profile["groups"].items()},
-            "top": [{**r, "ms": r["ms"] / n, "calls": r["calls"] / n} for r in profile["top"]]}
-
-
 def main(argv=None):
     args = parse_args(argv)
     threads = args.threads or default_threads()
@@ -101,9 +93,11 @@ def main(argv=None):
         add("fastgpt, KV cache" if use_cache else "fastgpt, full recompute", s, out)
         if args.profile:  # after the timing: the profiler's overhead is in no timed run
             gpu = args.device.startswith("cuda")
-            one = profile_steps(lambda _: model.generate(prompt, n, temperature=0.0, use_cache=use_cache), range(1),
-                                torch.cuda.synchronize if gpu else (lambda: None), activity="CUDA" if gpu else "CPU")
-            rows[-1]["profile"] = per_token(one, n)
+            # one generation, its kernels per new token (n steps)
+            rows[-1]["profile"] = profile_steps(lambda _: model.generate(prompt, n, temperature=0.0,
+                                                                         use_cache=use_cache),
+                                                range(1), torch.cuda.synchronize if gpu else (lambda: None),
+                                                activity="CUDA" if gpu else "CPU", steps=n)
     if not args.no_torch:
         try:
             from transformers import GPT2LMHeadModel

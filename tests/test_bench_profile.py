@@ -68,7 +68,7 @@ def test_trace_events_are_summed_per_kernel_and_per_step():
     assert b["top"][0]["calls"] in (0.5, 1.0)
 
 
-def test_profile_steps_reads_the_profilers_trace():
+def test_profile_steps_reads_the_profilers_trace(monkeypatch):
     x = np.random.default_rng().standard_normal((32, 48)).astype(np.float32)
     calls = []
 
@@ -78,6 +78,12 @@ def test_profile_steps_reads_the_profilers_trace():
 
     b = _profile.profile_steps(step, range(3), lambda: None, activity="CPU")
     assert calls == [0, 1, 2]
+    seen = []  # the steps the sums are divided by: one a call, or as many as the caller says the calls make
+    monkeypatch.setattr(_profile, "breakdown", lambda events, steps: seen.append(steps) or {})
+    _profile.profile_steps(step, range(2), lambda: None, activity="CPU")
+    _profile.profile_steps(step, range(1), lambda: None, activity="CPU", steps=7)
+    assert seen == [2, 7]
+    monkeypatch.undo()
     assert b["kernel_ms"] == 0 and b["kernels"] == 0  # CPU activity: no GPU kernel events
     assert set(b["groups"]) == set(_profile.GROUP_NAMES)
 
@@ -111,21 +117,15 @@ def test_the_json_keeps_more_kernels_than_the_table_lists(capsys):
     assert len(listed) == _profile.PRINTED and "kernel_05" in listed[-1]
 
 
-def test_generate_profile_is_per_new_token(tmp_path):
-    # bench_generate.py --profile: one generation's kernels shared out among its new tokens (the table's "step"),
-    # recorded with each fastgpt variant; on the CPU no GPU kernels, but the wiring and the JSON are the GPU's.
+def test_generate_profile_is_per_new_token(tmp_path, monkeypatch):
+    # bench_generate.py --profile: one generation's kernels per new token (the table's "step"), recorded with each
+    # fastgpt variant; on the CPU no GPU kernels, but the wiring and the JSON are the GPU's.
     import json
 
     import bench_generate
-    rng = np.random.default_rng()
-    durs = rng.uniform([30, 30, 5], [50, 50, 25])  # the two gemm_a calls together the largest kernel
-    events = [{"cat": "kernel", "name": "gemm_a", "dur": durs[0]}, {"cat": "kernel", "name": "gemm_a", "dur": durs[1]},
-              {"cat": "kernel", "name": "layernorm_forward_kernel", "dur": durs[2]}]
-    n = int(rng.integers(2, 9))
-    p = bench_generate.per_token(_profile.breakdown(events, steps=1), n)
-    assert np.isclose(p["kernel_ms"], durs.sum() / 1e3 / n)
-    assert np.isclose(p["groups"]["matmul"], (durs[0] + durs[1]) / 1e3 / n)
-    assert p["top"][0]["name"] == "gemm_a" and np.isclose(p["top"][0]["calls"], 2 / n)
+    steps = []
+    real = bench_generate.profile_steps
+    monkeypatch.setattr(bench_generate, "profile_steps", lambda *a, **k: steps.append(k.get("steps")) or real(*a, **k))
     out = tmp_path / "gen.json"
     bench_generate.main(["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--vocab", "97", "--block-size", "32",
                          "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--no-torch", "--profile",
@@ -133,3 +133,4 @@ def test_generate_profile_is_per_new_token(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in rows] == ["fastgpt, KV cache", "fastgpt, full recompute"]
     assert all(set(r["profile"]["groups"]) == set(_profile.GROUP_NAMES) for r in rows)
+    assert steps == [3, 3]  # one generation each, shared out among its 3 new tokens
