@@ -10,8 +10,10 @@ the max |fastgpt - torch| column is only there to show both sides computed the s
     python3 bench/bench_ops.py --case matmul --json /tmp/ops.json
     python3 bench/bench_ops.py --device cuda --case layernorm --B 16 --T 1024 --C 768   # on a GPU, bf16
 
-On a GPU (--device cuda, with --dtype) the LayerNorm, matmul and cross-entropy cases run; the other ops have their GPU
-benchmarks in bench_gpu_train.py (--profile: each kernel's time in the training step) and bench_flash_attention.py.
+On a GPU (--device cuda, with --dtype) the embedding, LayerNorm, matmul and cross-entropy cases run; the other ops have
+their GPU benchmarks in bench_gpu_train.py (--profile: each kernel's time in the training step) and
+bench_flash_attention.py. There the embedding's backward gets a second row, "bwd hot", with 12% of the ids one id
+(as "\n" in Tiny Shakespeare): the sum over that token's rows is one long run.
 There the LayerNorm forward and backward get second rows, "fwd2" and "bwd2": fastgpt's older kernels, which read a
 row again for each pass (ops.layernorm_one_pass(False)), against the same torch calls, so one run shows what reading
 each row once saves. Cross-entropy gets an "fb" row: the training step's kernel (the loss and its gradient from two
@@ -33,7 +35,7 @@ from _common import OtherLoad, autotune_summary, default_threads, environment, r
 
 CASES = ("embedding", "layernorm", "residual_layernorm", "matmul", "matmul_gelu", "attention", "gelu", "cross_entropy",
          "adamw")
-GPU_CASES = ("layernorm", "residual_layernorm", "matmul", "cross_entropy")
+GPU_CASES = ("embedding", "layernorm", "residual_layernorm", "matmul", "cross_entropy")
 LINEARS = ("attn", "attn_proj", "fc", "fc_proj", "lm_head")  # every distinct nn.Linear shape of GPT-2
 
 
@@ -56,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh random)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the LayerNorm, matmul and cross-entropy cases on the GPU (timed with CUDA events)")
+                   help="cuda: the embedding, LayerNorm, matmul and cross-entropy cases on the GPU (CUDA events)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="storage type of both sides (default: fp32 on the CPU, bf16 on a GPU; the CPU takes fp32 only)")
     args = p.parse_args(argv)
@@ -164,19 +166,27 @@ def run_cases(args):
     print_header()
 
     if "embedding" in selected:
-        idx, wte, wpe = ids(B, T), randn(V, C, scale=0.02), randn(T, C, scale=0.02)
-        dout = randn(B, T, C)
-        idx_t, pos_t = torch.from_numpy(idx), torch.arange(T)
-        wte_t, wpe_t, dout_t = tt(wte), tt(wpe), torch.from_numpy(dout)
+        wte, wpe, dout = randn(V, C, scale=0.02), randn(T, C, scale=0.02), randn(B, T, C)
+        wte_t, wpe_t, dout_t = tt(wte), tt(wpe), dt(dout)
+        pos_t = torch.arange(T, device="cuda" if gpu else "cpu")
+        # Random ids, then (a GPU's "bwd hot" row) 12% of them one id, as "\n" is in Tiny Shakespeare: the
+        # backward's sum over a token's rows is a run of about 0.12 B T rows for that id.
+        for pas, hot in (("", 0.0),) + ((("hot", 0.12),) if gpu else ()):
+            idx = ids(B, T)
+            if hot:
+                idx[rng.random((B, T)) < hot] = V // 3
+            idx_t = torch.from_numpy(idx).to(pos_t.device)
+            idx_fg = idx_t.int() if gpu else idx  # int32 already: fastgpt's calls time no conversion of the ids
 
-        def th_fwd():
-            return F.embedding(idx_t, wte_t) + F.embedding(pos_t, wpe_t)
-        th_out = th_fwd()
-        bench("embedding", f"idx({B},{T}) wte({V},{C})",
-              lambda: ops.embedding_forward(idx, wte, wpe),
-              lambda: ops.embedding_backward(dout, idx, V, T),
-              th_fwd,
-              lambda: torch.autograd.grad(th_out, (wte_t, wpe_t), dout_t, retain_graph=True))
+            def th_fwd():
+                return F.embedding(idx_t, wte_t) + F.embedding(pos_t, wpe_t)
+            th_out = th_fwd()
+            bench("embedding", f"idx({B},{T}) wte({V},{C})",
+                  None if pas else (lambda: ops.embedding_forward(idx_fg, wte, wpe)),
+                  lambda: ops.embedding_backward(dout, idx_fg, V, T),
+                  th_fwd,
+                  lambda: torch.autograd.grad(th_out, (wte_t, wpe_t), dout_t, retain_graph=True),
+                  passes=("fwd", "bwd " + pas if pas else "bwd"))
 
     def switched(setting, value):  # fn with one of fastgpt.ops' process-wide GPU switches set, then put back
         def wrap(fn):

@@ -225,6 +225,10 @@ if [ $build = ok ] && has bench; then
   b=FAIL; timeout $(tmo 40) python3 bench/bench_ops.py --device cuda --case cross_entropy --B 4 --T 1024 \
     --json "$out/bench_ops_cross_entropy.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_cross_entropy]=$b
+  # The embedding at the training step's B 64: the backward with random ids and with 12% one id ("bwd hot").
+  b=FAIL; timeout $(tmo 40) python3 bench/bench_ops.py --device cuda --case embedding --B 64 --T 1024 --C 768 \
+    --json "$out/bench_ops_embedding.json" >> "$out/bench.log" 2>&1 && b=ok
+  res[bench_embedding]=$b
   b=FAIL; timeout $(tmo 40) python3 bench/bench_adamw.py --json "$out/bench_adamw.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_adamw]=$b
   # --profile: why the KV cache was slower than recomputing (third run): kernels per token against wall time

@@ -1,8 +1,9 @@
-"""bench/bench_ops.py's LayerNorm, matmul and cross-entropy cases: the options it refuses, and on each device a short
-run whose rows compare the same computation on both sides (its max|diff| column; the timings are not judged:
-benchmarks are not tests). On a GPU the LayerNorm forward and backward also get the rows of the older kernels
-("fwd2", "bwd2") that the one-pass ones are measured against, matmul the rows with autotune ("fwd tuned", "bwd
-tuned") and its decisions, and cross-entropy the training step's kernel ("fb")."""
+"""bench/bench_ops.py's embedding, LayerNorm, matmul and cross-entropy cases: the options it refuses, and on each
+device a short run whose rows compare the same computation on both sides (its max|diff| column; the timings are not
+judged: benchmarks are not tests). On a GPU the embedding's backward also gets a row with one id at 12% of the
+positions ("bwd hot"), the LayerNorm forward and backward the rows of the older kernels ("fwd2", "bwd2") that the
+one-pass ones are measured against, matmul the rows with autotune ("fwd tuned", "bwd tuned") and its decisions, and
+cross-entropy the training step's kernel ("fb")."""
 import pathlib
 import sys
 
@@ -16,7 +17,7 @@ import bench_ops  # noqa: E402
 
 @pytest.mark.parametrize("argv,message", [
     (["--device", "cuda", "--case", "attention"],
-     "--device cuda runs --case layernorm or residual_layernorm or matmul or cross_entropy"),
+     "--device cuda runs --case embedding or layernorm or residual_layernorm or matmul or cross_entropy"),
     (["--device", "cuda"], "--device cuda runs --case"),
     (["--dtype", "bf16"], "--dtype bf16/fp16 needs --device cuda"),
 ])
@@ -38,6 +39,19 @@ def test_layernorm_rows(device, dtype, tol, case, capsys):
     for r in rows:
         assert r["fastgpt_ms"] > 0 and r["torch_ms"] > 0
         # bf16: torch rounds its dweight/dbias (sums over 66 rows) to bf16, fastgpt keeps them in fp32
+        assert r["max_abs_diff"] < tol, r
+
+
+# bf16: torch's dwte/dwpe are bf16 (sums of up to about 12 rows here), fastgpt's fp32
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", "fp32", 1e-5),
+                                              pytest.param("cuda", "bf16", 0.1, marks=needs_cuda)])
+def test_embedding_rows(device, dtype, tol, capsys):
+    args = bench_ops.parse_args(["--device", device, "--dtype", dtype, "--case", "embedding", "--B", "3", "--T", "33",
+                                 "--C", "72", "--vocab", "500", "--warmup", "1", "--repeats", "2", "--seed", "7"])
+    rows = bench_ops.run_cases(args)
+    assert [r["pass"] for r in rows] == ["fwd", "bwd"] + (["bwd hot"] if device == "cuda" else [])
+    for r in rows:
+        assert r["op"] == "embedding" and r["fastgpt_ms"] > 0 and r["torch_ms"] > 0
         assert r["max_abs_diff"] < tol, r
 
 

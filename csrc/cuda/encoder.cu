@@ -3,9 +3,10 @@
 // Backward must be deterministic, so no float atomics, and it gives the CPU's bits: every (token, channel) of dwte
 // is one sum, onto the existing value, of that token's dout rows in position order. dwte: the positions are sorted
 // by token, stably (encoder_sort.cu, CUB's radix sort), so each token's positions form a run in position order; the
-// warp that owns a run's first sorted index adds the run's rows in registers, lanes over channels, with all 32
-// rows of a chunk of the run loaded before their adds, as a run can be long: GPT-2's "\n" is 12% of Tiny
-// Shakespeare's tokens, about 2000 of a 16384-token batch. (The kernel this replaces had every thread scan every
+// warp that owns a run's first sorted index adds the run's rows in registers, lanes over channels, with many
+// rows' loads in flight before their adds: those of all the short runs starting in its 32 indices (random ids give
+// runs of one or two), or of 32 rows of a long run at a time (GPT-2's "\n" is 12% of Tiny Shakespeare's tokens,
+// about 2000 of a 16384-token batch). (The kernel this replaces had every thread scan every
 // token id and add in place in global memory, a chain of dependent read-modify-writes as long as that run.)
 // dwpe: one thread per (t, c) summing over b in order, again the CPU's order.
 // Templates over the storage type S (float, bf16, f16): the forward sums in float and rounds once to S (16-byte
@@ -23,6 +24,8 @@ namespace fastgpt::cuda {
 
 namespace {
 constexpr int kWarpsPerBlock = 8;
+constexpr int kWteWarps = 4;  // dwte's warps per block
+constexpr int kSpan = 16;     // dwte: a warp's indices whose loads are in flight at once (2 + E registers each)
 constexpr int kColThreads = 128;  // channels per block in dwpe's kernel
 
 // vec: C is a multiple of Pack<S>::N and every row starts 16-byte aligned, so lanes move whole packs.
@@ -49,64 +52,96 @@ __global__ void encoder_forward_kernel(S* __restrict__ out, const int32_t* __res
   }
 }
 
-// E elements of dout per lane: 4 bytes (two 16-bit values, or one float) when C and the pointers allow, else one.
+// E elements of a row per lane, loaded and stored as one: 4 bytes of dout (two 16-bit values, or one float) and
+// 4 E of dwte, when C and the pointers allow, else one.
 template <typename S, int E>
 struct alignas(sizeof(S) * E) Elems {
   S v[E];
 };
 
-// The first sorted index at or after `from` whose id is not tok (or BT): the end of tok's run.
-__device__ int64_t run_end(const int32_t* __restrict__ tok_sorted, int64_t from, int64_t BT, int tok, int lane) {
-  for (int64_t j0 = from; j0 < BT; j0 += 32) {
-    const int64_t j = j0 + lane;
-    const unsigned differs = __ballot_sync(0xffffffffu, j >= BT || tok_sorted[j] != tok);
-    if (differs) return j0 + __ffs(differs) - 1;
-  }
-  return BT;
+// The next 32 sorted indices' ids and positions, one per lane (-1 and 0 past BT): a chunk's loads, issued early.
+struct Chunk {
+  int tok, pos;
+};
+__device__ __forceinline__ Chunk load_chunk(const int32_t* __restrict__ tok_sorted,
+                                            const int32_t* __restrict__ pos_sorted, int64_t j, int64_t BT) {
+  return j < BT ? Chunk{tok_sorted[j], pos_sorted[j]} : Chunk{-1, 0};
 }
 
-// grid: (ceil(BT / (32 * kWarpsPerBlock)), ceil(C / (32 * E))). A warp owns the runs that start among its 32
-// sorted indices (a run may reach past them) and its block's 32 * E channels; lanes past C keep to the shuffles.
+// grid: (ceil(BT / (32 * kWteWarps)), ceil(C / (32 * E))). A warp owns the runs that start among its 32
+// sorted indices (its window; rows before its first run's start belong to a run some window before) and its
+// block's 32 * E channels; lanes past C keep to the shuffles. The window goes kSpan indices at a time: their dout
+// rows and, for each run starting there, the token's dwte row (the value its sum starts from) are all loaded
+// before the first add, so a warp waits on memory three times for its window (ids and positions, then each half),
+// where it waited twice for each run (about 18 runs a window with random ids at B 64 x T 1024: the H200's 0.71 ms
+// for a step's 0.35 GB was that chain, not bandwidth). The last run may go on past the window: it is added 32
+// rows at a time, each chunk's ids and positions loaded while the chunk before is loaded and added, and its end
+// found from those ids (no scan of the run's ids beforehand).
 template <typename S, int E>
-__global__ void encoder_backward_wte_kernel(float* __restrict__ dwte, const S* __restrict__ dout,
-                                            const int32_t* __restrict__ tok_sorted,
-                                            const int32_t* __restrict__ pos_sorted, int64_t BT, int C) {
+__global__ void __launch_bounds__(kWteWarps * 32)
+    encoder_backward_wte_kernel(float* __restrict__ dwte, const S* __restrict__ dout,
+                                const int32_t* __restrict__ tok_sorted, const int32_t* __restrict__ pos_sorted,
+                                int64_t BT, int C) {
   const int lane = threadIdx.x % 32;
-  const int64_t i0 = ((int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32) * 32;
+  const int64_t i0 = ((int64_t)blockIdx.x * kWteWarps + threadIdx.x / 32) * 32;
   if (i0 >= BT) return;
-  const int64_t i = i0 + lane;
-  const int tok = i < BT ? tok_sorted[i] : -1;
-  unsigned heads = __ballot_sync(0xffffffffu, i < BT && (i == 0 || tok_sorted[i - 1] != tok));
+  const Chunk w = load_chunk(tok_sorted, pos_sorted, i0 + lane, BT);
+  const int before = i0 + lane > 0 && i0 + lane < BT ? tok_sorted[i0 + lane - 1] : -1;
+  const unsigned heads = __ballot_sync(0xffffffffu, w.tok >= 0 && (i0 + lane == 0 || before != w.tok));
+  if (!heads) return;  // the whole window is the middle of a run that started before it
+  const unsigned rows = __ballot_sync(0xffffffffu, w.tok >= 0);
+  const int h0 = __ffs(heads) - 1;
+  // The first chunk past the window, in case the last run reaches it (its ids say whether).
+  Chunk next = i0 + 32 < BT && (rows >> 31) ? load_chunk(tok_sorted, pos_sorted, i0 + 32 + lane, BT) : Chunk{-1, 0};
   const int c = (blockIdx.y * 32 + lane) * E;
   const bool mine = c < C;
-  while (heads) {
-    const int h = __ffs(heads) - 1;
-    heads &= heads - 1;
-    const int t = __shfl_sync(0xffffffffu, tok, h);
-    const int64_t end = heads ? i0 + __ffs(heads) - 1 : run_end(tok_sorted, i0 + 32, BT, t, lane);
-    float* row = dwte + (int64_t)t * C + c;
-    float acc[E];
+  Elems<S, E> x[32];      // rows of dout
+  Elems<float, E> start[kSpan];  // at each run's first index: that token's dwte row as it was
+  Elems<float, E> acc;
+  int tok = -1;  // the run being added
+  for (int k0 = 0; k0 < 32; k0 += kSpan) {
 #pragma unroll
-    for (int e = 0; e < E; e++) acc[e] = mine ? row[e] : 0.f;
-    for (int64_t j0 = i0 + h; j0 < end; j0 += 32) {
-      const int n = end - j0 < 32 ? (int)(end - j0) : 32;
-      const int p = lane < n ? pos_sorted[j0 + lane] : 0;
-      Elems<S, E> x[32];  // the chunk's rows, all loads in flight before the first add
+    for (int k = 0; k < kSpan; k++) {
+      const int pk = __shfl_sync(0xffffffffu, w.pos, k0 + k), tk = __shfl_sync(0xffffffffu, w.tok, k0 + k);
+      if (k0 + k >= h0 && ((rows >> (k0 + k)) & 1) && mine)
+        x[k] = *reinterpret_cast<const Elems<S, E>*>(dout + (int64_t)pk * C + c);
+      if (((heads >> (k0 + k)) & 1) && mine)
 #pragma unroll
-      for (int k = 0; k < 32; k++) {
-        const int pk = __shfl_sync(0xffffffffu, p, k);
-        if (k < n && mine) x[k] = *reinterpret_cast<const Elems<S, E>*>(dout + (int64_t)pk * C + c);
-      }
-#pragma unroll
-      for (int k = 0; k < 32; k++)
-        if (k < n && mine)
-#pragma unroll
-          for (int e = 0; e < E; e++) acc[e] += to_float(x[k].v[e]);
+        start[k] = *reinterpret_cast<const Elems<float, E>*>(dwte + (int64_t)tk * C + c);
     }
-    if (mine)
 #pragma unroll
-      for (int e = 0; e < E; e++) row[e] = acc[e];
+    for (int k = 0; k < kSpan; k++) {
+      if (k0 + k < h0 || !((rows >> (k0 + k)) & 1)) continue;  // warp-uniform
+      if ((heads >> (k0 + k)) & 1) {
+        if (tok >= 0 && mine) *reinterpret_cast<Elems<float, E>*>(dwte + (int64_t)tok * C + c) = acc;
+        tok = __shfl_sync(0xffffffffu, w.tok, k0 + k);
+        acc = start[k];
+      }
+      if (mine)
+#pragma unroll
+        for (int e = 0; e < E; e++) acc.v[e] += to_float(x[k].v[e]);
+    }
   }
+  // The last run past the window, a chunk of up to 32 rows at a time.
+  for (int64_t j0 = i0 + 32; (rows >> 31) && j0 < BT; j0 += 32) {
+    const Chunk cur = next;
+    const unsigned ends = __ballot_sync(0xffffffffu, cur.tok != tok);
+    const int n = ends ? __ffs(ends) - 1 : 32;
+    if (n == 0) break;
+    if (n == 32) next = load_chunk(tok_sorted, pos_sorted, j0 + 32 + lane, BT);
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+      const int pk = __shfl_sync(0xffffffffu, cur.pos, k);
+      if (k < n && mine) x[k] = *reinterpret_cast<const Elems<S, E>*>(dout + (int64_t)pk * C + c);
+    }
+#pragma unroll
+    for (int k = 0; k < 32; k++)
+      if (k < n && mine)
+#pragma unroll
+        for (int e = 0; e < E; e++) acc.v[e] += to_float(x[k].v[e]);
+    if (n < 32) break;
+  }
+  if (mine) *reinterpret_cast<Elems<float, E>*>(dwte + (int64_t)tok * C + c) = acc;
 }
 
 // grid: (T, ceil(C / kColThreads)).
@@ -144,10 +179,11 @@ void encoder_backward(float* dwte, float* dwpe, const S* dout, const int32_t* id
   int32_t* pos_sorted = tok_sorted + BT;                           // (BT)
   sort_positions_by_token(tok_sorted, pos_sorted, reinterpret_cast<char*>(scratch.ptr) + ids_bytes, sort_bytes, idx,
                           BT, V, stream);
-  const unsigned run_blocks = (unsigned)((BT + 32 * kWarpsPerBlock - 1) / (32 * kWarpsPerBlock));
+  const unsigned run_blocks = (unsigned)((BT + 32 * kWteWarps - 1) / (32 * kWteWarps));
   constexpr int E = 4 / (int)sizeof(S);  // 2 for 16-bit S (a lane reads 4 bytes of a row), 1 for float
-  constexpr int threads = kWarpsPerBlock * 32;
-  if (C % E == 0 && reinterpret_cast<uintptr_t>(dout) % 4 == 0) {
+  constexpr int threads = kWteWarps * 32;
+  const bool wide = reinterpret_cast<uintptr_t>(dout) % 4 == 0 && reinterpret_cast<uintptr_t>(dwte) % (4 * E) == 0;
+  if (C % E == 0 && wide) {
     const dim3 grid(run_blocks, (unsigned)((C + 32 * E - 1) / (32 * E)));
     encoder_backward_wte_kernel<S, E><<<grid, threads, 0, stream>>>(dwte, dout, tok_sorted, pos_sorted, BT, C);
   } else {

@@ -983,9 +983,11 @@ void sort_positions_by_token(int32_t* tok_sorted, int32_t* pos_sorted, void* scr
 }  // namespace fastgpt::cuda
 
 // hot: the share of positions given token `hot` (a run longer than a warp's 32 indices, as "\n" in real text);
-// offset: dout starts this many elements into its buffer (1 makes 16-bit rows 2-byte aligned: one value per lane).
+// offset: dout starts this many elements into its buffer (1 makes 16-bit rows 2-byte aligned: one value per lane);
+// runs, if given (summing to B T): the ids' run lengths once sorted, in id order (ids 0, 2, 4, ...; hot unused),
+// each id at random positions: runs that end on a warp's 32 indices, or on a 32-row chunk past them.
 template <typename S>
-void run_encoder(int B, int T, int C, int V, double hot, int offset, unsigned seed) {
+void run_encoder(int B, int T, int C, int V, double hot, int offset, unsigned seed, std::vector<int> runs = {}) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   std::uniform_int_distribution<int> tok(0, V - 1);
@@ -994,6 +996,13 @@ void run_encoder(int B, int T, int C, int V, double hot, int offset, unsigned se
   const int maxT = T + 3;
   std::vector<int32_t> idx(BT);
   for (auto& t : idx) t = u(rng) < hot ? V / 2 : tok(rng);
+  if (!runs.empty()) {
+    size_t i = 0;
+    for (size_t r = 0; r < runs.size(); r++)
+      for (int k = 0; k < runs[r]; k++) idx.at(i++) = (int32_t)(2 * r);
+    if (i != idx.size() || 2 * runs.size() > (size_t)V) emu::die("run_encoder: runs must sum to B T, ids below V");
+    std::shuffle(idx.begin(), idx.end(), rng);
+  }
   auto fill = [&](size_t k) {
     std::vector<S> v(k);
     for (auto& x : v) x = from_float<S>(nd(rng));
@@ -1016,17 +1025,25 @@ void run_encoder(int B, int T, int C, int V, double hot, int offset, unsigned se
                     memcmp(dwpe1.data(), dwpe2.data(), dwpe1.size() * 4) == 0 && dwte1 != dwte0;
   if (!same) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
-  printf("%s encoder %s B=%d T=%d C=%d V=%d hot=%.2f offset=%d: %s\n", same ? "ok  " : "FAIL", type, B, T, C, V, hot,
-         offset, same ? "the CPU's bits (forward, dwte, dwpe)" : "DIFFERS from the CPU");
+  printf("%s encoder %s B=%d T=%d C=%d V=%d hot=%.2f offset=%d runs=%zu: %s\n", same ? "ok  " : "FAIL", type, B, T, C,
+         V, hot, offset, runs.size(), same ? "the CPU's bits (forward, dwte, dwpe)" : "DIFFERS from the CPU");
   fflush(stdout);
 }
 
 void run_encoder_cases(unsigned& seed) {
-  run_encoder<bf16>(2, 150, 96, 50, 0.3, 0, seed++);   // a hot run across warps, 300 positions: two blocks
+  run_encoder<bf16>(2, 150, 96, 50, 0.3, 0, seed++);   // a hot run across warps, 300 positions: three blocks
   run_encoder<float>(3, 37, 40, 7, 0.0, 0, seed++);    // V 7: every run long; channels past C in the lanes
   run_encoder<f16>(1, 70, 33, 300, 0.5, 0, seed++);    // odd C: one value per lane
   run_encoder<bf16>(2, 45, 64, 1000, 0.1, 1, seed++);  // 2-byte aligned dout: one value per lane
   run_encoder<f16>(1, 300, 8, 4, 1.0, 0, seed++);      // one token everywhere: a single run of all positions
+  // Sorted, the first case's runs end on a window's last index (32, 16 + 16, 31), take a window with no start
+  // (96: two whole chunks past its window, the next chunk another id's), go past their window by one row (33), by
+  // a chunk (64) and by a chunk and a row (64 from index 385); the second's last run ends on BT after whole chunks
+  // (its next chunk would start at BT); the third's runs from a full window through a whole chunk into the last,
+  // partial, chunk (the partial window after it has no run start).
+  run_encoder<bf16>(1, 480, 40, 64, 0.0, 0, seed++, {32, 16, 16, 96, 1, 31, 33, 31, 64, 1, 63, 1, 64, 31});
+  run_encoder<float>(2, 96, 24, 16, 0.0, 0, seed++, {5, 27, 40, 24, 96});
+  run_encoder<f16>(1, 77, 33, 8, 0.0, 0, seed++, {3, 74});  // the last window partial, the run reaching BT
 }
 
 // The bias gradient's column sums (matmul_bias.cu): dbias += the sums over rows of dout, whose order the kernels
