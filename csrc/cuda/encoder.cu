@@ -95,6 +95,8 @@ __global__ void __launch_bounds__(kWteWarps * 32)
   Chunk next = i0 + 32 < BT && (rows >> 31) ? load_chunk(tok_sorted, pos_sorted, i0 + 32 + lane, BT) : Chunk{-1, 0};
   const int c = (blockIdx.y * 32 + lane) * E;
   const bool mine = c < C;
+  auto dout_at = [&](int p) { return *reinterpret_cast<const Elems<S, E>*>(dout + (int64_t)p * C + c); };
+  auto dwte_at = [&](int t) { return reinterpret_cast<Elems<float, E>*>(dwte + (int64_t)t * C + c); };
   Elems<S, E> x[32];      // rows of dout
   Elems<float, E> start[kSpan];  // at each run's first index: that token's dwte row as it was
   Elems<float, E> acc;
@@ -103,17 +105,14 @@ __global__ void __launch_bounds__(kWteWarps * 32)
 #pragma unroll
     for (int k = 0; k < kSpan; k++) {
       const int pk = __shfl_sync(0xffffffffu, w.pos, k0 + k), tk = __shfl_sync(0xffffffffu, w.tok, k0 + k);
-      if (k0 + k >= h0 && ((rows >> (k0 + k)) & 1) && mine)
-        x[k] = *reinterpret_cast<const Elems<S, E>*>(dout + (int64_t)pk * C + c);
-      if (((heads >> (k0 + k)) & 1) && mine)
-#pragma unroll
-        start[k] = *reinterpret_cast<const Elems<float, E>*>(dwte + (int64_t)tk * C + c);
+      if (k0 + k >= h0 && ((rows >> (k0 + k)) & 1) && mine) x[k] = dout_at(pk);
+      if (((heads >> (k0 + k)) & 1) && mine) start[k] = *dwte_at(tk);
     }
 #pragma unroll
     for (int k = 0; k < kSpan; k++) {
       if (k0 + k < h0 || !((rows >> (k0 + k)) & 1)) continue;  // warp-uniform
       if ((heads >> (k0 + k)) & 1) {
-        if (tok >= 0 && mine) *reinterpret_cast<Elems<float, E>*>(dwte + (int64_t)tok * C + c) = acc;
+        if (tok >= 0 && mine) *dwte_at(tok) = acc;
         tok = __shfl_sync(0xffffffffu, w.tok, k0 + k);
         acc = start[k];
       }
@@ -132,7 +131,7 @@ __global__ void __launch_bounds__(kWteWarps * 32)
 #pragma unroll
     for (int k = 0; k < 32; k++) {
       const int pk = __shfl_sync(0xffffffffu, cur.pos, k);
-      if (k < n && mine) x[k] = *reinterpret_cast<const Elems<S, E>*>(dout + (int64_t)pk * C + c);
+      if (k < n && mine) x[k] = dout_at(pk);
     }
 #pragma unroll
     for (int k = 0; k < 32; k++)
@@ -141,7 +140,7 @@ __global__ void __launch_bounds__(kWteWarps * 32)
         for (int e = 0; e < E; e++) acc.v[e] += to_float(x[k].v[e]);
     if (n < 32) break;
   }
-  if (mine) *reinterpret_cast<Elems<float, E>*>(dwte + (int64_t)tok * C + c) = acc;
+  if (mine) *dwte_at(tok) = acc;
 }
 
 // grid: (T, ceil(C / kColThreads)).
