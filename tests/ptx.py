@@ -1,5 +1,6 @@
-"""PTX for tests that read what nvcc makes of the kernels' building blocks (test_wgmma.py, test_flash_attention.py):
-a source compiled to PTX, and its kernels' lines by entry name. No GPU needed; nvcc on PATH."""
+"""PTX for tests that read what nvcc makes of the kernels and their building blocks (test_wgmma.py,
+test_flash_attention.py, test_layernorm.py): a source compiled to PTX, and its kernels' lines by entry name. No GPU
+needed; nvcc on PATH."""
 import re
 import subprocess
 from pathlib import Path
@@ -30,3 +31,19 @@ def entries(ptx, name_pattern):
         elif name:
             out[name].append(line)
     return out
+
+
+def kernel_lines(ptx, name):
+    """The lines of the one kernel of the PTX whose mangled entry name contains `name`, up to the next entry. Also
+    kernels in an anonymous namespace (layernorm.cu's), whose entries are .entry, not .visible .entry."""
+    found, lines = [], None
+    for line in ptx.splitlines():
+        entry = re.match(r"(?:\.visible )?\.entry (\S+?)\(", line)
+        if entry:
+            lines = [] if name in entry.group(1) else None
+            if lines is not None:
+                found.append(lines)
+        elif lines is not None:
+            lines.append(line.strip())
+    assert len(found) == 1, f"{len(found)} kernels named like {name}"
+    return found[0]

@@ -1,4 +1,7 @@
 """layernorm: fastgpt.ops forward and backward vs torch.nn.functional.layer_norm in float64."""
+import re
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -6,6 +9,7 @@ import torch.nn.functional as F
 
 from fastgpt import ops
 from devices import DEVICES, bits, check_cuda_switch, host, needs_cuda, on
+from ptx import CSRC, compile_ptx, kernel_lines
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -134,3 +138,29 @@ def test_cuda_layernorm_weight_grads_are_the_cpus_bits(rng, dtype, shape):
         got, want = host(got), np.asarray(want)
         assert rel_err(got, want) < 1e-6, name  # a gross difference first, then the bits
         assert np.array_equal(bits(got), bits(want)), f"{name}: the GPU's bits are not the CPU's"
+
+
+# The one-pass backward at GPT-2's width in bf16 (three packs a lane), compiled for sm_90a, in both forms. The ring
+# kernel's rows come by cp.async, 9 a row (inp, dout and dinp, three packs each): two rows before the loop, one in
+# it. In the loop, after the wait for all groups but the newest, the row and the weight are read from shared memory
+# (12 16-byte loads) and the row's dinp is stored (3) before the refill's first cp.async: the refill overwrites the
+# slot those loads read, so the stores, which use every loaded value, must come first. No 16-byte global load but
+# the weight's copy into shared memory. The register kernel has no cp.async (it also runs before sm_80).
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_backward_ring_reads_rows_from_shared_memory_before_refilling(tmp_path):
+    ptx = compile_ptx(CSRC / "cuda" / "layernorm.cu", tmp_path / "layernorm.ptx", "sm_90a", timeout=300)
+    ring = kernel_lines(ptx, "layernorm_backward_one_pass_kernelINS_4bf16ELi3ELb1E")
+    registers = kernel_lines(ptx, "layernorm_backward_one_pass_kernelINS_4bf16ELi3ELb0E")
+    copies = [i for i, line in enumerate(ring) if line.startswith("cp.async.cg.shared.global")]
+    assert len(copies) == 27, len(copies)
+    waits = [i for i, line in enumerate(ring) if line.startswith("cp.async.wait_group")]
+    assert [ring[i] for i in waits] == ["cp.async.wait_group 1;"], [ring[i] for i in waits]
+    wait = waits[0]
+    assert sum(i < wait for i in copies) == 18, "two rows fetched before the loop"
+    refill = min(i for i in copies if i > wait)
+    between = ring[wait:refill]
+    assert sum(bool(re.match(r"ld\.shared\.v(2\.u64|4\.u32)", line)) for line in between) == 12
+    assert sum(bool(re.match(r"st\.global\.v(2\.u64|4\.u32)", line)) for line in between) == 3
+    wide_global_loads = [line for line in ring if re.match(r"ld\.global(\.nc)?\.v(2\.u64|4\.u32)", line)]
+    assert len(wide_global_loads) == 1, wide_global_loads
+    assert not any("cp.async" in line for line in registers)

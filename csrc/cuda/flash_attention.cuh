@@ -1,5 +1,6 @@
 // Shared pieces of the flash attention kernels (flash_attention*.cu): the launch parameters, and the warp-level
-// building blocks of the tensor-core path: cp.async tile loads, ldmatrix, mma.sync m16n8k16 with fp32 accumulators.
+// building blocks of the tensor-core path: cp.async tile loads (cuda/cp_async.cuh), ldmatrix, mma.sync m16n8k16 with
+// fp32 accumulators.
 // Fragment layouts follow the PTX ISA ("Matrix fragments for mma.m16n8k16"): in a warp, lane = 4 * g + c
 // (g = lane / 4 the group, c = lane % 4); an fp32 accumulator tile 16 x 8 gives each lane rows g and g + 8,
 // columns 2c and 2c + 1; an A tile 16 x 16 the same rows at columns 2c, 2c+1 and 2c+8, 2c+9; a B tile 16 x 8
@@ -11,6 +12,7 @@
 
 #include <cstdint>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/ops.h"
 
 namespace fastgpt::cuda::flash {
@@ -364,12 +366,8 @@ __device__ __forceinline__ void probs_ds_cols(float (&st)[N][4], float (&dpt)[N]
 
 // c (16 x 8, fp32) += a (16 x 16) * b (16 x 8).
 // (mma.sync m16n8k16 and cp.async are sm_80 instructions. A build for older GPUs (sm_75) compiles these kernels with
-// a trap in their place; the dispatch in flash_attention.cu never launches them there.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define FASTGPT_SM80_ASM(...) __trap()
-#else
-#define FASTGPT_SM80_ASM(...) asm volatile(__VA_ARGS__)
-#endif
+// a trap in their place (FASTGPT_SM80_ASM, cuda/cp_async.cuh); the dispatch in flash_attention.cu never launches them
+// there.)
 template <typename E>
 __device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b);
 template <>
@@ -421,18 +419,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
-}
-
-// 16 bytes global -> shared without passing through registers; `valid` false writes zeros and reads nothing (the
-// source must still be a valid address, so callers pass the tensor's base for rows past T).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  FASTGPT_SM80_ASM("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { FASTGPT_SM80_ASM("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  FASTGPT_SM80_ASM("cp.async.wait_group %0;\n" ::"n"(N) : "memory");  // shared reads must not move above it
 }
 
 // Rows [row0, row0 + ROWS) of one (b, h) slice of a view with row stride st (elements), D wide, into shared memory

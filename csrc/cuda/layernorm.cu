@@ -14,17 +14,21 @@
 // warps one part, and a lane keeps its columns of the row (16-byte packs) in registers from the row's two sums to
 // its dinp, and its columns' part sums beside them; the warps then add their part sums into the chunk's partial in
 // turn, through shared memory. A row's dinp is loaded with it, before the row's sums, so that a warp waits on
-// memory once a row. The two-pass form it replaces (one kernel for dinp, a second that reads dout and inp
-// again for the partials: half as much traffic again) is kept for rows it cannot take (C not a whole number of
-// packs, over kMaxCols, unaligned views) and, by set_layernorm_one_pass(false), for benchmarks and tests; both give
-// the same dweight/dbias bits (fmaf in both).
+// memory once a row; on sm_80 and newer, where the shared memory allows, not even that: the rows come through a
+// ring in shared memory by cp.async, the next one landing while the warp works on the one before. The two-pass
+// form it replaces (one kernel for dinp, a second that reads dout and inp again for the partials: half as much
+// traffic again) is kept for rows it cannot take (C not a whole number of packs, over kMaxCols, unaligned views)
+// and, by set_layernorm_one_pass(false), for benchmarks and tests; both give the same dweight/dbias bits (fmaf in
+// both).
 // Templates over the storage type S (float, bf16, f16): inputs are widened to float as they are loaded, every sum
 // is in float (or double for the chunk combine), out is rounded once to S, mean/rstd and dweight/dbias are float,
 // and dinp += is read as S, added in float and rounded once.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 
 #include "cuda/check.h"
+#include "cuda/cp_async.cuh"
 #include "cuda/layernorm.cuh"
 #include "cuda/ops.h"
 #include "cuda/scratch.h"
@@ -138,45 +142,102 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
 template <typename S, int K>
 constexpr int kOnePassBlocks = sizeof(S) == 2 ? (K == 1 ? 4 : K <= 3 ? 2 : 1) : (K <= 2 ? 3 : K <= 4 ? 2 : 1);
 
+// Rows a warp of the ring kernel has in shared memory or on their way: it works on one while the next lands.
+constexpr int kRingSlots = 2;
+
+// The ring kernel's dynamic shared memory for rows of C columns: kParts warps x kRingSlots rows x (inp, dout, dinp),
+// the chunk's (2, C) sums, the weight (C).
+template <typename S>
+constexpr int64_t ring_bytes(int C) {
+  return ((int64_t)kParts * kRingSlots * 3 + 1) * C * (int64_t)sizeof(S) + 2 * (int64_t)C * (int64_t)sizeof(float);
+}
+
 // One block per chunk, one warp per part (grid: nchunks; kParts warps). Lane l's columns are the K packs
 // (32 k + l) * P .. + P - 1 (P = Pack<S>::N): each warp-wide load is 512 contiguous bytes. Needs C a multiple of P
 // (a pack is in the row or out of it), C <= 32 K P <= kMaxCols and 16-byte aligned rows (one_pass_fits).
-template <typename S, int K>
+// kRing (sm_80 and newer, where ring_bytes fit; layernorm_backward chooses): a lane's packs of a row come by
+// cp.async into the warp's ring in shared memory, next row first, so that a row is on its way while the warp works
+// on the one before; else they are loaded into registers when the warp reaches the row, and a warp has rows in
+// flight only while it waits for them. Both read the same values and add them in the same order: the same bits.
+// (The registers hold the part sums, 48 at GPT-2's width, so a second row's packs do not fit beside them: 128 a
+// thread at two blocks an SM. The third H200 run's 0.157 ms a call, 2.5 TB/s, where the residual LayerNorm's
+// forward, which moves as many bytes, ran at 3.6, came from the wait on each row.)
+template <typename S, int K, bool kRing>
 __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     layernorm_backward_one_pass_kernel(S* __restrict__ dinp, float* __restrict__ partial, const S* __restrict__ dout,
                                        const S* __restrict__ inp, const S* __restrict__ weight,
                                        const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
                                        int C) {
   constexpr int P = Pack<S>::N;
-  __shared__ float sums[2 * kMaxCols];  // (2, C): dweight | dbias, the chunk's parts added so far
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: ring_bytes(C)
+  __shared__ float static_sums[kRing ? 1 : 2 * kMaxCols];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // kRing: this warp's slots (kRingSlots, 3, C): inp | dout | dinp of a row
+  S* ring = reinterpret_cast<S*>(smem_raw) + (int64_t)warp * kRingSlots * 3 * C;
+  // (2, C): dweight | dbias, the chunk's parts added so far
+  float* sums = kRing ? reinterpret_cast<float*>(reinterpret_cast<S*>(smem_raw) + (int64_t)kParts * kRingSlots * 3 * C)
+                      : static_sums;
+  S* sweight = reinterpret_cast<S*>(sums + 2 * C);  // kRing: (C), the weight
   const int64_t p0 = (int64_t)blockIdx.x * kRowsPerChunk + warp * kRowsPerPart;
   const int64_t p1 = p0 + kRowsPerPart < N ? p0 + kRowsPerPart : N;
+  // Row n (if in the part) into ring slot s: this lane's packs, which only it reads back, so its own wait orders
+  // them. Every call commits a group, empty past the part, so that each row's wait is the same.
+  const auto fetch = [&](int64_t n, int s) {
+    if (n < p1) {
+      S* b = ring + s * 3 * C;
+#pragma unroll
+      for (int k = 0; k < K; k++) {
+        const int c = (32 * k + lane) * P;
+        if (c < C) {
+          cp_async16(b + c, inp + n * C + c, true);
+          cp_async16(b + C + c, dout + n * C + c, true);
+          cp_async16(b + 2 * C + c, dinp + n * C + c, true);
+        }
+      }
+    }
+    cp_async_commit();
+  };
   float pw[K][P], pb[K][P];  // this part's sums, by column
+  // The weight: in registers, or (kRing) in shared memory, read with each row's packs. Kept in registers beside
+  // the ring's addressing, it made the fp16 ring kernel spill at GPT-2's width (20 bytes at 128 registers).
   Pack<S> w[K];
 #pragma unroll
   for (int k = 0; k < K; k++) {
     const int c = (32 * k + lane) * P;
 #pragma unroll
     for (int e = 0; e < P; e++) pw[k][e] = pb[k][e] = 0.f;
-    if (c < C) w[k] = load_pack(weight + c);
+    if (!kRing && c < C) w[k] = load_pack(weight + c);
   }
-  for (int64_t n = p0; n < p1; n++) {  // a warp past N has no rows: it only takes its turns below
-    const S* x = inp + n * C;
-    const S* dy = dout + n * C;
+  // The ring kernel: the part's first rows on their way; its means and rstds, lane i holding row p0 + i's, so that
+  // a row takes its pair from a shuffle, not from a load (a wait on memory a row, where its packs are already in
+  // shared memory); the block's copy of the weight.
+  float part_mean = 0.f, part_rstd = 0.f;
+  if constexpr (kRing) {
+    for (int s = 0; s < kRingSlots; s++) fetch(p0 + s, s);
+    if (lane < kRowsPerPart && p0 + lane < p1) part_mean = mean[p0 + lane], part_rstd = rstd[p0 + lane];
+    for (int c = threadIdx.x * P; c < C; c += blockDim.x * P) store_pack(sweight + c, load_pack(weight + c));
+    __syncthreads();
+  }
+  for (int i = 0; p0 + i < p1; i++) {  // a warp past N has no rows: it only takes its turns below
+    const int64_t n = p0 + i;
+    const int slot = i % kRingSlots;
     S* dx = dinp + n * C;
-    // The row and its dinp so far, read once and all before the row's sums: one wait on memory a row, not two.
+    // The row and its dinp so far, all before the row's sums: one wait on memory a row, not two.
     Pack<S> xv[K], gv[K], dv[K];
+    if constexpr (kRing) cp_async_wait<kRingSlots - 1>();  // row n's group; the newer ones may still be on their way
 #pragma unroll
     for (int k = 0; k < K; k++) {
       const int c = (32 * k + lane) * P;
       if (c < C) {
-        xv[k] = load_pack(x + c);
-        gv[k] = load_pack(dy + c);
-        dv[k] = load_pack(dx + c);
+        const S* b = kRing ? ring + slot * 3 * C : nullptr;
+        xv[k] = load_pack(kRing ? b + c : inp + n * C + c);
+        gv[k] = load_pack(kRing ? b + C + c : dout + n * C + c);
+        dv[k] = load_pack(kRing ? b + 2 * C + c : dx + c);
+        if constexpr (kRing) w[k] = load_pack(sweight + c);
       }
     }
-    const float m = mean[n], r = rstd[n];
+    const float m = kRing ? __shfl_sync(0xffffffffu, part_mean, i) : mean[n];
+    const float r = kRing ? __shfl_sync(0xffffffffu, part_rstd, i) : rstd[n];
     float sd = 0.f, sdn = 0.f;
 #pragma unroll
     for (int k = 0; k < K; k++)
@@ -204,6 +265,11 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
         }
         store_pack(dx + c, d);
       }
+    }
+    // The slot's reads are behind the stores that use their values; the compiler may not sink them below the refill.
+    if constexpr (kRing) {
+      compiler_fence();
+      fetch(n + kRingSlots, slot);
     }
   }
   // The parts' sums into the chunk's, part 0 first: the partial kernel's order, one warp at a time.
@@ -256,11 +322,38 @@ __global__ void __launch_bounds__(kCombineCols * kCombineLanes)
   dbias[c] += (float)tb;
 }
 
+// The most dynamic shared memory the ring kernel of (S, K) may take on the current device: what lets
+// kOnePassBlocks<S, K> of its blocks share an SM (cudaDevAttrMaxSharedMemoryPerMultiprocessor less the 1 KB the
+// runtime reserves a block and room for the static array), within the opt-in limit a block, and no more than its
+// widest rows need; 0 before sm_80 (no cp.async). bf16 at C 768: 79.5 KB of the 112.9 allowed on sm_90,
+// 80.9 on sm_80; sm_86 and sm_89 (100 KB an SM) keep the register kernel there.
+template <typename S, int K>
+int64_t ring_cap() {
+  int device = 0, major = 0, per_sm = 0, per_block = 0;
+  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major < 8) return 0;
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int64_t fit = std::min<int64_t>(per_sm / kOnePassBlocks<S, K> - 1024, per_block) - 64;
+  return std::min<int64_t>(fit, ring_bytes<S>(32 * K * Pack<S>::N));
+}
+
 template <typename S, int K>
 void launch_one_pass(S* dinp, float* partial, const S* dout, const S* inp, const S* weight, const float* mean,
                      const float* rstd, int64_t N, int C, int64_t nchunks, Stream stream) {
-  auto* kernel = layernorm_backward_one_pass_kernel<S, K>;  // one-line launch: the warp emulator rewrites it
-  kernel<<<(unsigned)nchunks, 32 * kParts, 0, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
+  const int64_t bytes = ring_bytes<S>(C), cap = ring_cap<S, K>();
+  if (bytes <= cap) {
+    auto* kernel = layernorm_backward_one_pass_kernel<S, K, true>;
+    // The kernel's cap, not this launch's size: the same on every call, so that no call lowers it under another's
+    // launch (another thread's, or one a graph recorded).
+    FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cap));
+    const size_t smem = (size_t)bytes;  // (one-line launches: the warp emulator rewrites them)
+    kernel<<<(unsigned)nchunks, 32 * kParts, smem, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
+  } else {
+    auto* kernel = layernorm_backward_one_pass_kernel<S, K, false>;
+    kernel<<<(unsigned)nchunks, 32 * kParts, 0, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
+  }
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 }  // namespace

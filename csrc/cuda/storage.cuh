@@ -27,10 +27,19 @@ struct Pack {
 #ifndef FASTGPT_ALIGN16_CHECK
 #define FASTGPT_ALIGN16_CHECK(p)
 #endif
+// The emulator also follows these loads and stores where they touch shared memory (the LayerNorm backward's ring,
+// cross-entropy's row copy), in its race check.
+#ifndef FASTGPT_PACK_LOADED
+#define FASTGPT_PACK_LOADED(p)
+#endif
+#ifndef FASTGPT_PACK_STORED
+#define FASTGPT_PACK_STORED(p)
+#endif
 
 template <typename S>
 __device__ __forceinline__ Pack<S> load_pack(const S* p) {  // p 16-byte aligned
   FASTGPT_ALIGN16_CHECK(p);
+  FASTGPT_PACK_LOADED(p);
   Pack<S> r;
   r.raw = *reinterpret_cast<const uint4*>(p);
   return r;
@@ -38,6 +47,7 @@ __device__ __forceinline__ Pack<S> load_pack(const S* p) {  // p 16-byte aligned
 template <typename S>
 __device__ __forceinline__ void store_pack(S* p, const Pack<S>& x) {  // p 16-byte aligned
   FASTGPT_ALIGN16_CHECK(p);
+  FASTGPT_PACK_STORED(p);
   *reinterpret_cast<uint4*>(p) = x.raw;
 }
 

@@ -47,8 +47,8 @@ template <int ROWS, int D>
 void load_kernel(const uint16_t* src, int T, uint16_t* out) {
   unsigned char* tile = sm90::aligned(emu::smem());
   sm90::load<Elem, ROWS, D, 128>(tile, reinterpret_cast<const Elem*>(src), D, 0, T, threadIdx.x);
-  flash::cp_async_commit();
-  flash::cp_async_wait<0>();
+  fastgpt::cuda::cp_async_commit();
+  fastgpt::cuda::cp_async_wait<0>();
   __syncthreads();
   for (int i = threadIdx.x; i < ROWS * D; i += 128) memcpy(&out[i], tile + 2 * i, 2);
 }

@@ -1170,6 +1170,23 @@ inline std::atomic<long> g_align16_checks{0};
   (emu::g_align16_checks.fetch_add(1, std::memory_order_relaxed),                                               \
    reinterpret_cast<uintptr_t>(p) % 16 ? emu::die("a 16-byte load or store of an address not 16-byte aligned") \
                                        : (void)0)
+// storage.cuh's 16-byte loads and stores where they touch the block's (dynamic) shared memory, in the race check as
+// ld.shared / st.shared: a load of a chunk whose cp.async has not been waited for, or that another thread wrote
+// with no barrier since, fails (the LayerNorm ring's rows, its weight copy, cross-entropy's row copy).
+namespace emu {
+inline bool in_smem(const void* p) {
+  const unsigned char* c = (const unsigned char*)p;
+  return tl_block && c >= tl_block->smem && c < tl_block->smem + tl_block->smem_bytes;
+}
+inline void pack_loaded(const void* p) {
+  if (in_smem(p)) ld_shared(static_cast<const uint4*>(p), "a 16-byte load");
+}
+inline void pack_stored(void* p) {
+  if (in_smem(p)) st_shared(static_cast<uint4*>(p), *static_cast<uint4*>(p), "a 16-byte store");
+}
+}  // namespace emu
+#define FASTGPT_PACK_LOADED(p) emu::pack_loaded(p)
+#define FASTGPT_PACK_STORED(p) emu::pack_stored(const_cast<void*>(static_cast<const void*>(p)))
 // The _rn intrinsics: one rounding each, never part of an FMA. The kernel units are built contracting a * b + c into
 // FMAs, as nvcc does (run.sh), so the result passes through a volatile: the compiler cannot fuse across it.
 namespace emu {

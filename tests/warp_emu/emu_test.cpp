@@ -842,6 +842,10 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
   fflush(stdout);
 }
 
+// The one-pass kernel the next cases expect where it runs: rows through the ring in shared memory (cp.async, at an
+// H100's limits) or loaded into registers (an SM too small for its blocks' rings, or a GPU before sm_80).
+static bool g_ln_ring = true;
+
 // The LayerNorm backward's two paths (layernorm.cu): rows read once (warps of a block take the parts of a chunk and
 // add their sums in turn) and the two-pass kernels. They must give the same dweight/dbias bits (the same parts in
 // the same order, fmaf in both), each within tol of float64 for dinp (added onto values already there) and 1e-5 for
@@ -852,6 +856,7 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
 // `cancel`: rows 0-63 get dout times 2^60 and rows 64-127 their copy with dout negated, so chunks 0 and 1 cancel
 // exactly in the combine's lane order (lane 0, lane 1, then the rest) and in no other: summed after the small chunks,
 // they would round those away (the float64 reference leaves the two chunks out, as they add exactly 0).
+// Where the ring ran, the register kernel (as before sm_80) runs too and must give its dinp's bits.
 template <typename S>
 void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsigned seed, bool cancel = false) {
   std::mt19937 rng(seed);
@@ -896,13 +901,21 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
   bool ok = cuda::layernorm_one_pass_fits(dinp0.data() + offset, dy.data() + offset, x.data() + offset,
                                           w.data() + offset, C) == fits && eo < tol;
   std::vector<float> dws[2], dbs[2];
+  std::vector<S> ring_dinp;
   double ex[2], ew[2], eb[2];
+  // The ring's bytes (layernorm.cu's ring_bytes: 8 warps x 2 rows x 3 arrays, the (2, C) sums, the weight), or none.
+  const size_t ring = fits && g_ln_ring ? (8 * 2 * 3 + 1) * (size_t)C * sizeof(S) + 2 * (size_t)C * sizeof(float) : 0;
+  bool kernel = true;
   for (int one_pass : {1, 0}) {
     const bool before = cuda::set_layernorm_one_pass(one_pass);
     std::vector<S> dinp = dinp0;
     std::vector<float> dw = dw0, db = db0;
+    const size_t seen = emu::g_max_smem_seen;  // the run's largest, which the last line prints: kept
+    emu::g_max_smem_seen = 0;
     cuda::layernorm_backward(dinp.data() + offset, dw.data(), db.data(), dy.data() + offset, x.data() + offset,
                              w.data() + offset, mean.data(), rstd.data(), N, C, nullptr);
+    kernel = kernel && emu::g_max_smem_seen == (one_pass ? ring : 0);
+    emu::g_max_smem_seen = std::max(seen, emu::g_max_smem_seen);
     cuda::set_layernorm_one_pass(before);
     ok = ok && memcmp(dinp.data(), dinp0.data(), offset * sizeof(S)) == 0;  // nothing before the view is written
     std::vector<double> wdw(dw.begin(), dw.end()), wdb(db.begin(), db.end());
@@ -911,6 +924,17 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
     eb[one_pass] = relerr(wdb, rdb);
     ok = ok && ex[one_pass] < tol && ew[one_pass] < 1e-5 && eb[one_pass] < 1e-5;
     dws[one_pass] = dw, dbs[one_pass] = db;
+    if (one_pass) ring_dinp = dinp;
+  }
+  bool same_dinp = true;  // the ring's dinp is the register kernel's
+  if (ring) {
+    std::vector<S> dinp = dinp0;
+    std::vector<float> dw = dw0, db = db0;
+    emu::g_cc_major = 7;
+    cuda::layernorm_backward(dinp.data() + offset, dw.data(), db.data(), dy.data() + offset, x.data() + offset,
+                             w.data() + offset, mean.data(), rstd.data(), N, C, nullptr);
+    emu::g_cc_major = 9;
+    same_dinp = memcmp(dinp.data(), ring_dinp.data(), n * sizeof(S)) == 0;
   }
   std::vector<float> cpu_dw = dw0, cpu_db = db0;
   std::vector<S> cpu_dinp = dinp0;
@@ -921,12 +945,14 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
   };
   const bool same = same_bits(dws[0], dws[1]) && same_bits(dbs[0], dbs[1]) && same_bits(dws[1], cpu_dw) &&
                     same_bits(dbs[1], cpu_db);
-  ok = ok && same;
+  ok = ok && same && kernel && same_dinp;
   if (!ok) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
-  printf("%s layernorm_backward %s N=%d C=%d offset %d (%s%s): dweight/dbias %s, two paths and CPU; one pass: "
+  printf("%s layernorm_backward %s N=%d C=%d offset %d (%s%s%s%s): dweight/dbias %s, two paths and CPU; one pass: "
          "dinp %.2e, dweight %.2e, dbias %.2e; two: %.2e, %.2e, %.2e; forward out %.2e\n", ok ? "ok  " : "FAIL", type,
-         N, C, offset, fits ? "one pass" : "two passes only", cancel ? ", chunks 0 and 1 cancel" : "",
+         N, C, offset, !fits ? "two passes only" : ring ? "one pass, ring" : "one pass, registers",
+         ring ? (same_dinp ? ", the registers' dinp bits" : ", dinp NOT the registers' bits") : "",
+         cancel ? ", chunks 0 and 1 cancel" : "", kernel ? "" : ", NOT the kernel that ran",
          same ? "same bits" : "DIFFER", ex[1], ew[1], eb[1], ex[0], ew[0], eb[0], eo);
   fflush(stdout);
 }
@@ -966,6 +992,29 @@ void run_layernorm_cases(unsigned& seed) {
   // the last of one row.
   run_layernorm_paths<bf16>(64 * 16 + 1, 40, 0, true, 1e-2, seed++);
   run_layernorm_paths<bf16>(64 * 5 + 3, 40, 0, true, 1e-2, seed++, true);  // the lanes' order
+  // The register kernel (the cases above ran the ring): a GPU before sm_80, and an SM whose shared memory does not
+  // hold its blocks' rings (sm_86's 100 KB: two 79.5 KB blocks of bf16 at C 768 do not fit, one fp32 block of 155 KB
+  // neither), each with a part cut short, warps with no rows and a widest row.
+  g_ln_ring = false;
+  emu::g_cc_major = 7;
+  run_layernorm_paths<bf16>(70, 768, 0, true, 1e-2, seed++);
+  run_layernorm_paths<float>(9, 1020, 0, true, 1e-5, seed++);
+  emu::g_cc_major = 9;
+  emu::g_smem_per_sm = 100 * 1024, emu::g_smem_optin = 99 * 1024;
+  run_layernorm_paths<bf16>(70, 768, 0, true, 1e-2, seed++);
+  run_layernorm_paths<f16>(9, 1024, 0, true, 2e-3, seed++);
+  run_layernorm_paths<float>(65, 768, 0, true, 1e-5, seed++);
+  // sm_80 (164 KB an SM, 1 KB of it reserved a block): the widest fp32 rows on either side of the limit, two blocks
+  // an SM (C 404: 82,416 bytes a block fit, 408: 83,232 do not) and one (816: 166,464; 820: 167,280); GPT-2's bf16
+  // rows (81,408) fit.
+  emu::g_smem_per_sm = 164 * 1024, emu::g_smem_optin = 163 * 1024;
+  run_layernorm_paths<float>(65, 408, 0, true, 1e-5, seed++);
+  run_layernorm_paths<float>(65, 820, 0, true, 1e-5, seed++);
+  g_ln_ring = true;
+  run_layernorm_paths<float>(65, 404, 0, true, 1e-5, seed++);
+  run_layernorm_paths<float>(65, 816, 0, true, 1e-5, seed++);
+  run_layernorm_paths<bf16>(70, 768, 0, true, 1e-2, seed++);
+  emu::g_smem_per_sm = 228 * 1024, emu::g_smem_optin = 227 * 1024;
 }
 
 // The embedding's kernels (encoder.cu) against the CPU reference (cpu/encoder.cpp, compiled in beside them): the

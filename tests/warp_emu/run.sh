@@ -24,6 +24,7 @@ out=$1 mode=${2:-quick} lazy=${3:-1}
 cuda_inc=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}/include
 mkdir -p "$out/cuda"
 cp "$here/emu.h" "$here/emu_ops.h" "$here/emu_wgmma.h" "$here/emu_tma.h" "$out/"
+cp "$here/emu_cp_async.h" "$out/cuda/cp_async.cuh"  # the cp.async helpers (flash tiles, the LayerNorm row ring)
 # The header up to the asm helpers, then the emulated ones, then the rest (the tile loader).
 { echo '#include "../emu.h"'
   awk '/^\/\/ c \(16 x 8, fp32\) \+= a/{skip=1} /^\/\/ Rows \[row0/{if(skip){print "#include \"../emu_ops.h\""}; skip=0} !skip{print}' \
