@@ -16,11 +16,11 @@
 // Templates over the storage type S (float, bf16, f16) of the logits: widened as loaded, all arithmetic in float,
 // losses and lse float. The gradient is (p - onehot) * dloss rounded once to S, as the CPU writes it: in 16 bits
 // p - 1 at the target is formed before rounding (not p rounded, then - 1).
-#include <algorithm>
 #include <cmath>
 
 #include "cuda/check.h"
 #include "cuda/ops.h"
+#include "cuda/smem.cuh"
 #include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
@@ -220,18 +220,11 @@ __global__ void cross_entropy_forward_backward_smem_kernel(float* __restrict__ l
   row_grad(dlogits + n * V, io, (const S*)row, PackIO<S>{true}, l, targets[n], dloss, V, losses + n);
 }
 
-// The largest row copy (bytes) with which two blocks fit on an SM: half the SM's shared memory
-// (cudaDevAttrMaxSharedMemoryPerMultiprocessor: 228 KB on sm_90, 164 KB on sm_80, 100 KB on sm_86/89) less 2 KB for
-// each block's static arrays (256 bytes) and the 1 KB the runtime reserves a block, within the opt-in limit a block.
-// One block an SM would leave the SM's loads idle while its block reduces and writes; untried on a GPU, so rows that
-// need it (fp32 at V 50304, 201 KB; 16 bits on sm_80) keep the two-read kernel: 57,344 16-bit logits on sm_90.
-int64_t row_copy_limit() {
-  int device = 0, per_sm = 0, per_block = 0;
-  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return std::min<int64_t>(per_sm / 2 - 2048, per_block - 1024);
-}
+// The largest row copy (bytes) with which two blocks fit on an SM (smem_for_blocks), with 1 KB for each block's
+// static arrays (256 bytes). One block an SM would leave the SM's loads idle while its block reduces and writes;
+// untried on a GPU, so rows that need it (fp32 at V 50304, 201 KB; 16 bits on sm_80) keep the two-read kernel:
+// 57,344 16-bit logits on sm_90.
+int64_t row_copy_limit() { return smem_for_blocks(2, 1024); }
 
 // 16-byte units: V a whole number of packs, so every row starts where the first does, and both bases aligned.
 template <typename S>

@@ -32,6 +32,7 @@
 #include "cuda/layernorm.cuh"
 #include "cuda/ops.h"
 #include "cuda/scratch.h"
+#include "cuda/smem.cuh"
 #include "cuda/storage.cuh"
 
 namespace fastgpt::cuda {
@@ -323,20 +324,16 @@ __global__ void __launch_bounds__(kCombineCols * kCombineLanes)
 }
 
 // The most dynamic shared memory the ring kernel of (S, K) may take on the current device: what lets
-// kOnePassBlocks<S, K> of its blocks share an SM (cudaDevAttrMaxSharedMemoryPerMultiprocessor less the 1 KB the
-// runtime reserves a block and room for the static array), within the opt-in limit a block, and no more than its
-// widest rows need; 0 before sm_80 (no cp.async). bf16 at C 768: 79.5 KB of the 112.9 allowed on sm_90,
-// 80.9 on sm_80; sm_86 and sm_89 (100 KB an SM) keep the register kernel there.
+// kOnePassBlocks<S, K> of its blocks share an SM (smem_for_blocks, with room for the 4-byte static array), and no
+// more than its widest rows need; 0 before sm_80 (no cp.async). bf16 at C 768: 79.5 KB of the 112.9 allowed on
+// sm_90, 80.9 on sm_80; sm_86 and sm_89 (100 KB an SM) keep the register kernel there.
 template <typename S, int K>
 int64_t ring_cap() {
-  int device = 0, major = 0, per_sm = 0, per_block = 0;
+  int device = 0, major = 0;
   FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
   FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   if (major < 8) return 0;
-  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int64_t fit = std::min<int64_t>(per_sm / kOnePassBlocks<S, K> - 1024, per_block) - 64;
-  return std::min<int64_t>(fit, ring_bytes<S>(32 * K * Pack<S>::N));
+  return std::min<int64_t>(smem_for_blocks(kOnePassBlocks<S, K>, 64), ring_bytes<S>(32 * K * Pack<S>::N));
 }
 
 template <typename S, int K>

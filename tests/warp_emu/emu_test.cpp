@@ -930,10 +930,11 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
   if (ring) {
     std::vector<S> dinp = dinp0;
     std::vector<float> dw = dw0, db = db0;
+    const int cc = emu::g_cc_major;
     emu::g_cc_major = 7;
     cuda::layernorm_backward(dinp.data() + offset, dw.data(), db.data(), dy.data() + offset, x.data() + offset,
                              w.data() + offset, mean.data(), rstd.data(), N, C, nullptr);
-    emu::g_cc_major = 9;
+    emu::g_cc_major = cc;
     same_dinp = memcmp(dinp.data(), ring_dinp.data(), n * sizeof(S)) == 0;
   }
   std::vector<float> cpu_dw = dw0, cpu_db = db0;
