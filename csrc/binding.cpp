@@ -447,10 +447,12 @@ void bind_ops(py::module_& m) {
     TYPED(a, FASTGPT_DISPATCH(c, residual_layernorm_forward<S>, res.as<S>(), out.as<S>(), mean.f(), rstd.f(),
                               a.as<S>(), b.as<S>(), w.as<S>(), bias.as<S>(), N, C));
   });
-  m.def("layernorm_backward", [](H dx_, H dw_, H db_, H dout_, H x_, H w_, H mean_, H rstd_, uintptr_t stream) {
+  m.def("layernorm_backward", [](H dx_, H dw_, H db_, H dout_, H x_, H w_, H mean_, H rstd_,
+                                 std::optional<H> dx_sum_, uintptr_t stream) {
     View dx = view_of(dx_, "dx", 'a'), dw = view_of(dw_, "dweight", 'f'), db = view_of(db_, "dbias", 'f'),
          dout = view_of(dout_, "dout", 'a'), x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a'),
          mean = view_of(mean_, "mean", 'f'), rstd = view_of(rstd_, "rstd", 'f');
+    View dx_sum = dx_sum_ ? view_of(*dx_sum_, "dx_sum", 'f') : db;
     same_dtype({{&x, "x"}, {&w, "weight"}, {&dout, "dout"}, {&dx, "dx"}});
     need(w.ndim() == 1, "weight must be 1-D, got " + shape_str(w.shape));
     const int C = w.shape[0];
@@ -459,11 +461,13 @@ void bind_ops(py::module_& m) {
     same_shape(dx, x, "dx", "x");
     shape_is(dw, {C}, "dweight");
     shape_is(db, {C}, "dbias");
+    shape_is(dx_sum, {C}, "dx_sum");
     need(mean.size() == N && rstd.size() == N, "mean and rstd must hold one value per row (" + std::to_string(N) + ")");
-    Ctx c = context({&dx, &dw, &db, &dout, &x, &w, &mean, &rstd}, stream);
+    Ctx c = context({&dx, &dw, &db, &dout, &x, &w, &mean, &rstd, &dx_sum}, stream);
+    float* sum = dx_sum_ ? dx_sum.f() : nullptr;
     py::gil_scoped_release nogil;
     TYPED(x, FASTGPT_DISPATCH(c, layernorm_backward<S>, dx.as<S>(), dw.f(), db.f(), dout.as<S>(), x.as<S>(),
-                              w.as<S>(), mean.f(), rstd.f(), N, C));
+                              w.as<S>(), mean.f(), rstd.f(), N, C, sum));
   });
   m.def("matmul_forward", [](H out_, H x_, H w_, std::optional<H> bias_, uintptr_t stream) {
     View out = view_of(out_, "out", 'a'), x = view_of(x_, "x", 'a'), w = view_of(w_, "weight", 'a');
@@ -868,7 +872,8 @@ PYBIND11_MODULE(_C, m) {
              auto* g = new GPT(c, seed, std::move(be), p, std::move(comm));
              std::unique_ptr<GPT> owned(g);
              g->set_fused(fused);
-             g->set_recompute(recompute.value_or(fused ? 1 : 0));  // torch.compile recomputes GELU; eager does not
+             // 0: keeping every activation is the fastest (model.py's docstring has the measurements)
+             g->set_recompute(recompute.value_or(0));
              return owned.release();
            }),
            py::arg("block_size"), py::arg("vocab_size"), py::arg("n_layer"), py::arg("n_head"), py::arg("n_embd"),

@@ -6,7 +6,9 @@ cache (prefill, decode steps, the window sliding past block_size). The fused mod
 LayerNorm after it, the GELU in cuBLASLt epilogues in 16 bits) in every precision, then the unfused one in bf16 for
 the kernels it alone runs (residual add, GELU); all at head size 32 (attention on CUDA cores, or widened to fp32),
 then fp32, tf32 and bf16 again at head size 64 (attention on tensor cores: TF32 in fp32/tf32), and bf16 once more
-with matmul autotune (every product's candidates timed at its first run, their outputs in scratch). It checks nothing
+with matmul autotune (every product's candidates timed at its first run, their outputs in scratch). fp16 runs with
+recompute=2 (GELU and the LayerNorms remade in backward into one-layer buffers; the others keep every activation,
+the default). It checks nothing
 numerically (the tests do); it
 exits non-zero only if a call raises or a loss is not finite.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/train_sanitize.py"""
@@ -33,7 +35,8 @@ def main():
 
 def run(precision, fused, cfg, rng, tuned):
     """Three steps and a generation of one model: the caller sets matmul_autotune."""
-    model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused)
+    model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused,
+                        recompute=2 if precision == "fp16" else 0)
     name = (precision if fused else f"{precision} unfused") + f" hs {cfg.n_embd // cfg.n_head}" + (
         " tuned" if tuned else "")
     opt = fastgpt.AdamW(model, lr=1e-3)

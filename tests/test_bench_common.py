@@ -72,10 +72,10 @@ def test_gpu_train_bench_runs_the_named_variants_in_order_and_refuses_unknown_on
 
 
 def test_gpu_train_bench_variant_names_carry_their_settings():
-    # "... recompute=0" must build GPT(recompute=0) and "... rows=16384" set classifier_rows, not the defaults.
+    # "... recompute=1" must build GPT(recompute=1) and "... rows=16384" set classifier_rows, not the defaults.
     import bench_gpu_train
     assert bench_gpu_train.variant_options("fastgpt bf16 graph rows=16384") == {"rows": 16384}
-    assert bench_gpu_train.variant_options("fastgpt bf16 graph recompute=0") == {"recompute": 0}
+    assert bench_gpu_train.variant_options("fastgpt bf16 graph recompute=1") == {"recompute": 1}
     assert bench_gpu_train.variant_options("fastgpt bf16 recompute=2") == {"recompute": 2}
     assert bench_gpu_train.variant_options("fastgpt bf16 graph sm90") == {}
     for name in bench_gpu_train.VARIANTS:  # every name parses (a stray "=" would raise here, not on the GPU)

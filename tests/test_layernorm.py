@@ -53,6 +53,36 @@ def test_layernorm_deterministic(rng, device):
         assert np.array_equal(host(a), host(c))
 
 
+# dx_sum=True: also the column sums of dx, the bias gradient of a linear layer whose output's gradient dx is (the
+# fused model's residual projections). Within float32 rounding of dx's float64 column sums, and the bits of
+# matmul_backward's bias gradient of dout=dx where both take the same column-sum pass: on the CPU, and on a GPU in
+# fp32. On a GPU in 16 bits the one-pass kernel sums dx as it writes it where its shared memory allows (an H100/H200
+# at GPT-2's width), in its own order. dx,
+# dweight and dbias are the bits of the call without it. (2, 700, 768): 22 chunks of 64 rows, 175 parts.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 700, 768), (3, 17, 40), (1, 1, 8)])
+def test_layernorm_backward_dx_sum(rng, device, dtype, shape):
+    C = shape[-1]
+    make = lambda s, scale=1.0, shift=0.0: torch.tensor(rng.standard_normal(s) * scale + shift).to(dtype).to(device)
+    x, w, b, dout = make(shape, 2.0, 0.5), make(C), make(C), make(shape)
+    _, mean, rstd = ops.layernorm_forward(x, w, b)
+    dx, dw, db, ds = ops.layernorm_backward(dout, x, w, mean, rstd, dx_sum=True)
+    for got, want in zip((dx, dw, db), ops.layernorm_backward(dout, x, w, mean, rstd)):
+        assert np.array_equal(bits(got), bits(want))
+    ds = host(ds)
+    assert ds.shape == (C,) and ds.dtype == np.float32
+    wide = dx.detach().double().cpu().numpy() if isinstance(dx, torch.Tensor) else np.asarray(dx, np.float64)
+    exact = wide.reshape(-1, C).sum(0)
+    assert rel_err(ds, exact) < 1e-6
+    inp = make((*shape[:-1], 5))
+    _, _, want = ops.matmul_backward(dx, inp, make((C, 5)))
+    if device == "cpu" or dtype == torch.float32:
+        assert np.array_equal(bits(ds), bits(want)), "not the linear layer's column sums"
+    with pytest.raises(TypeError, match="dx_sum must be True or False"):
+        ops.layernorm_backward(dout, x, w, mean, rstd, dx_sum="yes")
+
+
 def test_layernorm_one_pass_setting():
     check_cuda_switch(ops.layernorm_one_pass, True)
 
@@ -140,27 +170,33 @@ def test_cuda_layernorm_weight_grads_are_the_cpus_bits(rng, dtype, shape):
         assert np.array_equal(bits(got), bits(want)), f"{name}: the GPU's bits are not the CPU's"
 
 
-# The one-pass backward at GPT-2's width in bf16 (three packs a lane), compiled for sm_90a, in both forms. The ring
-# kernel's rows come by cp.async, 9 a row (inp, dout and dinp, three packs each): two rows before the loop, one in
-# it. In the loop, after the wait for all groups but the newest, the row and the weight are read from shared memory
-# (12 16-byte loads) and the row's dinp is stored (3) before the refill's first cp.async: the refill overwrites the
-# slot those loads read, so the stores, which use every loaded value, must come first. No 16-byte global load but
-# the weight's copy into shared memory. The register kernel has no cp.async (it also runs before sm_80).
+# The one-pass backward at GPT-2's width in bf16 (three packs a lane), compiled for sm_90a, in its three forms. The
+# ring kernels' rows come by cp.async, 9 a row (inp, dout and dinp, three packs each): two rows before the loop, one
+# in it. In the loop, after the wait for all groups but the newest, the row and the weight are read from shared
+# memory (12 16-byte loads) and the row's dinp is stored (3) before the refill's first cp.async: the refill
+# overwrites the slot those loads read, so the stores, which use every loaded value, must come first. No 16-byte
+# global load but the weight's copy into shared memory. The form that also sums dinp (the fused model's projection
+# bias gradients) adds each stored pack into the warp's sums in shared memory, two quarters a pack (6 16-byte loads
+# and stores of floats), in the same stretch. The register kernel has no cp.async (it also runs before sm_80).
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_backward_ring_reads_rows_from_shared_memory_before_refilling(tmp_path):
     ptx = compile_ptx(CSRC / "cuda" / "layernorm.cu", tmp_path / "layernorm.ptx", "sm_90a", timeout=300)
-    ring = kernel_lines(ptx, "layernorm_backward_one_pass_kernelINS_4bf16ELi3ELb1E")
-    registers = kernel_lines(ptx, "layernorm_backward_one_pass_kernelINS_4bf16ELi3ELb0E")
-    copies = [i for i, line in enumerate(ring) if line.startswith("cp.async.cg.shared.global")]
-    assert len(copies) == 27, len(copies)
-    waits = [i for i, line in enumerate(ring) if line.startswith("cp.async.wait_group")]
-    assert [ring[i] for i in waits] == ["cp.async.wait_group 1;"], [ring[i] for i in waits]
-    wait = waits[0]
-    assert sum(i < wait for i in copies) == 18, "two rows fetched before the loop"
-    refill = min(i for i in copies if i > wait)
-    between = ring[wait:refill]
-    assert sum(bool(re.match(r"ld\.shared\.v(2\.u64|4\.u32)", line)) for line in between) == 12
-    assert sum(bool(re.match(r"st\.global\.v(2\.u64|4\.u32)", line)) for line in between) == 3
-    wide_global_loads = [line for line in ring if re.match(r"ld\.global(\.nc)?\.v(2\.u64|4\.u32)", line)]
-    assert len(wide_global_loads) == 1, wide_global_loads
+    name = "layernorm_backward_one_pass_kernelINS_4bf16ELi3E"
+    registers = kernel_lines(ptx, name + "Lb0ELb0E")
+    for summed in (False, True):
+        ring = kernel_lines(ptx, name + ("Lb1ELb1E" if summed else "Lb1ELb0E"))
+        copies = [i for i, line in enumerate(ring) if line.startswith("cp.async.cg.shared.global")]
+        assert len(copies) == 27, len(copies)
+        waits = [i for i, line in enumerate(ring) if line.startswith("cp.async.wait_group")]
+        assert [ring[i] for i in waits] == ["cp.async.wait_group 1;"], [ring[i] for i in waits]
+        wait = waits[0]
+        assert sum(i < wait for i in copies) == 18, "two rows fetched before the loop"
+        refill = min(i for i in copies if i > wait)
+        between = ring[wait:refill]
+        count = lambda pattern: sum(bool(re.match(pattern, line)) for line in between)
+        assert count(r"ld\.shared\.v(2\.u64|4\.u32)") == 12
+        assert count(r"st\.global\.v(2\.u64|4\.u32)") == 3
+        assert (count(r"ld\.shared\.v4\.f32"), count(r"st\.shared\.v4\.f32")) == ((6, 6) if summed else (0, 0))
+        wide_global_loads = [line for line in ring if re.match(r"ld\.global(\.nc)?\.v(2\.u64|4\.u32)", line)]
+        assert len(wide_global_loads) == 1, wide_global_loads
     assert not any("cp.async" in line for line in registers)

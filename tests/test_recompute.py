@@ -117,7 +117,9 @@ def test_bad_settings_are_clear_errors(rng):
     c = CONFIG
     with pytest.raises(ValueError, match="recompute must be 0, 1 or 2"):  # the engine checks too
         fastgpt._C.GPT(c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd, 0, recompute=7)
-    assert fastgpt.GPT(CONFIG).recompute == 1 and fastgpt.GPT(CONFIG, fused=False).recompute == 0
+    # 0 by default, fused or not; the engine's own default (None from train.py) too
+    assert fastgpt.GPT(CONFIG).recompute == 0 and fastgpt.GPT(CONFIG, fused=False).recompute == 0
+    assert fastgpt.GPT(CONFIG, recompute=None).recompute == 0
     assert "recompute=2" in repr(fastgpt.GPT(CONFIG, recompute=2))
 
 

@@ -41,9 +41,14 @@ template <typename S>
 void layernorm_backward(S* dinp,                 // += (N, C): the residual stream accumulates
                         float* dweight, float* dbias,  // += (C)
                         const S* dout, const S* inp, const S* weight,
-                        const float* mean, const float* rstd, int64_t N, int C);
+                        const float* mean, const float* rstd, int64_t N, int C,
+                        float* dinp_sum = nullptr);  // += (C) the column sums of dinp after the update, or nullptr
 
 // ---- matmul as nn.Linear: out = inp @ weight^T + bias (matmul.cpp)
+// A linear layer's bias gradient: dbias (OC) += the column sums of dout (N, OC), each in double over the rows in
+// order. Also the LayerNorm backward's dinp_sum (the fused model's residual projections), so both give one bits.
+template <typename S>
+void bias_backward(float* dbias, const S* dout, int64_t N, int OC);
 template <typename S>
 void matmul_forward(S* out,                      // (N, OC)
                     const S* inp,                // (N, C)

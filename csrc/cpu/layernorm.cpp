@@ -46,7 +46,7 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
 
 template <typename S>
 void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
-                        const float* mean, const float* rstd, int64_t N, int C) {
+                        const float* mean, const float* rstd, int64_t N, int C, float* dinp_sum) {
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   // Per chunk: dweight (C) | dbias (C) | the part's dweight (C) | its dbias (C). Kept per calling thread and grown
   // only, so a training step allocates nothing.
@@ -109,12 +109,15 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
     dweight[c] += (float)w;
     dbias[c] += (float)b;
   }
+  // Another pass over dinp, in the linear layer's order: the fused model's residual projections get the unfused
+  // model's bias gradients, bit for bit (the GPU sums them in the pass above in 16 bits, cuda/layernorm.cu).
+  if (dinp_sum) bias_backward(dinp_sum, (const S*)dinp, N, C);
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                                   \
   template void layernorm_forward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int);          \
   template void layernorm_backward<S>(S*, float*, float*, const S*, const S*, const S*, const float*, const float*, \
-                                      int64_t, int);
+                                      int64_t, int, float*);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

@@ -54,22 +54,7 @@ void matmul_backward<float>(float* dinp, float* dweight, float* dbias, const flo
                             const float* weight, int64_t N, int C, int OC) {
   if (dinp) sgemm(false, false, N, C, OC, 1.f, dout, OC, weight, C, 0.f, dinp, C);  // (N,OC) @ (OC,C)
   sgemm(true, false, OC, C, N, 1.f, dout, OC, inp, C, 1.f, dweight, C);            // (OC,N) @ (N,C)
-  if (dbias) {
-    // Column sums of dout; threads own column blocks and walk the rows in order (deterministic).
-    constexpr int kCols = 64;
-    const int nblk = (OC + kCols - 1) / kCols;
-#pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nblk; blk++) {
-      const int j0 = blk * kCols, w = j0 + kCols < OC ? kCols : OC - j0;
-      double acc[kCols] = {};
-      for (int64_t n = 0; n < N; n++) {
-        const float* row = dout + n * OC + j0;
-#pragma omp simd
-        for (int j = 0; j < w; j++) acc[j] += row[j];
-      }
-      for (int j = 0; j < w; j++) dbias[j0 + j] += (float)acc[j];
-    }
-  }
+  if (dbias) bias_backward(dbias, dout, N, OC);
 }
 
 namespace {
@@ -98,13 +83,14 @@ void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const
                      int C, int OC) {
   const float* w = widened(0, weight, (int64_t)OC * C);
   const int64_t rows = block_rows(N, std::max(C, OC));
-  for (int64_t r0 = 0; r0 < N; r0 += rows) {  // dweight and dbias accumulate block by block, in block order
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {  // dweight accumulates block by block, in block order
     const int64_t n = std::min(rows, N - r0);
     float* dx = dinp ? scratch(3, n * C) : nullptr;
-    matmul_backward<float>(dx, dweight, dbias, widened(2, dout + r0 * OC, n * OC), widened(1, inp + r0 * C, n * C),
+    matmul_backward<float>(dx, dweight, nullptr, widened(2, dout + r0 * OC, n * OC), widened(1, inp + r0 * C, n * C),
                            w, n, C, OC);
     if (dinp) narrow(dinp + r0 * C, dx, n * C);
   }
+  if (dbias) bias_backward(dbias, dout, N, OC);  // over all rows at once, as the LayerNorm's dinp_sum takes it
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                              \

@@ -20,6 +20,11 @@
 // traffic again) is kept for rows it cannot take (C not a whole number of packs, over kMaxCols, unaligned views)
 // and, by set_layernorm_one_pass(false), for benchmarks and tests; both give the same dweight/dbias bits (fmaf in
 // both).
+// dinp_sum (the column sums of dinp after the update: the fused model's residual projections' bias gradients): the
+// 16-bit ring kernel's kSum form adds each pack of dinp it stores into its warp's sums in shared memory, which go
+// into the chunk's partial as a third row beside dweight/dbias; elsewhere bias_backward (matmul_bias.cu) reads dinp
+// again once it is whole. The first saves the model a pass over dinp; the second costs what the unfused model's
+// bias gradient costs, and gives its bits.
 // Templates over the storage type S (float, bf16, f16): inputs are widened to float as they are loaded, every sum
 // is in float (or double for the chunk combine), out is rounded once to S, mean/rstd and dweight/dbias are float,
 // and dinp += is read as S, added in float and rounded once.
@@ -146,11 +151,32 @@ constexpr int kOnePassBlocks = sizeof(S) == 2 ? (K == 1 ? 4 : K <= 3 ? 2 : 1) : 
 // Rows a warp of the ring kernel has in shared memory or on their way: it works on one while the next lands.
 constexpr int kRingSlots = 2;
 
-// The ring kernel's dynamic shared memory for rows of C columns: kParts warps x kRingSlots rows x (inp, dout, dinp),
-// the chunk's (2, C) sums, the weight (C).
+// Column sums a chunk's partial holds: dweight | dbias, and with kSum the column sums of dinp (dinp_sum).
+__host__ __device__ constexpr int sums_of(bool sum) { return sum ? 3 : 2; }
+
+// kSum: a warp's dinp column sums in shared memory take C rounded up to whole stripes of 32 packs (floats), so that
+// a lane's pack k sits at the same place whatever C is (sum_slot).
 template <typename S>
-constexpr int64_t ring_bytes(int C) {
-  return ((int64_t)kParts * kRingSlots * 3 + 1) * C * (int64_t)sizeof(S) + 2 * (int64_t)C * (int64_t)sizeof(float);
+__host__ __device__ constexpr int64_t sum_stripe_cols(int C) {
+  constexpr int kStripe = 32 * Pack<S>::N;
+  return ((int64_t)C + kStripe - 1) / kStripe * kStripe;
+}
+
+// The ring kernel's dynamic shared memory for rows of C columns: kParts warps x kRingSlots rows x (inp, dout, dinp),
+// the chunk's (2, C) sums, the weight (C), and with kSum each warp's dinp sums (added across warps straight into
+// the partial, not through the chunk's sums).
+template <typename S>
+__host__ __device__ constexpr int64_t ring_bytes(int C, bool sum = false) {
+  return ((int64_t)kParts * kRingSlots * 3 + 1) * C * (int64_t)sizeof(S) + 2 * (int64_t)C * (int64_t)sizeof(float) +
+         (sum ? kParts * sum_stripe_cols<S>(C) * (int64_t)sizeof(float) : 0);
+}
+
+// kSum: the 16-byte slot (of a warp's sum_stripe_cols floats, as float4) of lane `lane`'s pack k, quarter h (values
+// 4h .. 4h + 3 of the pack): quarter-major within a stripe, so that a warp's 16-byte accesses of one quarter are 32
+// consecutive slots (no bank conflicts; a lane's whole pack, 32 bytes, would be two-way).
+template <typename S>
+__host__ __device__ constexpr int sum_slot(int k, int h, int lane) {
+  return (k * (Pack<S>::N / 4) + h) * 32 + lane;
 }
 
 // One block per chunk, one warp per part (grid: nchunks; kParts warps). Lane l's columns are the K packs
@@ -163,14 +189,15 @@ constexpr int64_t ring_bytes(int C) {
 // (The registers hold the part sums, 48 at GPT-2's width, so a second row's packs do not fit beside them: 128 a
 // thread at two blocks an SM. The third H200 run's 0.157 ms a call, 2.5 TB/s, where the residual LayerNorm's
 // forward, which moves as many bytes, ran at 3.6, came from the wait on each row.)
-template <typename S, int K, bool kRing>
+template <typename S, int K, bool kRing, bool kSum>
 __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     layernorm_backward_one_pass_kernel(S* __restrict__ dinp, float* __restrict__ partial, const S* __restrict__ dout,
                                        const S* __restrict__ inp, const S* __restrict__ weight,
                                        const float* __restrict__ mean, const float* __restrict__ rstd, int64_t N,
                                        int C) {
   constexpr int P = Pack<S>::N;
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: ring_bytes(C)
+  static_assert(!kSum || (kRing && P % 4 == 0), "layernorm_backward_one_pass_kernel: kSum is the ring's, in quarters");
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: ring_bytes(C, kSum)
   __shared__ float static_sums[kRing ? 1 : 2 * kMaxCols];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // kRing: this warp's slots (kRingSlots, 3, C): inp | dout | dinp of a row
@@ -179,6 +206,14 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   float* sums = kRing ? reinterpret_cast<float*>(reinterpret_cast<S*>(smem_raw) + (int64_t)kParts * kRingSlots * 3 * C)
                       : static_sums;
   S* sweight = reinterpret_cast<S*>(sums + 2 * C);  // kRing: (C), the weight
+  // kSum: (kParts, sum_stripe_cols / 4) float4, each warp's dinp sums over its part's rows, by sum_slot. In shared
+  // memory, not registers: beside the part sums they made ptxas spill (152 bytes at GPT-2's width, 128 registers).
+  // Addressed from the shared memory's base at each use: a pointer of its own, kept through the row loop, spilled
+  // at GPT-2's width (bf16 now has none; fp16 4-8 bytes on sm_90a and sm_80).
+  const auto wsum = [&](int k, int h) -> float4& {
+    const int64_t at = ring_bytes<S>(C, true) - kParts * sum_stripe_cols<S>(C) * (int64_t)sizeof(float);
+    return reinterpret_cast<float4*>(smem_raw + at)[warp * (sum_stripe_cols<S>(C) / 4) + sum_slot<S>(k, h, lane)];
+  };
   const int64_t p0 = (int64_t)blockIdx.x * kRowsPerChunk + warp * kRowsPerPart;
   const int64_t p1 = p0 + kRowsPerPart < N ? p0 + kRowsPerPart : N;
   // Row n (if in the part) into ring slot s: this lane's packs, which only it reads back, so its own wait orders
@@ -217,6 +252,13 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     for (int s = 0; s < kRingSlots; s++) fetch(p0 + s, s);
     if (lane < kRowsPerPart && p0 + lane < p1) part_mean = mean[p0 + lane], part_rstd = rstd[p0 + lane];
     for (int c = threadIdx.x * P; c < C; c += blockDim.x * P) store_pack(sweight + c, load_pack(weight + c));
+    if constexpr (kSum) {  // this lane's slots only, which only it touches until the end: no barrier needed
+#pragma unroll
+      for (int k = 0; k < K; k++)
+        if ((32 * k + lane) * P < C)
+#pragma unroll
+          for (int h = 0; h < P / 4; h++) wsum(k, h) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     __syncthreads();
   }
   for (int i = 0; p0 + i < p1; i++) {  // a warp past N has no rows: it only takes its turns below
@@ -265,6 +307,15 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
           pb[k][e] += g;
         }
         store_pack(dx + c, d);
+        if constexpr (kSum) {  // the dinp just stored, as stored (rounded to S), into the part's column sums
+#pragma unroll
+          for (int h = 0; h < P / 4; h++) {
+            float4 a = wsum(k, h);
+            a.x += to_float(d.v[4 * h]), a.y += to_float(d.v[4 * h + 1]);
+            a.z += to_float(d.v[4 * h + 2]), a.w += to_float(d.v[4 * h + 3]);
+            wsum(k, h) = a;
+          }
+        }
       }
     }
     // The slot's reads are behind the stores that use their values; the compiler may not sink them below the refill.
@@ -290,7 +341,19 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     }
     __syncthreads();
   }
-  for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) partial[(int64_t)blockIdx.x * 2 * C + i] = sums[i];
+  float* out = partial + (int64_t)blockIdx.x * sums_of(kSum) * C;
+  for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) out[i] = sums[i];
+  if constexpr (kSum) {  // the parts' dinp sums in the same order (the last barrier above made every warp's visible)
+    const int64_t c0 = (int64_t)blockIdx.x * kRowsPerChunk;
+    const float* ws = reinterpret_cast<const float*>(sweight + C);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      const int k = c / (32 * P), l = c % (32 * P) / P, e = c % P;
+      const int at = sum_slot<S>(k, e / 4, l) * 4 + e % 4;
+      float t = ws[at];
+      for (int w = 1; w < kParts && c0 + w * kRowsPerPart < N; w++) t += ws[w * sum_stripe_cols<S>(C) + at];
+      out[2 * C + c] = t;
+    }
+  }
 }
 
 // grid: ceil(C / kCombineCols); block: kCombineCols columns x kCombineLanes chunk lanes. Chunk lane y sums chunks
@@ -298,29 +361,37 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
 // CPU's order (cpu/layernorm.cpp). The kernel this replaces gave a column one thread, which walked all 1024 chunks
 // of a 64k-row batch in 6 blocks at C 768: a few hundred waits on the L2 in a row, an estimated 0.05-0.1 ms a call
 // at 25 calls a step (not measured on its own: the 2026-11-26 profile lists only each variant's 15 largest kernels).
+// dinp_sum (or nullptr): the partials' third row (the one-pass kernel's kSum), added the same way.
 __global__ void __launch_bounds__(kCombineCols * kCombineLanes)
     layernorm_backward_combine_kernel(float* __restrict__ dweight, float* __restrict__ dbias,
-                                      const float* __restrict__ partial, int64_t nchunks, int C) {
-  __shared__ double lanes[2 * kCombineLanes * kCombineCols];  // (2, kCombineLanes, kCombineCols): dweight | dbias
+                                      float* __restrict__ dinp_sum, const float* __restrict__ partial,
+                                      int64_t nchunks, int C) {
+  // (3, kCombineLanes, kCombineCols): dweight | dbias | dinp_sum
+  __shared__ double lanes[3 * kCombineLanes * kCombineCols];
   const int tx = threadIdx.x % kCombineCols, ty = threadIdx.x / kCombineCols;
   const int c = blockIdx.x * kCombineCols + tx;
-  double w = 0.0, b = 0.0;
+  const int64_t stride = (int64_t)sums_of(dinp_sum != nullptr) * C;
+  double w = 0.0, b = 0.0, r = 0.0;
   if (c < C)
     for (int64_t ch = ty; ch < nchunks; ch += kCombineLanes) {
-      w += partial[ch * 2 * C + c];
-      b += partial[ch * 2 * C + C + c];
+      w += partial[ch * stride + c];
+      b += partial[ch * stride + C + c];
+      if (dinp_sum) r += partial[ch * stride + 2 * C + c];
     }
   lanes[ty * kCombineCols + tx] = w;
   lanes[(kCombineLanes + ty) * kCombineCols + tx] = b;
+  lanes[(2 * kCombineLanes + ty) * kCombineCols + tx] = r;
   __syncthreads();
   if (ty != 0 || c >= C) return;
-  double tw = 0.0, tb = 0.0;
+  double tw = 0.0, tb = 0.0, tr = 0.0;
   for (int y = 0; y < kCombineLanes; y++) {
     tw += lanes[y * kCombineCols + tx];
     tb += lanes[(kCombineLanes + y) * kCombineCols + tx];
+    tr += lanes[(2 * kCombineLanes + y) * kCombineCols + tx];
   }
   dweight[c] += (float)tw;
   dbias[c] += (float)tb;
+  if (dinp_sum) dinp_sum[c] += (float)tr;
 }
 
 // The most dynamic shared memory the ring kernel of (S, K) may take on the current device: what lets
@@ -328,30 +399,39 @@ __global__ void __launch_bounds__(kCombineCols * kCombineLanes)
 // more than its widest rows need; 0 before sm_80 (no cp.async). bf16 at C 768: 79.5 KB of the 112.9 allowed on
 // sm_90, 80.9 on sm_80; sm_86 and sm_89 (100 KB an SM) keep the register kernel there.
 template <typename S, int K>
-int64_t ring_cap() {
+int64_t ring_cap(bool sum) {
   int device = 0, major = 0;
   FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
   FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   if (major < 8) return 0;
-  return std::min<int64_t>(smem_for_blocks(kOnePassBlocks<S, K>, 64), ring_bytes<S>(32 * K * Pack<S>::N));
+  return std::min<int64_t>(smem_for_blocks(kOnePassBlocks<S, K>, 64), ring_bytes<S>(32 * K * Pack<S>::N, sum));
 }
 
+// The ring kernel with dinp's sums, the ring kernel, or the register kernel, by what fits. -> whether the partials
+// hold dinp's sums (sum asked, 16-bit rows, the kSum ring's shared memory fits: bf16 at C 768 takes 103.5 KB of the
+// 112.9 allowed on sm_90; sm_80's 80.9 leaves it to bias_backward).
 template <typename S, int K>
-void launch_one_pass(S* dinp, float* partial, const S* dout, const S* inp, const S* weight, const float* mean,
-                     const float* rstd, int64_t N, int C, int64_t nchunks, Stream stream) {
-  const int64_t bytes = ring_bytes<S>(C), cap = ring_cap<S, K>();
-  if (bytes <= cap) {
-    auto* kernel = layernorm_backward_one_pass_kernel<S, K, true>;
-    // The kernel's cap, not this launch's size: the same on every call, so that no call lowers it under another's
-    // launch (another thread's, or one a graph recorded).
+bool launch_one_pass(S* dinp, float* partial, const S* dout, const S* inp, const S* weight, const float* mean,
+                     const float* rstd, int64_t N, int C, int64_t nchunks, bool sum, Stream stream) {
+  // One launch a form (the ring kernels' caps are their own: the same on every call, so that no call lowers one
+  // under another's launch, another thread's or one a graph recorded).
+  const auto ring = [&](auto* kernel, bool with_sum) {
+    const int64_t bytes = ring_bytes<S>(C, with_sum), cap = ring_cap<S, K>(with_sum);
+    if (bytes > cap) return false;
     FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cap));
     const size_t smem = (size_t)bytes;  // (one-line launches: the warp emulator rewrites them)
     kernel<<<(unsigned)nchunks, 32 * kParts, smem, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
-  } else {
-    auto* kernel = layernorm_backward_one_pass_kernel<S, K, false>;
-    kernel<<<(unsigned)nchunks, 32 * kParts, 0, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
+    FASTGPT_CUDA_CHECK_LAUNCH();
+    return true;
+  };
+  if constexpr (sizeof(S) == 2) {
+    if (sum && ring(layernorm_backward_one_pass_kernel<S, K, true, true>, true)) return true;
   }
+  if (ring(layernorm_backward_one_pass_kernel<S, K, true, false>, false)) return false;
+  auto* kernel = layernorm_backward_one_pass_kernel<S, K, false, false>;
+  kernel<<<(unsigned)nchunks, 32 * kParts, 0, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
+  return false;
 }
 }  // namespace
 
@@ -381,21 +461,25 @@ bool set_layernorm_one_pass(bool on) { return g_one_pass.exchange(on); }
 
 template <typename S>
 void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
-                        const float* mean, const float* rstd, int64_t N, int C, Stream stream) {
+                        const float* mean, const float* rstd, int64_t N, int C, float* dinp_sum, Stream stream) {
   if (N <= 0 || C <= 0) return;
   const int64_t nchunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   const unsigned col_blocks = (unsigned)((C + kColThreads - 1) / kColThreads);
-  // Scratch until the combine kernel has been queued: no sync.
-  Scratch scratch((size_t)nchunks * 2 * C, stream);
+  const bool one_pass = g_one_pass.load() && layernorm_one_pass_fits(dinp, dout, inp, weight, C);
+  // Scratch until the combine kernel has been queued: no sync. Room for dinp's sums only where a kernel may make
+  // them (16-bit rows, one pass).
+  const bool may_sum = dinp_sum && sizeof(S) == 2 && one_pass;
+  Scratch scratch((size_t)nchunks * sums_of(may_sum) * C, stream);
   float* partial = scratch.ptr;
-  if (g_one_pass.load() && layernorm_one_pass_fits(dinp, dout, inp, weight, C)) {
+  bool summed = false;
+  if (one_pass) {
     // Packs per lane, rounded up to a multiple of u: four instances per type, the same widths (256 to 1024
     // columns) for float, whose packs hold 4 values, as for the 16-bit types (8).
     constexpr int P = Pack<S>::N, u = 8 / P;
     const int k = ((C + 32 * P - 1) / (32 * P) + u - 1) / u;
     auto* launch = k == 1 ? launch_one_pass<S, u> : k == 2 ? launch_one_pass<S, 2 * u>
                  : k == 3 ? launch_one_pass<S, 3 * u> : launch_one_pass<S, 4 * u>;
-    launch(dinp, partial, dout, inp, weight, mean, rstd, N, C, nchunks, stream);
+    summed = launch(dinp, partial, dout, inp, weight, mean, rstd, N, C, nchunks, may_sum, stream);
   } else {
     const int64_t blocks = (N + kWarpsPerBlock - 1) / kWarpsPerBlock;
     auto* dinp_kernel = layernorm_backward_dinp_kernel<S>;
@@ -408,14 +492,18 @@ void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, co
   }
   const unsigned combine_blocks = (unsigned)((C + kCombineCols - 1) / kCombineCols);
   auto* combine = layernorm_backward_combine_kernel;
-  combine<<<combine_blocks, kCombineCols * kCombineLanes, 0, stream>>>(dweight, dbias, partial, nchunks, C);
+  float* sums = summed ? dinp_sum : nullptr;
+  combine<<<combine_blocks, kCombineCols * kCombineLanes, 0, stream>>>(dweight, dbias, sums, partial, nchunks, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
+  // Elsewhere (fp32, whose fused model keeps the unfused one's bits; two passes; no room) the linear layer's own
+  // column sums, once dinp is whole.
+  if (dinp_sum && !summed) bias_backward(dinp_sum, (const S*)dinp, N, C, stream);
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                               \
   template void layernorm_forward<S>(S*, float*, float*, const S*, const S*, const S*, int64_t, int, Stream); \
   template void layernorm_backward<S>(S*, float*, float*, const S*, const S*, const S*, const float*,         \
-                                      const float*, int64_t, int, Stream);                                    \
+                                      const float*, int64_t, int, float*, Stream);                            \
   template bool layernorm_one_pass_fits<S>(const S*, const S*, const S*, const S*, int);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)

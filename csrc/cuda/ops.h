@@ -28,7 +28,16 @@ void layernorm_forward(S* out, float* mean, float* rstd, const S* inp, const S* 
                        int C, Stream stream);
 template <typename S>
 void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
-                        const float* mean, const float* rstd, int64_t N, int C, Stream stream);
+                        const float* mean, const float* rstd, int64_t N, int C, float* dinp_sum, Stream stream);
+// dinp_sum (C), if not nullptr, += the column sums of dinp after the update: the bias gradient of the linear layer
+// whose output dinp is the gradient of (the fused model's residual projections). 16-bit rows that the one-pass
+// kernel takes are summed as they are written (sm_80 and newer, where the shared memory holds the sums); elsewhere
+// bias_backward reads dinp again, which gives the unfused model's bits.
+template <typename S>
+void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
+                        const float* mean, const float* rstd, int64_t N, int C, Stream stream) {
+  layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, nullptr, stream);
+}
 // The LayerNorm kernels read each row once (true, the default). layernorm_forward and residual_layernorm_forward
 // keep a row in registers where C is a multiple of 8 16-bit or 4 float values, at most 1024 (layernorm_row_fits in
 // layernorm.cuh), else read it for each pass; the two sum a row in different orders, the fused and unfused calls

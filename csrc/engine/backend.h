@@ -83,8 +83,8 @@ class Backend {
   }
   template <typename S>
   void layernorm_backward(S* dinp, float* dweight, float* dbias, const S* dout, const S* inp, const S* weight,
-                          const float* mean, const float* rstd, int64_t N, int C) {
-    layernorm_backward_(dt<S>(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+                          const float* mean, const float* rstd, int64_t N, int C, float* dinp_sum = nullptr) {
+    layernorm_backward_(dt<S>(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, dinp_sum);
   }
   template <typename S>
   void matmul_forward(S* out, const S* inp, const S* weight, const S* bias, int64_t N, int C, int OC) {
@@ -194,8 +194,9 @@ class Backend {
                                  int V) = 0;
   virtual void layernorm_forward_(DType, void* out, float* mean, float* rstd, cv* inp, cv* weight, cv* bias,
                                   int64_t N, int C) = 0;
+  // dinp_sum (C) or nullptr: += the column sums of dinp after the update (kernels.h, cuda/ops.h)
   virtual void layernorm_backward_(DType, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
-                                   const float* mean, const float* rstd, int64_t N, int C) = 0;
+                                   const float* mean, const float* rstd, int64_t N, int C, float* dinp_sum) = 0;
   virtual void matmul_forward_(DType, void* out, cv* inp, cv* weight, cv* bias, int64_t N, int C, int OC) = 0;
   virtual void matmul_backward_(DType, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
                                 int64_t N, int C, int OC) = 0;

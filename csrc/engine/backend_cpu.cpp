@@ -158,9 +158,9 @@ class CpuBackend final : public Backend {
     FASTGPT_TYPED(d, cpu::layernorm_forward(P<S>(out), mean, rstd, P<S>(inp), P<S>(weight), P<S>(bias), N, C));
   }
   void layernorm_backward_(DType d, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
-                           const float* mean, const float* rstd, int64_t N, int C) override {
+                           const float* mean, const float* rstd, int64_t N, int C, float* dinp_sum) override {
     FASTGPT_TYPED(d, cpu::layernorm_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), mean,
-                                             rstd, N, C));
+                                             rstd, N, C, dinp_sum));
   }
   void matmul_forward_(DType d, void* out, cv* inp, cv* weight, cv* bias, int64_t N, int C, int OC) override {
     FASTGPT_TYPED(d, cpu::matmul_forward(P<S>(out), P<S>(inp), P<S>(weight), P<S>(bias), N, C, OC));

@@ -215,9 +215,9 @@ class CudaBackend final : public Backend {
                                              stream_));
   }
   void layernorm_backward_(DType d, void* dinp, float* dweight, float* dbias, cv* dout, cv* inp, cv* weight,
-                           const float* mean, const float* rstd, int64_t N, int C) override {
+                           const float* mean, const float* rstd, int64_t N, int C, float* dinp_sum) override {
     FASTGPT_TYPED(d, cuda::layernorm_backward(P<S>(dinp), dweight, dbias, P<S>(dout), P<S>(inp), P<S>(weight), mean,
-                                              rstd, N, C, stream_));
+                                              rstd, N, C, dinp_sum, stream_));
   }
   void matmul_forward_(DType d, void* out, cv* inp, cv* weight, cv* bias, int64_t N, int C, int OC) override {
     FASTGPT_TYPED(d, cuda::matmul_forward(P<S>(out), P<S>(inp), P<S>(weight), P<S>(bias), N, C, OC, stream_, tf32_));

@@ -715,8 +715,13 @@ void GPT::backward_t() {
   const S* dlnf = A<S>(dbtc_);  // from the classifier
   S* dres = A<S>(dresidual_);  // d(residual stream), accumulated through the blocks
   k.zero(dres, BT * C * sizeof(S));
+  // Fused: a residual projection's bias gradient is the column sums of dres where the projection adds into the
+  // stream, which the LayerNorm backward before it has just made: it sums them as it writes (on a GPU in 16 bits;
+  // the unfused model's column-sum pass elsewhere, the same bits). That is attn.c_proj's after ln_2, mlp.c_proj's
+  // after the next block's ln_1 (ln_f for the last block): one read of dres fewer for each.
+  const auto proj_db = [&](int id, int l) { return fused_ && l >= 0 ? G(id, l) : nullptr; };
   k.layernorm_backward(dres, G(LNFW), G(LNFB), dlnf, A<S>(residual3_, (L - 1) * BT * C), P<S>(LNFW),
-                       lnf_mean_.data(), lnf_rstd_.data(), BT, C);
+                       lnf_mean_.data(), lnf_rstd_.data(), BT, C, proj_db(FCPROJB, L - 1));
   for (int l = L - 1; l >= 0; l--) {
     const S* residual = l == 0 ? A<S>(encoded_) : A<S>(residual3_, (l - 1) * BT * C);
     S* ln1 = A<S>(ln1_, ln_slot(l) * BT * C);
@@ -739,19 +744,21 @@ void GPT::backward_t() {
     if (recompute_ >= 2) k.layernorm_forward(ln2, ln2_mean, ln2_rstd, res2, P<S>(LN2W, l), P<S>(LN2B, l), BT, C);
     // residual3 = residual2 + mlp(ln2(residual2)): dres flows to both, the MLP branch adds through ln_2.
     if (fused_) {  // GELU's backward as the epilogue of the product that makes its input's gradient
-      k.matmul_backward_dgelu(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P<S>(FCPROJW, l), fch, BT, 4 * C, C);
+      k.matmul_backward_dgelu(d4c, G(FCPROJW, l), nullptr, dres, fch_gelu, P<S>(FCPROJW, l), fch, BT, 4 * C, C);
     } else {
       k.matmul_backward(d4c, G(FCPROJW, l), G(FCPROJB, l), dres, fch_gelu, P<S>(FCPROJW, l), BT, 4 * C, C);
       k.gelu_backward(d4c, fch, d4c, BT * 4 * C);
     }
     k.matmul_backward(dc, G(FCW, l), G(FCB, l), d4c, ln2, P<S>(FCW, l), BT, C, 4 * C);
-    k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P<S>(LN2W, l), ln2_mean, ln2_rstd, BT, C);
+    k.layernorm_backward(dres, G(LN2W, l), G(LN2B, l), dc, res2, P<S>(LN2W, l), ln2_mean, ln2_rstd, BT, C,
+                         proj_db(ATTPROJB, l));
     // residual2 = residual + attn(ln1(residual)).
-    k.matmul_backward(dc, G(ATTPROJW, l), G(ATTPROJB, l), dres, atty, P<S>(ATTPROJW, l), BT, C, C);
+    k.matmul_backward(dc, G(ATTPROJW, l), fused_ ? nullptr : G(ATTPROJB, l), dres, atty, P<S>(ATTPROJW, l), BT, C, C);
     k.attention_backward(dqkv, dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true);
     if (recompute_ >= 2) k.layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, P<S>(LN1W, l), P<S>(LN1B, l), BT, C);
     k.matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv, ln1, P<S>(QKVW, l), BT, C, 3 * C);
-    k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P<S>(LN1W, l), ln1_mean, ln1_rstd, BT, C);
+    k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P<S>(LN1W, l), ln1_mean, ln1_rstd, BT, C,
+                         proj_db(FCPROJB, l - 1));
     if (overlap_) reduce_layer_async(l);  // nothing below this layer writes its gradients again
   }
   k.encoder_backward(G(WTE), G(WPE), (const S*)dres, ids_, B, T, C, V);

@@ -223,8 +223,12 @@ def residual_layernorm_forward(a, b, weight, bias):
     return res, out, mean, rstd
 
 
-def layernorm_backward(dout, x, weight, mean, rstd):
-    """-> (dx, dweight, dbias)."""
+def layernorm_backward(dout, x, weight, mean, rstd, dx_sum=False):
+    """-> (dx, dweight, dbias), and with dx_sum=True also the column sums of dx (C,) in fp32: the bias gradient of
+    a linear layer whose output's gradient dx is (the fused model's residual projections, whose bias gradients its
+    LayerNorm backward gives). On a GPU in 16 bits they are summed as dx is written where the one-pass kernel takes
+    the rows and its shared memory holds the sums (an H100/H200 at GPT-2's width; a fixed order of its own); else
+    by a pass over dx in the linear layer's order: ops.matmul_backward's bias gradient of dx, bit for bit."""
     d = _where(dout, x, weight, mean, rstd)
     dout, x, weight = d.storage(dout, "dout"), d.storage(x, "x"), d.storage(weight, "weight")
     mean, rstd = d.f32(mean, "mean"), d.f32(rstd, "rstd")
@@ -234,10 +238,13 @@ def layernorm_backward(dout, x, weight, mean, rstd):
         if _shape(a) not in (rows, rows + (1,), (n,), (n, 1)):
             raise ValueError(f"{name} must be x.shape[:-1] {rows} or flat ({n},), either with or without a trailing "
                              f"1, got shape {_shape(a)}")
+    if not isinstance(dx_sum, (bool, np.bool_)):
+        raise TypeError(f"dx_sum must be True or False, got {dx_sum!r}")
     dx, dw, db = d.zeros(_shape(x), like=x), d.zeros(_shape(weight)), d.zeros(_shape(weight))
+    ds = d.zeros(_shape(weight)) if dx_sum else None
     _ops.layernorm_backward(d.arg(dx), d.arg(dw), d.arg(db), d.arg(dout), d.arg(x), d.arg(weight), d.arg(mean),
-                            d.arg(rstd), d.stream)
-    return dx, dw, db
+                            d.arg(rstd), None if ds is None else d.arg(ds), d.stream)
+    return (dx, dw, db, ds) if dx_sum else (dx, dw, db)
 
 
 def _cuda_switch(name, enabled):

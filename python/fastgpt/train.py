@@ -131,8 +131,8 @@ def build_parser():
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient norm is inf/NaN instead of stopping the run")
     p.add_argument("--recompute", type=int, choices=(0, 1, 2), default=None,
-                   help="activations backward makes again instead of keeping: 0 none, 1 GELU (the default), 2 GELU "
-                        "and the LayerNorms (least memory)")
+                   help="activations backward makes again instead of keeping: 0 none (the default: fastest), 1 GELU, "
+                        "2 GELU and the LayerNorms (least memory)")
     p.add_argument("--graph", action="store_true",
                    help="record the training step once and replay it (a CUDA graph on a GPU: one launch per step; "
                         "the same weights); data parallel runs step eagerly anyway")

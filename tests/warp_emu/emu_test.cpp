@@ -772,6 +772,14 @@ void layernorm_f64(const S* x, const S* w, const S* bias, const S* dy, const S* 
   }
 }
 
+// k values shift + scale * (a draw of nd), each rounded to S.
+template <typename S>
+std::vector<S> normals(std::mt19937& rng, std::normal_distribution<float>& nd, size_t k, float scale, float shift) {
+  std::vector<S> v(k);
+  for (auto& x : v) x = from_float<S>(shift + scale * nd(rng));
+  return v;
+}
+
 // LayerNorm (layernorm.cu) and the residual add fused with it (residual_layernorm.cu) on rows stored as S. The fused
 // kernel must give the bits of the unfused pair: res = a + b rounded once (as residual.cu rounds it), then
 // layernorm_forward's out, mean and rstd on that res; also with res written over a (the engine's in-place add).
@@ -784,11 +792,7 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   const size_t n = (size_t)N * C;
-  auto fill = [&](size_t k, float scale, float shift) {
-    std::vector<S> v(k);
-    for (auto& x : v) x = from_float<S>(shift + scale * nd(rng));
-    return v;
-  };
+  auto fill = [&](size_t k, float scale, float shift) { return normals<S>(rng, nd, k, scale, shift); };
   const std::vector<S> a = fill(n + offset, 2.f, 0.5f), b = fill(n + offset, 1.f, 0.f), w = fill(C, 1.f, 0.f),
                        bias = fill(C, 1.f, 0.f), dy = fill(n, 1.f, 0.f), dinp0 = fill(n, 1.f, 0.f);
   const S nan = from_float<S>(NAN);
@@ -862,11 +866,7 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   const size_t n = (size_t)N * C + offset;
-  auto fill = [&](size_t k, float scale, float shift) {
-    std::vector<S> v(k);
-    for (auto& x : v) x = from_float<S>(shift + scale * nd(rng));
-    return v;
-  };
+  auto fill = [&](size_t k, float scale, float shift) { return normals<S>(rng, nd, k, scale, shift); };
   std::vector<S> x = fill(n, 2.f, 0.5f), dy = fill(n, 1.f, 0.f);
   const std::vector<S> dinp0 = fill(n, 1.f, 0.f), w = fill(C + offset, 1.f, 0.f), bias = fill(C + offset, 1.f, 0.f);
   const int skip = cancel ? 128 : 0;  // rows the float64 dweight/dbias leave out
@@ -958,6 +958,90 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
   fflush(stdout);
 }
 
+// The LayerNorm backward's dinp_sum (the fused model's residual-projection bias gradients): dinp_sum += the column
+// sums of dinp as it stands after the call. `fused`: the one-pass ring kernel must sum it as it writes (16-bit rows,
+// the rings and the warps' sums fit the SM: the launch's shared memory says which kernel ran), in its order,
+// replayed here (per 8-row part the rows in order from 0.f, the chunk's parts in order, the chunks in double over 16
+// lanes, the lanes in order, then (float) onto dinp_sum); else bias_backward's pass over dinp gives it, whose bits
+// it must be (cuda/matmul_bias.cu, on the same dinp). Either way within 1e-5 of float64, and dinp, dweight and
+// dbias the bits of the same call without it.
+template <typename S>
+void run_layernorm_sum(int N, int C, int offset, bool fused, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  const size_t n = (size_t)N * C + offset;
+  auto fill = [&](size_t k, float scale, float shift) { return normals<S>(rng, nd, k, scale, shift); };
+  const std::vector<S> x = fill(n, 2.f, 0.5f), dy = fill(n, 1.f, 0.f), dinp0 = fill(n, 1.f, 0.f);
+  const std::vector<S> w = fill(C + offset, 1.f, 0.f), bias = fill(C + offset, 1.f, 0.f);
+  std::vector<float> ds0(C);
+  for (auto& v : ds0) v = nd(rng);
+  std::vector<S> out(n);
+  std::vector<float> mean(N), rstd(N);
+  cuda::layernorm_forward(out.data() + offset, mean.data(), rstd.data(), x.data() + offset, w.data() + offset,
+                          bias.data() + offset, N, C, nullptr);
+  const auto run = [&](std::vector<S>& dinp, std::vector<float>& dw, std::vector<float>& db, float* ds) {
+    dinp = dinp0, dw.assign(C, 0.5f), db.assign(C, -0.5f);
+    cuda::layernorm_backward(dinp.data() + offset, dw.data(), db.data(), dy.data() + offset, x.data() + offset,
+                             w.data() + offset, mean.data(), rstd.data(), N, C, ds, nullptr);
+  };
+  std::vector<S> dinp_a, dinp_b;
+  std::vector<float> dw_a, db_a, dw_b, db_b, ds = ds0;
+  run(dinp_a, dw_a, db_a, nullptr);
+  const size_t seen = emu::g_max_smem_seen;
+  emu::g_max_smem_seen = 0;
+  run(dinp_b, dw_b, db_b, ds.data());
+  const size_t smem = emu::g_max_smem_seen;
+  emu::g_max_smem_seen = std::max(seen, smem);
+  const bool same = memcmp(dinp_a.data(), dinp_b.data(), n * sizeof(S)) == 0 && dw_a == dw_b && db_a == db_b;
+  // The fused kernel's shared memory (layernorm.cu's ring_bytes with the sums): the ring, (2, C) chunk sums, the
+  // weight, each of the 8 warps' sums over C rounded up to stripes of 32 packs.
+  constexpr int P = 16 / (int)sizeof(S), kStripe = 32 * P;
+  const size_t want_smem = (8 * 2 * 3 + 1) * (size_t)C * sizeof(S) + 2 * (size_t)C * sizeof(float) +
+                           8 * (size_t)((C + kStripe - 1) / kStripe * kStripe) * sizeof(float);
+  const bool kernel = fused ? smem == want_smem : smem != want_smem;
+  std::vector<float> want = ds0;
+  std::vector<double> exact(C, 0.0);
+  const int64_t nchunks = (N + 63) / 64;
+  for (int c = 0; c < C; c++) {
+    double lanes[16] = {};
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+      float t = 0.f;
+      for (int64_t p0 = ch * 64; p0 < std::min<int64_t>(N, ch * 64 + 64); p0 += 8) {
+        float q = 0.f;
+        for (int64_t r = p0; r < std::min<int64_t>(N, p0 + 8); r++) {
+          const float v = to_float(dinp_b[offset + r * C + c]);
+          q += v;
+          exact[c] += v;
+        }
+        t = p0 == ch * 64 ? q : t + q;
+      }
+      lanes[ch % 16] += t;
+    }
+    double total = 0.0;
+    for (double l : lanes) total += l;
+    want[c] += (float)total;
+  }
+  if (!fused) {
+    want = ds0;
+    cuda::bias_backward(want.data(), dinp_b.data() + offset, N, C, nullptr);
+  }
+  double err2 = 0, ref2 = 0;
+  for (int c = 0; c < C; c++) {
+    const double e = ((double)ds[c] - ds0[c]) - exact[c];
+    err2 += e * e, ref2 += exact[c] * exact[c];
+  }
+  const double rel = std::sqrt(err2 / ref2);
+  const bool bits = ds == want;
+  const bool ok = same && kernel && bits && rel <= 1e-5;
+  if (!ok) failures++;
+  const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
+  printf("%s layernorm_backward dinp_sum %s N=%d C=%d offset %d (%s%s): %s, %.2e from float64; dinp/dweight/dbias "
+         "%s\n", ok ? "ok  " : "FAIL", type, N, C, offset, fused ? "summed in the one-pass kernel" : "bias_backward",
+         kernel ? "" : ", NOT the kernel that ran", bits ? "the order's bits" : "DIFFERS from the order's bits", rel,
+         same ? "the bits without it" : "CHANGED by it");
+  fflush(stdout);
+}
+
 void run_layernorm_cases(unsigned& seed) {
   run_residual_layernorm<float>(13, 96, 0, 1e-5, seed++);  // rows not a multiple of the block's 8 warps
   run_residual_layernorm<float>(9, 7, 0, 1e-5, seed++);    // fewer columns than lanes, not whole packs
@@ -1015,7 +1099,30 @@ void run_layernorm_cases(unsigned& seed) {
   run_layernorm_paths<float>(65, 404, 0, true, 1e-5, seed++);
   run_layernorm_paths<float>(65, 816, 0, true, 1e-5, seed++);
   run_layernorm_paths<bf16>(70, 768, 0, true, 1e-2, seed++);
+  // dinp_sum at sm_80's limits: GPT-2's bf16 rows take the ring without the sums (103.5 KB a block with them), 256
+  // columns (four blocks an SM, 36.4 KB each) the sums too.
+  run_layernorm_sum<bf16>(70, 768, 0, false, seed++);
+  run_layernorm_sum<bf16>(70, 256, 0, true, seed++);
   emu::g_smem_per_sm = 228 * 1024, emu::g_smem_optin = 227 * 1024;
+  // dinp_sum at an H100's limits: summed in the kernel for 16-bit rows of each instance's widths (GPT-2's, a partly
+  // filled last stripe, two stripes, one pack a lane, the widest), one row, more chunks than the combine's 16 lanes; bias_backward
+  // for fp32 (the fused model keeps the unfused bits there), the two passes (views off alignment, or chosen), and
+  // before sm_80.
+  run_layernorm_sum<bf16>(70, 768, 0, true, seed++);
+  run_layernorm_sum<f16>(131, 520, 0, true, seed++);
+  run_layernorm_sum<bf16>(70, 384, 0, true, seed++);
+  run_layernorm_sum<f16>(17, 400, 0, true, seed++);
+  run_layernorm_sum<bf16>(1, 40, 0, true, seed++);
+  run_layernorm_sum<f16>(9, 1024, 0, true, seed++);
+  run_layernorm_sum<bf16>(64 * 17 + 1, 40, 0, true, seed++);
+  run_layernorm_sum<float>(66, 132, 0, false, seed++);
+  run_layernorm_sum<bf16>(9, 64, 3, false, seed++);
+  const bool before = cuda::set_layernorm_one_pass(false);
+  run_layernorm_sum<bf16>(70, 768, 0, false, seed++);
+  cuda::set_layernorm_one_pass(before);
+  emu::g_cc_major = 7;
+  run_layernorm_sum<bf16>(70, 768, 0, false, seed++);
+  emu::g_cc_major = 9;
 }
 
 // The embedding's kernels (encoder.cu) against the CPU reference (cpu/encoder.cpp, compiled in beside them): the

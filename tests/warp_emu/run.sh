@@ -61,6 +61,7 @@ cp "$here/emu_test.cpp" "$out/test.cpp"
 cp "$src/cpu/adamw.cpp" "$out/cpu_adamw.cpp"  # the CPU references the adamw and encoder kernels are compared with
 cp "$src/cpu/encoder.cpp" "$out/cpu_encoder.cpp"
 cp "$src/cpu/layernorm.cpp" "$out/cpu_layernorm.cpp"  # and the LayerNorm gradients' (dweight/dbias: the CPU's bits)
+cp "$src/cpu/matmul_bias.cpp" "$out/cpu_matmul_bias.cpp"  # (its dinp_sum: the column sums the CPU LayerNorm calls)
 # The kernel units are built as nvcc builds them: a * b + c contracted into one FMA where the compiler likes (nvcc's
 # default, --fmad=true; GCC's -O1 does it with -fexpensive-optimizations and -mfma), so that code whose bits depend
 # on where the roundings fall (a merge that must give both lanes of a shuffle the same bits) fails here as on a GPU.
@@ -83,7 +84,7 @@ digest=$( { printf '%s\n' "${flags[@]}"; cat "$0"; cat "$out"/*.cpp "$out"/*.h "
 if [ "$(cat "$out/emu_test.digest" 2>/dev/null)" != "$digest" ] || ! [ -x "$out/emu_test" ]; then
   rm -f "$out/emu_test.digest" "$out/emu_test"
   objs=() pids=()
-  for f in "${units[@]}" cpu_adamw cpu_encoder cpu_layernorm test; do
+  for f in "${units[@]}" cpu_adamw cpu_encoder cpu_layernorm cpu_matmul_bias test; do
     rm -f "$out/$f.o"  # a failed compile must not leave an old object to link
     case $f in cpu_*|test|adamw) kf=() ;; *) kf=("${kernel_flags[@]}") ;; esac
     g++ "${flags[@]}" "${kf[@]}" -c "$out/$f.cpp" -o "$out/$f.o" &
