@@ -208,11 +208,12 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   S* sweight = reinterpret_cast<S*>(sums + 2 * C);  // kRing: (C), the weight
   // kSum: (kParts, sum_stripe_cols / 4) float4, each warp's dinp sums over its part's rows, by sum_slot. In shared
   // memory, not registers: beside the part sums they made ptxas spill (152 bytes at GPT-2's width, 128 registers).
-  // Addressed from the shared memory's base at each use: a pointer of its own, kept through the row loop, spilled
-  // at GPT-2's width (bf16 now has none; fp16 4-8 bytes on sm_90a and sm_80).
+  // They start where the ring kernel's memory without them ends. Addressed from the shared memory's base at each
+  // use: a pointer of its own, kept through the row loop, spilled at GPT-2's width (bf16 now has none; fp16 4-8
+  // bytes on sm_90a and sm_80).
+  const auto wsums = [&] { return reinterpret_cast<float4*>(smem_raw + ring_bytes<S>(C)); };
   const auto wsum = [&](int k, int h) -> float4& {
-    const int64_t at = ring_bytes<S>(C, true) - kParts * sum_stripe_cols<S>(C) * (int64_t)sizeof(float);
-    return reinterpret_cast<float4*>(smem_raw + at)[warp * (sum_stripe_cols<S>(C) / 4) + sum_slot<S>(k, h, lane)];
+    return wsums()[warp * (sum_stripe_cols<S>(C) / 4) + sum_slot<S>(k, h, lane)];
   };
   const int64_t p0 = (int64_t)blockIdx.x * kRowsPerChunk + warp * kRowsPerPart;
   const int64_t p1 = p0 + kRowsPerPart < N ? p0 + kRowsPerPart : N;
@@ -345,7 +346,7 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) out[i] = sums[i];
   if constexpr (kSum) {  // the parts' dinp sums in the same order (the last barrier above made every warp's visible)
     const int64_t c0 = (int64_t)blockIdx.x * kRowsPerChunk;
-    const float* ws = reinterpret_cast<const float*>(sweight + C);
+    const float* ws = reinterpret_cast<const float*>(wsums());
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
       const int k = c / (32 * P), l = c % (32 * P) / P, e = c % P;
       const int at = sum_slot<S>(k, e / 4, l) * 4 + e % 4;

@@ -850,6 +850,16 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
 // H100's limits) or loaded into registers (an SM too small for its blocks' rings, or a GPU before sm_80).
 static bool g_ln_ring = true;
 
+// The ring kernel's dynamic shared memory as layernorm.cu lays it out (its ring_bytes), stated here so that a launch's
+// size tells which kernel ran: 8 warps x 2 rows x (inp, dout, dinp), the weight, the (2, C) chunk sums, and with
+// `sum` each of the 8 warps' dinp sums over C rounded up to stripes of 32 packs.
+template <typename S>
+size_t ln_ring_bytes(int C, bool sum) {
+  constexpr int kStripe = 32 * (16 / (int)sizeof(S));
+  return (8 * 2 * 3 + 1) * (size_t)C * sizeof(S) + 2 * (size_t)C * sizeof(float) +
+         (sum ? 8 * (size_t)((C + kStripe - 1) / kStripe * kStripe) * sizeof(float) : 0);
+}
+
 // The LayerNorm backward's two paths (layernorm.cu): rows read once (warps of a block take the parts of a chunk and
 // add their sums in turn) and the two-pass kernels. They must give the same dweight/dbias bits (the same parts in
 // the same order, fmaf in both), each within tol of float64 for dinp (added onto values already there) and 1e-5 for
@@ -903,8 +913,7 @@ void run_layernorm_paths(int N, int C, int offset, bool fits, double tol, unsign
   std::vector<float> dws[2], dbs[2];
   std::vector<S> ring_dinp;
   double ex[2], ew[2], eb[2];
-  // The ring's bytes (layernorm.cu's ring_bytes: 8 warps x 2 rows x 3 arrays, the (2, C) sums, the weight), or none.
-  const size_t ring = fits && g_ln_ring ? (8 * 2 * 3 + 1) * (size_t)C * sizeof(S) + 2 * (size_t)C * sizeof(float) : 0;
+  const size_t ring = fits && g_ln_ring ? ln_ring_bytes<S>(C, false) : 0;  // the ring kernel's bytes, or none
   bool kernel = true;
   for (int one_pass : {1, 0}) {
     const bool before = cuda::set_layernorm_one_pass(one_pass);
@@ -993,12 +1002,7 @@ void run_layernorm_sum(int N, int C, int offset, bool fused, unsigned seed) {
   const size_t smem = emu::g_max_smem_seen;
   emu::g_max_smem_seen = std::max(seen, smem);
   const bool same = memcmp(dinp_a.data(), dinp_b.data(), n * sizeof(S)) == 0 && dw_a == dw_b && db_a == db_b;
-  // The fused kernel's shared memory (layernorm.cu's ring_bytes with the sums): the ring, (2, C) chunk sums, the
-  // weight, each of the 8 warps' sums over C rounded up to stripes of 32 packs.
-  constexpr int P = 16 / (int)sizeof(S), kStripe = 32 * P;
-  const size_t want_smem = (8 * 2 * 3 + 1) * (size_t)C * sizeof(S) + 2 * (size_t)C * sizeof(float) +
-                           8 * (size_t)((C + kStripe - 1) / kStripe * kStripe) * sizeof(float);
-  const bool kernel = fused ? smem == want_smem : smem != want_smem;
+  const bool kernel = fused == (smem == ln_ring_bytes<S>(C, true));
   std::vector<float> want = ds0;
   std::vector<double> exact(C, 0.0);
   const int64_t nchunks = (N + 63) / 64;
