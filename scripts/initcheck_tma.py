@@ -1,9 +1,10 @@
-"""Whether compute-sanitizer's initcheck counts TMA tensor stores as writes, for scripts/gpu_check.sh's sanitize part.
-The H200 runs of 2026-11-26 had initcheck report flash backward's delta pass reading elements of `out` that were
-never written, at the shape where flash_sanitize.py runs the warp-specialised Hopper forward, which writes O only by
-TMA stores (the warp emulator shows it writing every element). This runs that forward ("tma") or the plain Hopper
-forward with the same bits and ordinary stores ("plain") into a fresh `out`, then has torch read every element:
-under initcheck, reports for "tma" and none for "plain" mean the tool does not see TMA stores.
+"""Whether compute-sanitizer's initcheck takes the flash forward's TMA-stored O as written, for scripts/gpu_check.sh's
+sanitize part. The tool does not count TMA tensor stores as writes: in the 2026-11-26 H200 runs it reported flash
+backward's delta pass reading `out` that the warp-specialised Hopper forward had written only by TMA stores, and this
+probe read 32,768 reports for that forward's out and none for the plain one's. So the forward now marks O written
+through NVTX's memory API (tma.cuh mark_stored). This runs that forward ("tma") or the plain Hopper forward with the
+same bits and ordinary stores ("plain") into a fresh `out`, then has torch read every element: under initcheck, no
+reports for either means the marks work.
 Usage: compute-sanitizer --tool initcheck --error-exitcode 1 python3 scripts/initcheck_tma.py tma|plain
 Exits 0 without running anything where there is no H100/H200 (it says so), 2 for a bad argument."""
 import sys

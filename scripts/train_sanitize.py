@@ -11,34 +11,68 @@ recompute=2 (GELU and the LayerNorms remade in backward into one-layer buffers; 
 the default). It checks nothing
 numerically (the tests do); it
 exits non-zero only if a call raises or a loss is not finite.
-Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/train_sanitize.py"""
+Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/train_sanitize.py [--part K/N]
+--part K/N runs only the models at places K, K + N, K + 2N, ... of that list (from 1): N processes side by side cover
+them all, where one under racecheck hit its ~400 s timeout in the 2026-11-26 H200 run (gpu_check.sh splits
+racecheck's in two). Each model's line gives its seconds."""
+import argparse
 import math
+import time
 
 import numpy as np
 
 import fastgpt
 
 
-def main():
+def part(text):
+    """K/N with 1 <= K <= N, as (K, N)."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N such as 1/2, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return k, n
+
+
+def plan():
+    """Every model: (precision, fused, config, matmul autotune)."""
     cfg = fastgpt.GPTConfig(block_size=64, vocab_size=211, n_layer=2, n_head=2, n_embd=64)
     cfg64 = fastgpt.GPTConfig(block_size=64, vocab_size=211, n_layer=2, n_head=2, n_embd=128)  # head size 64
-    rng = np.random.default_rng(0)
-    runs = [(p, True, cfg, False) for p in ("fp32", "tf32", "bf16", "fp16")] + [("bf16", False, cfg, False)] + [
+    return [(p, True, cfg, False) for p in ("fp32", "tf32", "bf16", "fp16")] + [("bf16", False, cfg, False)] + [
         (p, True, cfg64, False) for p in ("fp32", "tf32", "bf16")] + [("bf16", True, cfg64, True)]
+
+
+def name_of(precision, fused, cfg, tuned):
+    return (precision if fused else f"{precision} unfused") + f" hs {cfg.n_embd // cfg.n_head}" + (
+        " tuned" if tuned else "")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Training steps of small CUDA models, for compute-sanitizer.")
+    ap.add_argument("--part", type=part, default=(1, 1), help="K/N: the models at K, K+N, ... of the list (from 1)")
+    ap.add_argument("--list", action="store_true", help="print the part's models' names and run nothing")
+    args = ap.parse_args(argv)
+    k, n = args.part
+    runs = plan()[k - 1::n]
+    if args.list:
+        print("\n".join(name_of(*r) for r in runs))
+        return
+    rng = np.random.default_rng(0)
     for precision, fused, cfg, tuned in runs:
         before = fastgpt.ops.matmul_autotune(tuned)
+        start = time.perf_counter()
         try:
-            run(precision, fused, cfg, rng, tuned)
+            run(precision, fused, cfg, rng, tuned, start)
         finally:
             fastgpt.ops.matmul_autotune(before)
 
 
-def run(precision, fused, cfg, rng, tuned):
+def run(precision, fused, cfg, rng, tuned, start):
     """Three steps and a generation of one model: the caller sets matmul_autotune."""
     model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused,
                         recompute=2 if precision == "fp16" else 0)
-    name = (precision if fused else f"{precision} unfused") + f" hs {cfg.n_embd // cfg.n_head}" + (
-        " tuned" if tuned else "")
+    name = name_of(precision, fused, cfg, tuned)
     opt = fastgpt.AdamW(model, lr=1e-3)
     model.classifier_rows = 37  # chunks that do not divide B*T = 96
     for step in range(3):
@@ -55,7 +89,8 @@ def run(precision, fused, cfg, rng, tuned):
         if not math.isfinite(loss):
             raise SystemExit(f"{name}: loss {loss}")
     out = model.generate(rng.integers(0, cfg.vocab_size, (3, 50)), 20, top_k=20, top_p=0.9, seed=0)
-    print(f"train_sanitize {name}: 3 steps, last loss {loss:.4f}; generated {out.shape[1] - 50} tokens")
+    print(f"train_sanitize {name}: 3 steps, last loss {loss:.4f}; generated {out.shape[1] - 50} tokens "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

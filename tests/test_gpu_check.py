@@ -59,7 +59,7 @@ def test_first_moves_named_entries_ahead_and_refuses_unknown_ones():
 
 
 def test_the_initcheck_probe_refuses_a_bad_argument_and_says_when_it_cannot_run():
-    # scripts/initcheck_tma.py (gpu_check's "does initcheck see TMA stores" line): without an H100/H200 it runs
+    # scripts/initcheck_tma.py (gpu_check's initcheck-tma-probe line): without an H100/H200 it runs
     # nothing and says why; a wrong argument is a usage error.
     import sys
     bad = subprocess.run([sys.executable, "scripts/initcheck_tma.py", "both"], cwd=ROOT, capture_output=True,
@@ -71,3 +71,26 @@ def test_the_initcheck_probe_refuses_a_bad_argument_and_says_when_it_cannot_run(
     out = subprocess.run([sys.executable, "scripts/initcheck_tma.py", "tma"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("initcheck_tma: skipped ("), (out.stdout, out.stderr)
+
+
+def test_train_sanitize_parts_cover_every_model_once():
+    # gpu_check.sh runs racecheck's train_sanitize as --part 1/2 and 2/2 side by side: together they must run every
+    # model of the whole list, each once; a part outside 1..N is a usage error.
+    import sys
+
+    def names(*args):
+        out = subprocess.run([sys.executable, "scripts/train_sanitize.py", "--list", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split("\n")[:-1]
+
+    whole = names()
+    assert len(whole) == 9 and len(set(whole)) == 9 and "bf16 unfused hs 32" in whole
+    for n in (2, 3):
+        parts = [names("--part", f"{k}/{n}") for k in range(1, n + 1)]
+        assert sorted(sum(parts, [])) == sorted(whole)
+        assert all(parts)  # none empty
+    for bad in ("0/2", "3/2", "1", "a/b"):
+        out = subprocess.run([sys.executable, "scripts/train_sanitize.py", "--list", "--part", bad], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "--part" in out.stderr, (bad, out.stderr)

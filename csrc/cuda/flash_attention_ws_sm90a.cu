@@ -303,6 +303,10 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   forward_ws_kernel<E, D, NC, BC><<<ctas, 128 * (NC + 1), bytes, stream>>>(p, maps, ts);
   FASTGPT_CUDA_CHECK_LAUNCH();
+  // O is written by tensor stores alone, which initcheck does not see: marked for it, where O is one range (an O
+  // with gaps stays unmarked: marking the gaps would hide them from the tool).
+  const size_t o_bytes = tma::dense_bytes(p.B, p.H, p.T, D, p.os, sizeof(E));
+  if (o_bytes > 0) tma::mark_stored(p.out, o_bytes, stream);
   return true;
 }
 

@@ -1,6 +1,7 @@
 // The host half of tma.cuh: tensor maps encoded by the driver's cuTensorMapEncodeTiled. The function is taken
 // through the runtime's driver entry point (cudaGetDriverEntryPointByVersion), so the extension does not link
-// libcuda itself (the toolkit's stub would otherwise be baked in); it is looked up once per process.
+// libcuda itself (the toolkit's stub would otherwise be baked in); it is looked up once per process. And the marks
+// that tell compute-sanitizer's initcheck what the tensor stores wrote (NVTX's header-only memory API).
 // This file is built with every CUDA build, but only the sm_90a kernels call it, and CMake compiles those with nvcc
 // 12.0 or newer alone: an older toolkit (no CUtensorMap in cuda.h) compiles nothing here, so that its build goes on.
 #include "cuda/check.h"
@@ -9,6 +10,10 @@
 #include <string>
 
 #include <cudaTypedefs.h>
+#if __has_include(<nvtx3/nvToolsExtMemCudaRt.h>)  // NVTX 3.1's memory API (in the toolkit's headers since about 12.2)
+#include <nvtx3/nvToolsExtMemCudaRt.h>
+#define FASTGPT_NVTX_MEM 1
+#endif
 
 #include "cuda/tma.cuh"
 
@@ -49,6 +54,27 @@ void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const
                                        std::to_string(dims[1]) + "," + std::to_string(dims[2]) + "," +
                                        std::to_string(dims[3]) + ")",
          __FILE__, __LINE__);
+}
+
+void mark_stored(const void* base, size_t bytes, cudaStream_t stream) {
+  // Nothing while the stream is captured into a graph: a mark made then would come before the stores it stands for
+  // (they run at each replay), and how the tool takes a capturing stream is undocumented. The engine's graphs write O
+  // into buffers it zeroed when it made them, so their replays read nothing initcheck counts as unwritten.
+#ifdef FASTGPT_NVTX_MEM
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FASTGPT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone || bytes == 0) return;
+  static const nvtxDomainHandle_t domain = nvtxDomainCreateA("fastgpt");
+  const nvtxMemVirtualRangeDesc_t range{bytes, base};
+  nvtxMemMarkInitializedBatch_t batch{};
+  batch.extCompatID = NVTX_EXT_COMPATID_MEM;
+  batch.structSize = sizeof batch;
+  batch.regionType = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+  batch.regionDescCount = 1;
+  batch.regionDescElementSize = sizeof range;
+  batch.regionDescElements = &range;
+  nvtxMemCudaMarkInitialized(domain, stream, 0, &batch);
+#endif
 }
 
 }  // namespace fastgpt::cuda::tma

@@ -37,6 +37,14 @@ struct HeadsMap {
 // outer three), boxes `box`, the 128-byte swizzle, zeros outside the tensor; throws with the driver's code (tma.cu).
 void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
             const uint32_t (&box)[4]);
+// Tells compute-sanitizer's initcheck that the `bytes` at `base` are written by the tensor stores just queued on
+// `stream` (tma.cu; NVTX's memory API, a no-op without a tool attached). initcheck does not count TMA stores as writes
+// (the 2026-11-26 H200 run's scripts/initcheck_tma.py probe), so it reported every later read of the forward's O as
+// uninitialised. The range must be exactly what the stores cover: a wider one would hide real gaps from the tool. A
+// tile the kernel failed to store inside that range is hidden from initcheck too: the warp emulator checks that the
+// stores cover it. Not marked: a forward captured into a graph (tma.cu), so a graph of torch's (its allocator's O,
+// never zeroed) replayed under initcheck would still be reported.
+void mark_stored(const void* base, size_t bytes, cudaStream_t stream);
 
 // Fetches the map into the tensor-map cache ahead of the first copy that uses it.
 __device__ __forceinline__ void prefetch(const CUtensorMap* map) {
@@ -141,6 +149,23 @@ inline bool make_heads_map(HeadsMap& m, const void* base, int B, int H, int T, i
   box[m.slot_t] = (uint32_t)rows;
   encode(&m.map, base, gdims, strides, box);
   return true;
+}
+
+// The bytes of a (B, H, T, d) tensor of `elem`-byte elements at element strides `s` when its elements fill one range
+// with no gaps (some order of its dimensions is row-major), else 0: what mark_stored may be told the tensor stores
+// wrote. Size-1 dimensions have no say.
+inline size_t dense_bytes(int B, int H, int T, int d, const cpu::HeadStrides& s, size_t elem) {
+  struct Dim {
+    int64_t n, stride;
+  } dims[3] = {{T, s.st}, {H, s.sh}, {B, s.sb}};
+  std::sort(dims, dims + 3, [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  int64_t extent = d;  // elements spanned by the dimensions so far
+  for (const Dim& x : dims) {
+    if (x.n == 1) continue;
+    if (x.stride != extent) return 0;
+    extent *= x.n;
+  }
+  return (size_t)extent * elem;
 }
 
 // The coordinate in slot 1-3 of `m` of rows from `row` of head (b, h).

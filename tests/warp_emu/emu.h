@@ -832,7 +832,10 @@ struct Bulk {
   unsigned char* dst = nullptr;  // global
   uint32_t src = 0, bytes = 0;   // shared
   bool add = false;              // fp32 adds (reduce_add), else a copy (store)
-  const uint64_t* map = nullptr;  // a tensor store's map (the emulator's encoding), and the box's coordinates
+  // A tensor store's map (the emulator's encoding; a copy: the kernel's parameter it came from is gone when the
+  // thread's exit writes what it never waited for), and the box's coordinates.
+  bool tensor = false;
+  std::array<uint64_t, sizeof(CUtensorMap) / 8> map{};
   std::array<int, 4> c{};
   bool read = false, written = false;
   bool read_waited = false;  // a wait_group(.read) has covered it: its read is complete, for the race check
@@ -846,14 +849,50 @@ inline void bulk_read(Bulk& op) {
   if (!op.read) op.data.assign(tl_block->smem + op.src, tl_block->smem + op.src + op.bytes);
   op.read = true;
 }
+// initcheck's view of the tensor stores: the 2-byte elements they wrote, and the ranges the host marked written
+// for the tool (tma.cuh's mark_stored), which must be the same bytes (tma_stores_marked).
+inline std::mutex g_initcheck_mu;
+inline std::vector<uintptr_t> g_tma_written;
+inline std::vector<std::pair<uintptr_t, size_t>> g_marked;
+inline void initcheck_mark(const void* base, size_t bytes) {
+  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
+  g_marked.emplace_back((uintptr_t)base, bytes);
+}
+inline bool g_initcheck_track = false;  // recording, from the first initcheck_reset on (else long modes would grow)
+inline void initcheck_reset() {
+  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
+  g_tma_written.clear(), g_marked.clear();
+  g_initcheck_track = true;
+}
+inline size_t initcheck_marks() {
+  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
+  return g_marked.size();
+}
+// Whether the tensor stores since initcheck_reset wrote exactly the marked bytes, every one once or more.
+inline bool tma_stores_marked() {
+  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
+  std::vector<uintptr_t> written = g_tma_written, marked;
+  std::sort(written.begin(), written.end());
+  written.erase(std::unique(written.begin(), written.end()), written.end());
+  for (const auto& [base, bytes] : g_marked) {
+    if (base % 2 || bytes % 2) return false;
+    for (size_t i = 0; i < bytes; i += 2) marked.push_back(base + i);
+  }
+  std::sort(marked.begin(), marked.end());
+  marked.erase(std::unique(marked.begin(), marked.end()), marked.end());
+  return !marked.empty() && written == marked;
+}
 inline void bulk_write(Bulk& op) {
   bulk_read(op);
   if (op.written) return;
   op.written = true;
-  if (op.map) {  // element by element, read through the swizzle, inside the tensor only
-    box_elements(op.map, op.c, op.src, [&](uint32_t at, unsigned char* elem) {
-      if (elem) memcpy(elem, op.data.data() + (wg_swizzle(at) - op.src), 2);
+  if (op.tensor) {  // element by element, read through the swizzle, inside the tensor only
+    std::vector<uintptr_t> written;
+    box_elements(op.map.data(), op.c, op.src, [&](uint32_t at, unsigned char* elem) {
+      if (elem) memcpy(elem, op.data.data() + (wg_swizzle(at) - op.src), 2), written.push_back((uintptr_t)elem);
     });
+    const std::lock_guard<std::mutex> lock(g_initcheck_mu);
+    if (g_initcheck_track) g_tma_written.insert(g_tma_written.end(), written.begin(), written.end());
     return;
   }
   if (!op.add) {
@@ -891,7 +930,9 @@ inline void bulk_issue(void* dst, uint32_t src, uint32_t bytes, bool add) {
 }
 inline void tma_store(const CUtensorMap* map, uint32_t src, std::array<int, 4> c) {
   Bulk op;
-  op.map = tma_map(map), op.c = c, op.src = src, op.bytes = box_bytes(op.map);
+  const uint64_t* o = tma_map(map);
+  std::copy(o, o + op.map.size(), op.map.begin());
+  op.tensor = true, op.c = c, op.src = src, op.bytes = box_bytes(o);
   if (src % 1024) die("TMA store: a box in the 128-byte swizzle must come from a 1024-byte aligned address");
   bulk_enqueue(std::move(op));
   g_tma_stores++;

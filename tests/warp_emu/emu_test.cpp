@@ -13,6 +13,7 @@
 #include "cuda/ops.h"
 #include "cuda/flash_attention.cuh"  // flash::compute_delta, flash::Params
 #include "cuda/scratch.h"
+#include "cuda/tma.cuh"  // tma::dense_bytes
 #include <cmath>
 #include <algorithm>
 #include <random>
@@ -208,7 +209,8 @@ void run_sm90(int B, int H, int T, int d, bool causal, bool bthd, bool det, DTyp
 // bits of fwd option 3 ("sm90 128x128": the same key blocks of 128, the same products and softmax per row, only the
 // CTA's roles and synchronisation differ). Option 3's run takes backward passes `dkdv`, `dq`; the ws runs skip the
 // backward, which would read the same out and lse. The launch must have one CTA per tile, or (persistent) one per
-// SM (emu::g_sm_count: each CTA then takes several tiles in turn, its Q buffers and rings reused across them).
+// SM (emu::g_sm_count: each CTA then takes several tiles in turn, its Q buffers and rings reused across them). The
+// host must mark for initcheck exactly the bytes O's tensor stores wrote (tma.cuh mark_stored).
 template <typename E>
 void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double tol, unsigned seed, int dkdv, int dq) {
   set_tiles({3, dkdv, dq});
@@ -217,7 +219,9 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
     set_tiles({fwd, dkdv, dq});
     g_fwd_only = true;
     const long stores0 = emu::g_tma_stores;
+    emu::initcheck_reset();
     const Outs o = run<E>(B, H, T, d, causal, bthd, true, dt, tol, seed);
+    const bool marked = emu::tma_stores_marked();
     g_fwd_only = false;
     const int rows = d == 64 && fwd % 2 ? 192 : 128;
     const long tiles = (long)B * H * ((T + rows - 1) / rows);
@@ -226,11 +230,44 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
     const long stores = emu::g_tma_stores - stores0, want = (long)B * H * ((T + 63) / 64) * (d / 64);
     // (emu::g_grid, the emulated gridDim, keeps the last launch's: the forward's)
     const bool same = o.out == base.out && o.lse == base.lse, grid = emu::g_grid.x == ctas;
-    if (!same || !grid || stores != want) failures++;
-    printf("%s sm90 ws fwd %d: out and lse are fwd 3's bits %d; %u CTAs for %ld tiles; %ld O stores\n",
-           same && grid && stores == want ? "ok  " : "FAIL", fwd, same, emu::g_grid.x, tiles, stores);
+    const bool ok = same && grid && stores == want && marked;
+    if (!ok) failures++;
+    printf("%s sm90 ws fwd %d: out and lse are fwd 3's bits %d; %u CTAs for %ld tiles; %ld O stores; the bytes marked "
+           "for initcheck are those they wrote %d\n", ok ? "ok  " : "FAIL", fwd, same, emu::g_grid.x, tiles, stores,
+           marked);
   }
   set_tiles({0, 0, 0});
+  fflush(stdout);
+}
+
+// tma::dense_bytes: the range the ws forward marks for initcheck is O's bytes only where they have no gaps (the
+// engine's and the binding's O: (B, H, T, d) or (B, T, H, d), row-major); a view with gaps gets 0 (nothing marked).
+void check_dense_bytes() {
+  const int B = 2, H = 3, T = 5, d = 64;
+  const size_t all = (size_t)B * H * T * d * 2;
+  struct Case {
+    const char* name;
+    cpu::HeadStrides s;
+    int B, T;
+    size_t want;
+  } cases[] = {
+      {"bhtd", {H * T * d, T * d, d}, B, T, all},
+      {"bthd", {T * H * d, d, H * d}, B, T, all},
+      {"(B, T, 3, H, d) qkv", {T * 3 * H * d, d, 3 * H * d}, B, T, 0},
+      {"rows padded to 72", {H * T * 72, T * 72, 72}, B, T, 0},
+      {"one head broadcast (stride 0)", {T * d, 0, d}, B, T, 0},
+      {"B 1, any batch stride", {12345, T * d, d}, 1, T, (size_t)H * T * d * 2},
+      {"T 1, any row stride", {H * d, d, 777}, B, 1, (size_t)B * H * d * 2},
+      {"heads apart by twice their size", {2 * H * T * d, 2 * T * d, d}, B, T, 0},
+  };
+  bool ok = true;
+  for (const Case& c : cases) {
+    const size_t got = cuda::tma::dense_bytes(c.B, H, c.T, d, c.s, 2);
+    if (got != c.want) ok = false, printf("  dense_bytes %s: %zu, want %zu\n", c.name, got, c.want);
+  }
+  if (!ok) failures++;
+  printf("%s tma::dense_bytes: O's bytes for row-major layouts, 0 for views with gaps (8 layouts)\n",
+         ok ? "ok  " : "FAIL");
   fflush(stdout);
 }
 
@@ -241,7 +278,8 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
 // then plain copies, so every head's out is the broadcast one). The ws kernels decline those and the plain ones run.
 // Forward: fwd 6, 7 and 8 must give fwd 3's out and lse; backward: dkdv 4 ("sm90 ws fused") dkdv 3's dq, dk, dv; all
 // near the float64 reference; dkdv 5 ("sm90 ws fused 128x128") and 6, 7 (the two persistent) too. The emulator's count of TMA copies says which
-// path ran.
+// path ran. The ws forwards must mark for initcheck exactly the O they store (contiguous here), and a ws forward into
+// an O with padded rows (tensor stores with gaps between them) must mark nothing.
 template <typename E>
 void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, double tol, unsigned seed) {
   const int d = 64, rows = broadcast ? 1 : 3 * H;  // heads stored per (b, t) row of the buffer
@@ -272,17 +310,37 @@ void run_ws_views(int B, int H, int T, bool causal, bool broadcast, DType dt, do
     std::vector<float> lse((size_t)B * H * T, NAN);
     set_tiles({fwd, 0, 0});
     const long copies = emu::g_tma_copies;
+    emu::initcheck_reset();
     cuda::flash_attention_forward(out.data(), contiguous, lse.data(), buf.data(), buf.data() + part,
                                   buf.data() + 2 * part, is, sh, dt, nullptr);
     const bool tma = emu::g_tma_copies > copies;
+    // the ws forwards' O (contiguous here) marked for initcheck, exactly; nothing marked where no tensor store ran
+    const bool marked = tma ? emu::tma_stores_marked() : emu::initcheck_marks() == 0;
     if (fwd == 3) out0 = out, lse0 = lse;
     const bool same = memcmp(out.data(), out0.data(), n * sizeof(E)) == 0 && lse == lse0;
     const double eo = relerr(logical(out.data(), contiguous), r.out),
                  el = relerr(std::vector<double>(lse.begin(), lse.end()), r.lse);
-    const bool ok = eo < tol && el < tol && same && tma == (fwd != 3 && !broadcast);
+    const bool ok = eo < tol && el < tol && same && tma == (fwd != 3 && !broadcast) && marked;
     if (!ok) failures++;
-    printf("%s sm90 fwd %d on %s B=%d H=%d T=%d causal=%d: out %.2e lse %.2e, fwd 3's bits %d, TMA %d\n",
-           ok ? "ok  " : "FAIL", fwd, what, B, H, T, causal, eo, el, same, tma);
+    printf("%s sm90 fwd %d on %s B=%d H=%d T=%d causal=%d: out %.2e lse %.2e, fwd 3's bits %d, TMA %d, marks %d\n",
+           ok ? "ok  " : "FAIL", fwd, what, B, H, T, causal, eo, el, same, tma, marked);
+  }
+  if (!broadcast) {  // an O with gaps (each head's row padded to d + 8): the ws forward stores it, and marks nothing
+    const int dp = d + 8;
+    const cpu::HeadStrides padded{(int64_t)T * H * dp, dp, (int64_t)H * dp};
+    std::vector<E> out((size_t)B * T * H * dp, E(0.f));
+    std::vector<float> lse((size_t)B * H * T, NAN);
+    set_tiles({6, 0, 0});
+    const long stores0 = emu::g_tma_stores;
+    emu::initcheck_reset();
+    cuda::flash_attention_forward(out.data(), padded, lse.data(), buf.data(), buf.data() + part,
+                                  buf.data() + 2 * part, is, sh, dt, nullptr);
+    const bool stored = emu::g_tma_stores > stores0, unmarked = emu::initcheck_marks() == 0;
+    const std::vector<double> got = logical(out.data(), padded), want = logical(out0.data(), contiguous);
+    const bool same = got == want && lse == lse0, ok = stored && unmarked && same;
+    if (!ok) failures++;
+    printf("%s sm90 fwd 6 into an O with padded rows: fwd 3's bits %d, by tensor stores %d, nothing marked for "
+           "initcheck %d\n", ok ? "ok  " : "FAIL", same, stored, unmarked);
   }
   // The backward's inputs: the qkv buffer as it is; or, broadcast, q, k, v copied out per head and out kept for one.
   std::vector<E> q = buf, out = out0;
@@ -1613,6 +1671,7 @@ int main(int argc, char** argv) {
       run_tiles<__nv_bfloat16>(1, 1, 150, true, false, DType::bf16, 3e-2, seed++, {{1, 1, 1}, {2, 1, 2}});
       run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {{3, 2, 3}});
       run_fused_sm90<__nv_bfloat16>(1, 1, 260, 64, true, true, DType::bf16, 3e-2, seed++, 5);
+      check_dense_bytes();
       emu::g_sm_count = 1;  // the persistent forwards: one CTA takes all three tiles (its Q buffers reused)
       run_ws<__nv_bfloat16>(1, 1, 260, 64, true, false, DType::bf16, 3e-2, seed++, 0, 0);
       emu::g_sm_count = 3;
@@ -1699,6 +1758,7 @@ int main(int argc, char** argv) {
                          {{3, 2, 3}, {4, 0, 0}, {5, 0, 0}});
     } else if (mode == "ws") {  // the warp-specialised sm90 forward: both options, both head dims, T below, at and
       // past its tiles (T 300 with 192 rows: the causal CTA's first warpgroup skips a key block the others use)
+      check_dense_bytes();
       for (int d : {64, 128})
         for (int T : {1, 30, 64, 129, 200, 300, 520})
           for (int causal : {0, 1})

@@ -1,11 +1,12 @@
 // replaces the PTX part of tma.cuh (inside namespace fastgpt::cuda::tma) with emu.h's TMA: maps encoded here, with
 // the encoder's documented requirements checked, and copies made at issue by emu::tma_load; the bulk copies to global
 // memory by emu::bulk_issue (tensor stores by emu::tma_store) and their waits, the bulk copy back from global memory
-// by emu::bulk_load
+// by emu::bulk_load; the ranges the host marks written for initcheck kept for emu::tma_stores_marked
 inline void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
                    const uint32_t (&box)[4]) {
   emu::tma_encode(map, base, dims, strides, box);
 }
+inline void mark_stored(const void* base, size_t bytes, cudaStream_t) { emu::initcheck_mark(base, bytes); }
 __device__ __forceinline__ void prefetch(const CUtensorMap* map) { emu::tma_map(map); }
 __device__ __forceinline__ void arrive_expect(uint32_t bar, uint32_t bytes) { emu::mbar_arrive(bar, bytes); }
 __device__ __forceinline__ void expect(uint32_t bar, uint32_t bytes) { emu::mbar_expect(bar, bytes); }
