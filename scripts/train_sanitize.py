@@ -61,15 +61,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     for precision, fused, cfg, tuned in runs:
         before = fastgpt.ops.matmul_autotune(tuned)
-        start = time.perf_counter()
         try:
-            run(precision, fused, cfg, rng, tuned, start)
+            run(precision, fused, cfg, rng, tuned)
         finally:
             fastgpt.ops.matmul_autotune(before)
 
 
-def run(precision, fused, cfg, rng, tuned, start):
+def run(precision, fused, cfg, rng, tuned):
     """Three steps and a generation of one model: the caller sets matmul_autotune."""
+    start = time.perf_counter()
     model = fastgpt.GPT(cfg, device="cuda", precision=precision, seed=1, fused=fused,
                         recompute=2 if precision == "fp16" else 0)
     name = name_of(precision, fused, cfg, tuned)

@@ -289,10 +289,11 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
   const int nqb = (p.T + rows - 1) / rows;
   const int64_t tiles = (int64_t)p.B * p.H * nqb;
   Maps maps;
+  size_t o_bytes = 0;  // O's bytes where it has no gaps
   if (tiles > INT32_MAX / 2 || !tma::make_heads_map(maps.q, p.q, p.B, p.H, p.T, D, p.is, rows) ||
       !tma::make_heads_map(maps.k, p.k, p.B, p.H, p.T, D, p.is, BC) ||
       !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, D, p.is, BC) ||
-      !tma::make_heads_map(maps.o, p.out, p.B, p.H, p.T, D, p.os, 64))
+      !tma::make_heads_map(maps.o, p.out, p.B, p.H, p.T, D, p.os, 64, &o_bytes))
     return false;
   const Tiles ts{p.B * p.H, nqb, (int)tiles};
   int ctas = ts.n;
@@ -305,7 +306,6 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
   FASTGPT_CUDA_CHECK_LAUNCH();
   // O is written by tensor stores alone, which initcheck does not see: marked for it, where O is one range (an O
   // with gaps stays unmarked: marking the gaps would hide them from the tool).
-  const size_t o_bytes = tma::dense_bytes(p.B, p.H, p.T, D, p.os, sizeof(E));
   if (o_bytes > 0) tma::mark_stored(p.out, o_bytes, stream);
   return true;
 }

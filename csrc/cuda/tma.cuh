@@ -127,8 +127,10 @@ __device__ __forceinline__ void fence_global() { FASTGPT_SM90A_ASM("fence.proxy.
 // false where its strides do not nest (a view such as a head dimension of stride 0, which the encoder's documented
 // layout cannot describe): the caller then takes a kernel without TMA. Size-1 dimensions go last (their stride is
 // free), and the strides must be multiples of 16 bytes (the flash dispatch requires multiples of 8 elements).
+// dense, where given: the bytes the tensor fills when its elements leave no gaps (some order of its dimensions is
+// row-major), else 0: what mark_stored may be told a store of the whole tensor wrote.
 inline bool make_heads_map(HeadsMap& m, const void* base, int B, int H, int T, int d, const cpu::HeadStrides& s,
-                           int rows) {
+                           int rows, size_t* dense = nullptr) {
   struct Dim {
     uint64_t n;
     int64_t stride;  // elements
@@ -139,33 +141,19 @@ inline bool make_heads_map(HeadsMap& m, const void* base, int B, int H, int T, i
   });
   uint64_t gdims[4] = {(uint64_t)d, 0, 0, 0}, strides[3];
   uint64_t extent = (uint64_t)d * 2;  // bytes spanned by the dimensions so far
+  bool gapless = true;
   for (int i = 0; i < 3; i++) {
     const uint64_t stride = dims[i].n == 1 ? extent : (uint64_t)dims[i].stride * 2;
     if (dims[i].stride < 0 || stride < extent || stride % 16 || stride >= (1ull << 40)) return false;
+    gapless = gapless && stride == extent;
     gdims[i + 1] = dims[i].n, strides[i] = stride, *dims[i].slot = i + 1;
     extent = stride * dims[i].n;
   }
+  if (dense) *dense = gapless ? extent : 0;
   uint32_t box[4] = {64, 1, 1, 1};  // 64 columns, `rows` along T's slot, one head of one batch row
   box[m.slot_t] = (uint32_t)rows;
   encode(&m.map, base, gdims, strides, box);
   return true;
-}
-
-// The bytes of a (B, H, T, d) tensor of `elem`-byte elements at element strides `s` when its elements fill one range
-// with no gaps (some order of its dimensions is row-major), else 0: what mark_stored may be told the tensor stores
-// wrote. Size-1 dimensions have no say.
-inline size_t dense_bytes(int B, int H, int T, int d, const cpu::HeadStrides& s, size_t elem) {
-  struct Dim {
-    int64_t n, stride;
-  } dims[3] = {{T, s.st}, {H, s.sh}, {B, s.sb}};
-  std::sort(dims, dims + 3, [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
-  int64_t extent = d;  // elements spanned by the dimensions so far
-  for (const Dim& x : dims) {
-    if (x.n == 1) continue;
-    if (x.stride != extent) return 0;
-    extent *= x.n;
-  }
-  return (size_t)extent * elem;
 }
 
 // The coordinate in slot 1-3 of `m` of rows from `row` of head (b, h).
