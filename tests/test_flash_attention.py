@@ -13,6 +13,7 @@ kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the 
 (wgmma, "sm90") kernels, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
 """
 import math
+import re
 import subprocess
 import sys
 import shutil
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 import fastgpt
 from fastgpt import _C, ops
 from devices import host, needs_cuda, sm90_device
-from ptx import compile_ptx, entries
+from ptx import CSRC, compile_ptx, compile_sass, entries, nvdisasm
 from reference_gpt import lse_err, rel_err
 
 TOL = 1e-5
@@ -240,6 +241,54 @@ def test_each_score_costs_one_fma_and_one_ex2(tmp_path):
         assert "ex2.approx.f32" not in text, f"{name}: an exponential without ftz (exp2f)"
         assert text.count("ex2.approx.ftz.f32") == scores, name
         assert text.count("fma.rn.f32") >= scores - 2, f"{name}: the exponent is not one fma per score"
+
+
+def _hgmma(ins, a_from_registers):
+    """Whether a SASS instruction is a wgmma (HGMMA) with A from registers (P V) or from shared memory (S = Q K^T)."""
+    m = re.match(r"HGMMA\.\S+ R\d+, (\S+)", ins)
+    return bool(m) and m.group(1).startswith("R") == a_from_registers
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
+                    reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+@pytest.mark.parametrize("source", ["flash_attention_sm90a.cu", "flash_attention_ws_sm90a.cu"])
+def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
+    """The Hopper forwards' inner step (flash_attention_sm90.cuh next_block) as ptxas scheduled it (SASS, sm_90a),
+    in every forward kernel of the file (D and the key block BC from the template arguments):
+    - between the wait for S_j (wgmma wait_group 1, P_{j-1} V_{j-1} still on the tensor cores) and the wait for that
+      P V (wait_group 0) come block j's exponentials, at least one MUFU.EX2 per score of a thread (BC / 2). Left
+      alone, ptxas hoisted the second wait above the whole softmax (none between the two): the softmax ran after
+      the product it was written to overlap (FlashAttention-3's intra-warpgroup overlap);
+    - O's rescale, one multiply per accumulator of a thread (D / 2), comes between the issue of S_j (A from shared
+      memory) and that of P_{j-1} V_{j-1} (A from registers), not before S_j's issue (where ptxas put it) nor after
+      the wait for P V (where it was, 32 multiplies between that wait and the next step's issue at d 64);
+    - in the two-consumer warp-specialised kernels (two sets of P fragments), P_j's packing, one conversion per two
+      scores (BC / 4), comes before the wait for P V too.
+    wgmma::settle holds the first two in place; without it each count is 0 (and without the second set, the third)."""
+    kernels = compile_sass(CSRC / "cuda" / source, tmp_path / "k.cubin", "arch=compute_90a,code=sm_90a")
+    forwards = {n: v for n, v in kernels.items() if "forward" in n}
+    assert len(forwards) == (6 if "ws" in source else 10), sorted(forwards)  # (E, D, warpgroups, BC) instances
+    for name, code in forwards.items():
+        d, wg, bc = map(int, re.search(r"_kernelI\w+?Li(\d+)ELi(\d+)ELi(\d+)E", name).groups())
+        waits = [i for i, ins in enumerate(code) if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1$", ins)]
+        assert waits, f"{name}: no wait for S alone (the overlapped step is gone)"
+        for i in waits:
+            rest = code[i + 1:]
+            end = next((k for k, ins in enumerate(rest) if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0$", ins)), None)
+            assert end is not None, f"{name}: no wait for P V after the wait for S"
+            exps = sum(ins.startswith("MUFU.EX2") for ins in rest[:end])
+            assert exps >= bc // 2, f"{name}: {exps} exponentials while P V multiplies, want >= {bc // 2}"
+            if "ws" in source and wg == 2:
+                packs = sum(ins.startswith("F2FP") for ins in rest[:end])
+                assert packs >= bc // 4, f"{name}: {packs} conversions of P while P V multiplies, want >= {bc // 4}"
+            # back from the wait for S: S's last wgmma before P V's last, then P V's first after it
+            qk = max(k for k in range(max(k for k in range(i) if _hgmma(code[k], True))) if _hgmma(code[k], False))
+            pv = next(k for k in range(qk, i) if _hgmma(code[k], True))
+            assert not any(re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0$", ins) for ins in code[pv:i]), \
+                f"{name}: a wait for every product between P V's issue and the wait for S"
+            muls = sum(ins.startswith("FMUL") for ins in code[qk + 1:pv])
+            assert muls >= d // 2, f"{name}: {muls} multiplies (O's rescale) between S's and P V's issue, " \
+                                   f"want >= {d // 2}"
 
 
 # ---- GPU

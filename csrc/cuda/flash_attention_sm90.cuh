@@ -79,14 +79,22 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[BC / 16][4], const float (
 }
 
 // The three kinds of forward step of a warpgroup (64 query rows), FlashAttention-3's intra-warpgroup overlap: block 0
-// is S_0 alone; block j > 0 issues S_j = Q K_j^T and then P_{j-1} V_{j-1} behind it, runs block j's softmax while
-// that product is still on the tensor cores, and rescales O once it is in; after the last block, P V alone. Each
+// is S_0 alone; block j > 0 issues S_j = Q K_j^T, rescales O by block j - 1's factor (alpha, kept from the step
+// before: no wgmma uses O then, and the warpgroup would only wait for S_j) and issues P_{j-1} V_{j-1} behind it,
+// then runs block j's softmax while that product is still on the tensor cores; after the last block, the last
+// rescale and P V alone. O starts at zero (block 0 leaves it unscaled). After the wait for P V at most P's packing
+// is left (below): a rescale there, as before, was 32 multiplies (d 64) between that wait and the next issue. Each
 // holds its wgmma and their waits whole: a wait inside a nested branch makes ptxas serialise every wgmma of the
 // kernel (C7520), even on a uniform condition. `softmax(s, alpha)` masks and takes the online softmax of S;
 // the hooks run once the products are issued (`issued`), once S_j has retired (K_j read: `s_read`) and once P V
 // has (V_{j-1} read: `pv_read`): the warp-specialised kernel's turns and buffer releases; no-ops in the other.
+// softmax returns the sum of its rows' running sums (l), which next_block settles (wgmma::settle) before the wait
+// for P V: so that the softmax is computed while that product is on the tensor cores, not after it. next_block
+// packs P_j into pn: with kTwoP a second set of fragments, packed before that wait (the conversions then issue
+// between the exponentials, which keep the SFU busy), the caller alternating the two sets from step to step; else
+// pa itself, once P V has read it (32 more registers than one set: the three-warpgroup kernels cannot spare them).
 template <typename E, int BR, int BC, int D, class Softmax, class Issued, class SRead>
-__device__ __forceinline__ void first_block(float (&s)[BC / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[BC / 16][4],
+__device__ __forceinline__ void first_block(float (&s)[BC / 8][4], float (&alpha)[2], uint32_t (&pa)[BC / 16][4],
                                             uint32_t aQ, uint32_t kb, int wg, Softmax softmax, Issued issued,
                                             SRead s_read) {
   wgmma::fence();
@@ -96,36 +104,40 @@ __device__ __forceinline__ void first_block(float (&s)[BC / 8][4], float (&o)[D 
   wgmma::wait<0>();
   wgmma::keep(s);
   s_read();
-  float alpha[2];
   softmax(s, alpha);
-  rescale_rows(o, alpha);
   pack_p<E, BC>(pa, s);
 }
-template <typename E, int BR, int BC, int D, class Softmax, class Issued, class SRead, class PvRead>
-__device__ __forceinline__ void next_block(float (&s)[BC / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[BC / 16][4],
-                                           uint32_t aQ, uint32_t kb, uint32_t vb, int wg, Softmax softmax,
-                                           Issued issued, SRead s_read, PvRead pv_read) {
+template <typename E, int BR, int BC, int D, bool kTwoP = false, class Softmax, class Issued, class SRead,
+          class PvRead>
+__device__ __forceinline__ void next_block(float (&s)[BC / 8][4], float (&o)[D / 8][4], float (&alpha)[2],
+                                           uint32_t (&pa)[BC / 16][4], uint32_t (&pn)[BC / 16][4], uint32_t aQ,
+                                           uint32_t kb, uint32_t vb, int wg, Softmax softmax, Issued issued,
+                                           SRead s_read, PvRead pv_read) {
   wgmma::fence();
   qk_product<E, BR, BC, D>(s, aQ, kb, wg);
   wgmma::commit();
+  wgmma::settle(alpha[0] + alpha[1]);  // the rescale after S_j's issue (on the tensor cores meanwhile), not before
+  rescale_rows(o, alpha);
+  wgmma::fence();  // the rescaled O, before P V reads it
   pv_product<E, BC, D>(o, pa, vb);
   wgmma::commit();
   issued();
   wgmma::wait<1>();  // S_j only: groups retire in order
   wgmma::keep(s);
   s_read();
-  float alpha[2];
-  softmax(s, alpha);
+  const float softmax_done = softmax(s, alpha);
+  if constexpr (kTwoP) pack_p<E, BC>(pn, s);
+  wgmma::settle(softmax_done);
   wgmma::wait<0>();
   wgmma::keep(o);
   wgmma::keep(pa);
   pv_read();
-  rescale_rows(o, alpha);
-  pack_p<E, BC>(pa, s);
+  if constexpr (!kTwoP) pack_p<E, BC>(pn, s);
 }
 template <typename E, int BC, int D, class Issued, class PvRead>
-__device__ __forceinline__ void last_pv(float (&o)[D / 8][4], uint32_t (&pa)[BC / 16][4], uint32_t vb, Issued issued,
-                                        PvRead pv_read) {
+__device__ __forceinline__ void last_pv(float (&o)[D / 8][4], const float (&alpha)[2], uint32_t (&pa)[BC / 16][4],
+                                        uint32_t vb, Issued issued, PvRead pv_read) {
+  rescale_rows(o, alpha);
   wgmma::fence();
   pv_product<E, BC, D>(o, pa, vb);
   wgmma::commit();

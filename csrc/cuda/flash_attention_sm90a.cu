@@ -53,14 +53,15 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8; m in log2 units
   float s[BC / 8][4];       // S = Q K^T for this warp's 16 rows x BC keys, then P
   uint32_t pa[BC / 16][4];  // P of the block before, as wgmma A fragments (tiles 2ks, 2ks + 1: fragment ks)
+  float alpha[2];           // O's factor from the block before's softmax, applied before its P V
   const float sl2 = p.scale * kLog2e;
 
   // Software pipelined as FlashAttention-3 (intra-warpgroup overlap): step j issues S_j = Q K_j^T and then
   // O += P_{j-1} V_{j-1}, waits for S_j alone and runs block j's softmax while the tensor cores still multiply
-  // P_{j-1} V_{j-1}; O is rescaled by block j's factor once that product is in. V_j is therefore needed one step
-  // after K_j: step j loads K_{j+1} and V_j, and one barrier per step orders both buffers (each warpgroup has
-  // waited for its products of step j - 1 before it). Each branch below holds its wgmma and their waits whole, so
-  // that ptxas need not serialise them (its C7520 warning).
+  // P_{j-1} V_{j-1}; O is rescaled by block j's factor at step j + 1, before that step's P V is issued. V_j is
+  // therefore needed one step after K_j: step j loads K_{j+1} and V_j, and one barrier per step orders both
+  // buffers (each warpgroup has waited for its products of step j - 1 before it). Each branch below holds its wgmma
+  // and their waits whole, so that ptxas need not serialise them (its C7520 warning).
   for (int j = 0; j <= nblocks; j++) {
     cp_async_wait<0>();          // K_j and V_{j - 1}, loaded in step j - 1
     wgmma::fence_proxy_async();  // this thread's copies, then everyone's (the barrier), reach wgmma's reads
@@ -74,18 +75,19 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
     const int k0 = j * BC;
     // A block with keys to mask; tested once before the branches (inside the lambda, 192x128 spilled 80 bytes).
     const bool partial = hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal);
-    const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
+    const auto softmax = [&](float (&sc)[BC / 8][4], float (&factor)[2]) {
       if (partial) mask_scores(sc, k0, w0, g, c, T, p.causal);
-      softmax_rows(sc, sl2, m, l, alpha);
+      softmax_rows(sc, sl2, m, l, factor);
+      return l[0] + l[1];
     };
     const auto none = [] {};
     // Step 0 is its own branch, not a `j > 0` test around the P V issue (flash_attention_sm90.cuh's steps).
     if (j == 0)  // S_0 alone (every warpgroup sees block 0: nvis >= 1)
-      sm90::first_block<E, BR, BC, D>(s, o, pa, aQ, kb, wg, softmax, none, none);
+      sm90::first_block<E, BR, BC, D>(s, alpha, pa, aQ, kb, wg, softmax, none, none);
     else if (j < nvis)  // S_j, with P_{j-1} V_{j-1} behind it
-      sm90::next_block<E, BR, BC, D>(s, o, pa, aQ, kb, vb, wg, softmax, none, none, none);
+      sm90::next_block<E, BR, BC, D>(s, o, alpha, pa, pa, aQ, kb, vb, wg, softmax, none, none, none);
     else if (j == nvis)  // the last P V
-      sm90::last_pv<E, BC, D>(o, pa, vb, none, none);
+      sm90::last_pv<E, BC, D>(o, alpha, pa, vb, none, none);
   }
 
   store_rows(o, m, l, w0, g, c, T, static_cast<E*>(p.out) + b * p.os.sb + h * p.os.sh, p.os.st,

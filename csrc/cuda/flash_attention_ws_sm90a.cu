@@ -224,7 +224,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     float o[D / 8][4] = {};  // this warp's 16 rows x D of O
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8; m in log2 units
     float s[BC / 8][4];       // S = Q K^T for this warp's 16 rows x BC keys, then P
-    uint32_t pa[BC / 16][4];  // P of the block before, as wgmma A fragments
+    // P of the block before, as wgmma A fragments: two sets where the registers allow (two consumers), P_j packed
+    // into one while P_{j-1} V_{j-1} reads the other (next_block's kTwoP); odd steps read pa, even ones pB.
+    constexpr bool kTwoP = NC == 2;
+    uint32_t pa[BC / 16][4], pb[BC / 16][4];
+    uint32_t(&pB)[BC / 16][4] = *(kTwoP ? &pb : &pa);
+    float alpha[2];           // O's factor from the block before's softmax, applied before its P V
 
     wgmma::mbar_wait(bars.q_full(qs), (u / kQBuffers) & 1);
     // Step j issues S_j (j < nvis) and P_{j-1} V_{j-1} (1 <= j <= nvis) in this warpgroup's turn, then hands the
@@ -243,9 +248,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
       const uint32_t kb = aK + sk * kKVBytes, vb = aV + sv * kKVBytes;
       const int k0 = j * BC;
       // (The mask test inside: computed before the branches, three consumers spill 68 bytes at 160 registers.)
-      const auto softmax = [&](float (&sc)[BC / 8][4], float (&alpha)[2]) {
+      const auto softmax = [&](float (&sc)[BC / 8][4], float (&factor)[2]) {
         if (hides_any(w0, w0 + 16, k0, k0 + BC, T, p.causal)) mask_scores(sc, k0, w0, g, c, T, p.causal);
-        softmax_rows(sc, sl2, m, l, alpha);
+        softmax_rows(sc, sl2, m, l, factor);
+        return l[0] + l[1];
       };
       const auto issued = [&] {  // the next consumer's turn
         if (hand_on) wgmma::bar_arrive(next_turn, 256);
@@ -257,11 +263,15 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         if (leader) wgmma::mbar_arrive(bars.v_empty(sv));
       };
       if (j == 0) {  // S_0 alone (block 0 is visible to every warpgroup)
-        sm90::first_block<E, BR, BC, D>(s, o, pa, aQ, kb, ci, softmax, issued, k_read);
-      } else if (j < nvis) {  // S_j, with P_{j-1} V_{j-1} behind it
-        sm90::next_block<E, BR, BC, D>(s, o, pa, aQ, kb, vb, ci, softmax, issued, k_read, v_read);
-      } else if (j == nvis) {  // the last P V
-        sm90::last_pv<E, BC, D>(o, pa, vb, issued, v_read);
+        sm90::first_block<E, BR, BC, D>(s, alpha, pa, aQ, kb, ci, softmax, issued, k_read);
+      } else if (j < nvis && (!kTwoP || j % 2 == 1)) {  // S_j, with P_{j-1} V_{j-1} behind it
+        sm90::next_block<E, BR, BC, D, kTwoP>(s, o, alpha, pa, pB, aQ, kb, vb, ci, softmax, issued, k_read, v_read);
+      } else if (j < nvis) {
+        sm90::next_block<E, BR, BC, D, kTwoP>(s, o, alpha, pB, pa, aQ, kb, vb, ci, softmax, issued, k_read, v_read);
+      } else if (j == nvis && (!kTwoP || j % 2 == 1)) {  // the last P V
+        sm90::last_pv<E, BC, D>(o, alpha, pa, vb, issued, v_read);
+      } else if (j == nvis) {
+        sm90::last_pv<E, BC, D>(o, alpha, pB, vb, issued, v_read);
       } else {  // past this warpgroup's last block: V_{j-1} is not used, only handed back
         issued();
         v_read();

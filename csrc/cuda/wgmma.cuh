@@ -60,6 +60,17 @@ __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)::"
 // A value the compiler must take as made here, each time: what is computed from it cannot be hoisted out of a loop
 // (and kept live across it). No memory clobber: nothing else is ordered.
 __device__ __forceinline__ void opaque(int& x) { asm volatile("" : "+r"(x)); }
+// Ends ptxas's basic block here, with a branch on x: what comes before it in the source (x's arithmetic included)
+// stays before it in the SASS, what comes after stays after (ptxas 13.0 moves no instruction across the branch;
+// no rule makes it so, which is why a test reads the SASS). ptxas schedules a block's instructions freely around
+// wgmma's issues and waits: it hoisted a wgmma.wait_group above independent arithmetic (waiting early is never
+// wrong), which put the forwards' softmax of block j after the wait for P_{j-1} V_{j-1}, the product it was
+// written to overlap (the SASS had none of the block's exponentials between the two waits), and hoisted O's
+// rescale above the issue of S_j (which then waited for 32 multiplies). x is a sum of softmax sums or factors, never below -1 (a NaN compares false), so the
+// trap is never reached. tests/test_flash_attention.py reads the order in the SASS.
+__device__ __forceinline__ void settle(float x) {
+  if (x < -1.f) __trap();
+}
 
 #define FASTGPT_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FASTGPT_WGMMA_D32 \

@@ -8,6 +8,9 @@ __device__ __forceinline__ void fence_proxy_async() { emu::proxy_fence(); }
 __device__ __forceinline__ void keep(float&) {}
 __device__ __forceinline__ void keep(uint32_t&) {}
 __device__ __forceinline__ void opaque(int&) {}
+__device__ __forceinline__ void settle(float x) {  // the GPU's trap, which a softmax's sums never reach
+  if (x < -1.f) emu::die("wgmma::settle: a softmax sum below -1");
+}
 template <typename E, int N>
 struct Mma {
   static constexpr bool kHalf = std::is_same<E, __half>::value;
