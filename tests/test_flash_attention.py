@@ -249,6 +249,11 @@ def _hgmma(ins, a_from_registers):
     return bool(m) and m.group(1).startswith("R") == a_from_registers
 
 
+def _wait(ins, pending):
+    """Whether a SASS instruction is wgmma.wait_group `pending` (WARPGROUP.DEPBAR.LE gsb0, pending)."""
+    return ins == f"WARPGROUP.DEPBAR.LE gsb0, {pending:#x}"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
                     reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
 @pytest.mark.parametrize("source", ["flash_attention_sm90a.cu", "flash_attention_ws_sm90a.cu"])
@@ -270,11 +275,11 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
     assert len(forwards) == (6 if "ws" in source else 10), sorted(forwards)  # (E, D, warpgroups, BC) instances
     for name, code in forwards.items():
         d, wg, bc = map(int, re.search(r"_kernelI\w+?Li(\d+)ELi(\d+)ELi(\d+)E", name).groups())
-        waits = [i for i, ins in enumerate(code) if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1$", ins)]
+        waits = [i for i, ins in enumerate(code) if _wait(ins, 1)]
         assert waits, f"{name}: no wait for S alone (the overlapped step is gone)"
         for i in waits:
             rest = code[i + 1:]
-            end = next((k for k, ins in enumerate(rest) if re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0$", ins)), None)
+            end = next((k for k, ins in enumerate(rest) if _wait(ins, 0)), None)
             assert end is not None, f"{name}: no wait for P V after the wait for S"
             exps = sum(ins.startswith("MUFU.EX2") for ins in rest[:end])
             assert exps >= bc // 2, f"{name}: {exps} exponentials while P V multiplies, want >= {bc // 2}"
@@ -284,7 +289,7 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
             # back from the wait for S: S's last wgmma before P V's last, then P V's first after it
             qk = max(k for k in range(max(k for k in range(i) if _hgmma(code[k], True))) if _hgmma(code[k], False))
             pv = next(k for k in range(qk, i) if _hgmma(code[k], True))
-            assert not any(re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0$", ins) for ins in code[pv:i]), \
+            assert not any(_wait(ins, 0) for ins in code[pv:i]), \
                 f"{name}: a wait for every product between P V's issue and the wait for S"
             muls = sum(ins.startswith("FMUL") for ins in code[qk + 1:pv])
             assert muls >= d // 2, f"{name}: {muls} multiplies (O's rescale) between S's and P V's issue, " \
