@@ -26,7 +26,8 @@
 # 2026-11-26 an H200 started in about 30 s, and CALL_BUDGET=440 for `tests sanitize` then 345 for `bench` (four
 # variants, all parts: 285 s) fit the 15 minutes.
 # Raw evidence goes to $OUT (or ./gpu_out): logs, benchmark JSON, nvidia-smi line (at most 8 files come back).
-# Before calling: copy ../shared/data into .device/shared/data here (ignored by git) and carry .device.
+# Before calling: `bash scripts/device_prep.sh` (the data, the commit and the notebooks' wheels into .device, ignored
+# by git), and carry .device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The tests part's files, in the order they run: test_cuda.py first (it proves that the build runs here at all), then
@@ -92,6 +93,12 @@ declare -A res
 build=FAIL
 python3 -m pip install --no-build-isolation -q . > "$out/build.log" 2>&1 && build=ok
 echo "build $build in $((SECONDS - t0)) s"; tail -5 "$out/build.log"
+# The notebooks' Jupyter kernel and plots (the machine has no network): the wheels device_prep.sh put in .device.
+if has tests && compgen -G ".device/wheels/*.whl" > /dev/null; then
+  w=FAIL
+  python3 -m pip install -q --no-index --no-deps .device/wheels/*.whl > "$out/wheels.log" 2>&1 && w=ok
+  res[notebook-wheels]="$w ($(ls .device/wheels/*.whl | wc -l) wheels)"
+fi
 
 # Sanitizers first, in the background (each is one slow CPU-bound process; nine and the initcheck probe run side by
 # side on 16 cores), while the tests run; the benchmarks come after both, alone on the GPU.

@@ -94,3 +94,24 @@ def test_train_sanitize_parts_cover_every_model_once():
         out = subprocess.run([sys.executable, "scripts/train_sanitize.py", "--list", "--part", bad], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "--part" in out.stderr, (bad, out.stderr)
+
+
+def test_device_prep_copies_the_data_and_names_the_commit(tmp_path, shakespeare_txt):
+    # scripts/device_prep.sh fills the folder a device call carries (DEVICE_DIR here, not the checkout's .device):
+    # the shared data, which gpu_check.sh points FASTGPT_SHARED at, and the commit; a missing data folder is refused
+    # before anything is removed.
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "keep").write_text("x")
+    env = {**os.environ, "DEVICE_DIR": str(dev), "FASTGPT_SHARED": str(tmp_path / "nowhere")}
+    bad = subprocess.run(["bash", "scripts/device_prep.sh", "--no-wheels"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert bad.returncode == 2 and "tinyshakespeare.txt" in bad.stderr and (dev / "keep").exists()
+    shared = pathlib.Path(shakespeare_txt).parent.parent
+    out = subprocess.run(["bash", "scripts/device_prep.sh", "--no-wheels"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**env, "FASTGPT_SHARED": str(shared)})
+    assert out.returncode == 0, out.stderr
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert (dev / "COMMIT").read_text() == head and not (dev / "keep").exists() and not (dev / "wheels").exists()
+    copied = dev / "shared" / "data" / "tinyshakespeare.txt"
+    assert copied.read_bytes() == pathlib.Path(shakespeare_txt).read_bytes()

@@ -8,6 +8,7 @@
 
 #if CUDART_VERSION >= 12000
 #include <string>
+#include <vector>
 
 #include <cudaTypedefs.h>
 #if __has_include(<nvtx3/nvToolsExtMemCudaRt.h>)  // NVTX 3.1's memory API (in the toolkit's headers since about 12.2)
@@ -56,24 +57,30 @@ void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const
          __FILE__, __LINE__);
 }
 
-void mark_stored(const void* base, size_t bytes, cudaStream_t stream) {
+void mark_stored(const void* base, size_t bytes, cudaStream_t stream) { mark_stored(base, bytes, 1, bytes, stream); }
+
+void mark_stored(const void* base, size_t bytes, int64_t count, size_t pitch, cudaStream_t stream) {
   // Nothing while the stream is captured into a graph: a mark made then would come before the stores it stands for
   // (they run at each replay), and how the tool takes a capturing stream is undocumented. The engine's graphs write O
   // into buffers it zeroed when it made them, so their replays read nothing initcheck counts as unwritten.
 #ifdef FASTGPT_NVTX_MEM
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FASTGPT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone || bytes == 0) return;
+  if (capture != cudaStreamCaptureStatusNone || bytes == 0 || count <= 0) return;
   static const nvtxDomainHandle_t domain = nvtxDomainCreateA("fastgpt");
-  const nvtxMemVirtualRangeDesc_t range{bytes, base};
+  if (pitch == bytes) bytes *= count, count = 1;  // back to back: one range
+  std::vector<nvtxMemVirtualRangeDesc_t> ranges(count);
+  for (int64_t i = 0; i < count; i++) ranges[i] = {bytes, static_cast<const char*>(base) + i * pitch};
   nvtxMemMarkInitializedBatch_t batch{};
   batch.extCompatID = NVTX_EXT_COMPATID_MEM;
   batch.structSize = sizeof batch;
   batch.regionType = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
-  batch.regionDescCount = 1;
-  batch.regionDescElementSize = sizeof range;
-  batch.regionDescElements = &range;
+  batch.regionDescCount = count;
+  batch.regionDescElementSize = sizeof ranges[0];
+  batch.regionDescElements = ranges.data();
   nvtxMemCudaMarkInitialized(domain, stream, 0, &batch);
+#else
+  (void)base, (void)bytes, (void)count, (void)pitch, (void)stream;
 #endif
 }
 

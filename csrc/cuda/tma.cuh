@@ -40,11 +40,14 @@ void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const
 // Tells compute-sanitizer's initcheck that the `bytes` at `base` are written by the tensor stores just queued on
 // `stream` (tma.cu; NVTX's memory API, a no-op without a tool attached). initcheck does not count TMA stores as writes
 // (the 2026-11-26 H200 run's scripts/initcheck_tma.py probe), so it reported every later read of the forward's O as
-// uninitialised. The range must be exactly what the stores cover: a wider one would hide real gaps from the tool. A
-// tile the kernel failed to store inside that range is hidden from initcheck too: the warp emulator checks that the
-// stores cover it. Not marked: a forward captured into a graph (tma.cu), so a graph of torch's (its allocator's O,
-// never zeroed) replayed under initcheck would still be reported.
+// uninitialised; nor the bulk copies to global memory (store, reduce_add: the 2026-11-26 H100 run reported the fused
+// backward's reads of its dQ sums). The range must be exactly what the stores cover: a wider one would hide real gaps
+// from the tool. A tile the kernel failed to store inside that range is hidden from initcheck too: the warp emulator
+// checks that the stores cover it. Not marked: a kernel captured into a graph (tma.cu), so a graph of torch's (its
+// allocator's O, never zeroed) replayed under initcheck would still be reported.
 void mark_stored(const void* base, size_t bytes, cudaStream_t stream);
+// The same for `count` ranges of `bytes`, each `pitch` bytes after the one before (a range per head), in one mark.
+void mark_stored(const void* base, size_t bytes, int64_t count, size_t pitch, cudaStream_t stream);
 
 // Fetches the map into the tensor-map cache ahead of the first copy that uses it.
 __device__ __forceinline__ void prefetch(const CUtensorMap* map) {

@@ -849,8 +849,9 @@ inline void bulk_read(Bulk& op) {
   if (!op.read) op.data.assign(tl_block->smem + op.src, tl_block->smem + op.src + op.bytes);
   op.read = true;
 }
-// initcheck's view of the tensor stores: the 2-byte elements they wrote, and the ranges the host marked written
-// for the tool (tma.cuh's mark_stored), which must be the same bytes (tma_stores_marked).
+// initcheck's view of the copies to global memory (tensor stores and bulk copies, neither of which the tool counts as
+// writes): the bytes they wrote, and the ranges the host marked written for the tool (tma.cuh's mark_stored), which
+// must be the same bytes (tma_stores_marked).
 inline std::mutex g_initcheck_mu;
 inline std::vector<uintptr_t> g_tma_written;
 inline std::vector<std::pair<uintptr_t, size_t>> g_marked;
@@ -868,19 +869,18 @@ inline size_t initcheck_marks() {
   const std::lock_guard<std::mutex> lock(g_initcheck_mu);
   return g_marked.size();
 }
-// Whether the tensor stores since initcheck_reset wrote exactly the marked bytes, every one once or more.
-inline bool tma_stores_marked() {
+// Whether the copies since initcheck_reset wrote exactly the marked bytes, every one once or more; `none`: both may
+// be empty (else something must be marked).
+inline bool tma_stores_marked(bool none = false) {
   const std::lock_guard<std::mutex> lock(g_initcheck_mu);
   std::vector<uintptr_t> written = g_tma_written, marked;
   std::sort(written.begin(), written.end());
   written.erase(std::unique(written.begin(), written.end()), written.end());
-  for (const auto& [base, bytes] : g_marked) {
-    if (base % 2 || bytes % 2) return false;
-    for (size_t i = 0; i < bytes; i += 2) marked.push_back(base + i);
-  }
+  for (const auto& [base, bytes] : g_marked)
+    for (size_t i = 0; i < bytes; i++) marked.push_back(base + i);
   std::sort(marked.begin(), marked.end());
   marked.erase(std::unique(marked.begin(), marked.end()), marked.end());
-  return !marked.empty() && written == marked;
+  return (none || !marked.empty()) && written == marked;
 }
 inline void bulk_write(Bulk& op) {
   bulk_read(op);
@@ -889,11 +889,19 @@ inline void bulk_write(Bulk& op) {
   if (op.tensor) {  // element by element, read through the swizzle, inside the tensor only
     std::vector<uintptr_t> written;
     box_elements(op.map.data(), op.c, op.src, [&](uint32_t at, unsigned char* elem) {
-      if (elem) memcpy(elem, op.data.data() + (wg_swizzle(at) - op.src), 2), written.push_back((uintptr_t)elem);
+      if (elem) {
+        memcpy(elem, op.data.data() + (wg_swizzle(at) - op.src), 2);
+        written.push_back((uintptr_t)elem), written.push_back((uintptr_t)elem + 1);
+      }
     });
     const std::lock_guard<std::mutex> lock(g_initcheck_mu);
     if (g_initcheck_track) g_tma_written.insert(g_tma_written.end(), written.begin(), written.end());
     return;
+  }
+  {
+    const std::lock_guard<std::mutex> lock(g_initcheck_mu);
+    if (g_initcheck_track)
+      for (uint32_t i = 0; i < op.bytes; i++) g_tma_written.push_back((uintptr_t)op.dst + i);
   }
   if (!op.add) {
     memcpy(op.dst, op.data.data(), op.bytes);

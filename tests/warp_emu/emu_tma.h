@@ -7,6 +7,9 @@ inline void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4]
   emu::tma_encode(map, base, dims, strides, box);
 }
 inline void mark_stored(const void* base, size_t bytes, cudaStream_t) { emu::initcheck_mark(base, bytes); }
+inline void mark_stored(const void* base, size_t bytes, int64_t count, size_t pitch, cudaStream_t) {
+  for (int64_t i = 0; i < count; i++) emu::initcheck_mark(static_cast<const char*>(base) + i * pitch, bytes);
+}
 __device__ __forceinline__ void prefetch(const CUtensorMap* map) { emu::tma_map(map); }
 __device__ __forceinline__ void arrive_expect(uint32_t bar, uint32_t bytes) { emu::mbar_arrive(bar, bytes); }
 __device__ __forceinline__ void expect(uint32_t bar, uint32_t bytes) { emu::mbar_expect(bar, bytes); }
