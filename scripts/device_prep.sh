@@ -12,10 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${FASTGPT_SHARED:-../shared}
 [ -f "$shared/data/tinyshakespeare.txt" ] || { echo "device_prep.sh: no $shared/data/tinyshakespeare.txt" >&2; exit 2; }
+case "${1:-}" in ""|--no-wheels) ;; *) echo "usage: device_prep.sh [--no-wheels]" >&2; exit 2 ;; esac
 dev=${DEVICE_DIR:-.device}
+mkdir -p "$dev"
+case "$(realpath "$PWD")/" in  # the folder is emptied first: never the checkout or a folder holding it
+  "$(realpath "$dev")"/*) echo "device_prep.sh: DEVICE_DIR=$dev holds the checkout" >&2; exit 2 ;;
+esac
+chmod -R u+w "$dev"  # an earlier copy of the read-only shared data
 rm -rf "$dev"
 mkdir -p "$dev/shared"
-cp -r "$shared/data" "$dev/shared/"
+cp -r --no-preserve=mode "$shared/data" "$dev/shared/"
 git rev-parse --short HEAD > "$dev/COMMIT"
 if [ "${1:-}" != --no-wheels ]; then
   mkdir -p "$dev/wheels"
