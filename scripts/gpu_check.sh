@@ -111,8 +111,7 @@ if [ $build = ok ] && has sanitize; then
   for tool in ${SANITIZERS:-memcheck racecheck initcheck synccheck}; do
     for prog in flash_sanitize train_sanitize; do
       # racecheck's train_sanitize hit its ~400 s timeout in one process (the 2026-11-26 H200 run, CALL_BUDGET=440):
-      # two halves side by side
-      # (its --part), a job and a line each.
+      # two halves side by side (its --part), a job and a line each.
       halves=("")
       [ $tool = racecheck ] && [ $prog = train_sanitize ] && halves=(1/2 2/2)
       for part in "${halves[@]}"; do

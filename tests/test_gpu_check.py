@@ -3,6 +3,7 @@ anything): every test file with a GPU case runs once, the bring-up's first, the 
 import os
 import pathlib
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CPU_ONLY = {"flash_attention_emulated", "wgmma", "ncu_summary", "flash_diagnose", "tokenizer", "data", "hellaswag",
@@ -76,8 +77,6 @@ def test_the_initcheck_probe_refuses_a_bad_argument_and_says_when_it_cannot_run(
 def test_train_sanitize_parts_cover_every_model_once():
     # gpu_check.sh runs racecheck's train_sanitize as --part 1/2 and 2/2 side by side: together they must run every
     # model of the whole list, each once; a part outside 1..N is a usage error.
-    import sys
-
     def names(*args):
         out = subprocess.run([sys.executable, "scripts/train_sanitize.py", "--list", *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)

@@ -489,7 +489,7 @@ bool launch_ws(const Params& p, Stream stream, const char* option) {
   // the same kernel (dq_writer): marked for the tool before the launch. Exactly the query steps that a key block
   // j > 0 meets (key block 0's turn_of > 0): each (b, h)'s steps from i0 on, whole steps (rows past T too).
   const int n_kb = (p.T + KB - 1) / KB, n_q = (p.T + BR - 1) / BR, i0 = p.causal ? KB / BR : 0;
-  if (n_kb > 1 && i0 < n_q) {
+  if (n_kb > 1) {  // (then n_q > i0)
     const size_t step = (size_t)BR * 64 * sizeof(float);
     tma::mark_stored(p.dq_accum + (size_t)i0 * BR * 64, (n_q - i0) * step, (int64_t)p.B * p.H, n_q * step, stream);
   }

@@ -37,10 +37,11 @@ struct HeadsMap {
 // outer three), boxes `box`, the 128-byte swizzle, zeros outside the tensor; throws with the driver's code (tma.cu).
 void encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
             const uint32_t (&box)[4]);
-// Tells compute-sanitizer's initcheck that the `bytes` at `base` are written by the tensor stores just queued on
-// `stream` (tma.cu; NVTX's memory API, a no-op without a tool attached). initcheck does not count TMA stores as writes
-// (the 2026-11-26 H200 run's scripts/initcheck_tma.py probe), so it reported every later read of the forward's O as
-// uninitialised; nor the bulk copies to global memory (store, reduce_add: the 2026-11-26 H100 run reported the fused
+// Tells compute-sanitizer's initcheck that the `bytes` at `base` are written by the tensor stores or bulk copies of a
+// kernel on `stream` (tma.cu; NVTX's memory API, a no-op without a tool attached): marked after its launch, or before
+// it where the kernel reads them back itself. initcheck does not count TMA stores as writes (the 2026-11-26 H200
+// run's scripts/initcheck_tma.py probe), so it reported every later read of the forward's O as uninitialised; nor
+// the bulk copies to global memory (store, reduce_add: the 2026-11-26 H100 run reported the fused
 // backward's reads of its dQ sums). The range must be exactly what the stores cover: a wider one would hide real gaps
 // from the tool. A tile the kernel failed to store inside that range is hidden from initcheck too: the warp emulator
 // checks that the stores cover it. Not marked: a kernel captured into a graph (tma.cu), so a graph of torch's (its
