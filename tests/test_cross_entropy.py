@@ -5,6 +5,9 @@ separate kernels (the same bits). On a GPU: 16-bit logits, and views off 16-byte
 order of sums through single loads (the same bits); forward_backward keeps a row in shared memory where two blocks'
 rows fit on an SM (V 50304 in 16 bits on an H100/H200), and reads it twice where not (V 60000 on every GPU, fp32 at
 50304), the same bits either way."""
+import re
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 
 from fastgpt import ops
 from devices import DEVICES, bits, host, needs_cuda, on
+from ptx import CSRC, compile_ptx, kernel_lines
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -117,3 +121,19 @@ def test_cuda_cross_entropy_any_alignment(rng, dtype, tol, N, V):
     (ref * grad).backward()
     assert rel_err(host(losses), F.cross_entropy(xt.detach(), t.cpu(), reduction="none")) < 1e-5
     assert rel_err(torch.as_tensor(dlogits).double().cpu(), xt.grad) < tol
+
+
+# Every exponential of the GPU kernels is one multiply and ex2.approx.ftz (cuda/fast_exp.cuh): expf adds a range
+# reduction (two fma.rn, an fma.rm, a shift and a multiply: nine SASS instructions), which left the 16-bit kernels
+# issue-bound at 1.9 TB/s in an H100's training step; exp2f wraps ex2.approx.f32 (no ftz) in a range test.
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_cuda_kernels_take_each_exponential_on_the_sfu_alone(tmp_path):
+    ptx = compile_ptx(CSRC / "cuda" / "cross_entropy.cu", tmp_path / "cross_entropy.ptx", "sm_90a", timeout=300)
+    for kernel in ("forward", "backward", "forward_backward", "forward_backward_smem"):
+        for storage in ("f", "NS_4bf16E", "NS_3f16E"):
+            name = f"{len('cross_entropy_' + kernel + '_kernel')}cross_entropy_{kernel}_kernelI{storage}"
+            lines = kernel_lines(ptx, name)
+            ex2 = [line for line in lines if line.startswith("ex2.")]
+            assert ex2 and all(line.startswith("ex2.approx.ftz.f32") for line in ex2), (name, ex2[:3])
+            ranged = [line for line in lines if re.match(r"fma\.rm\.", line)]
+            assert not ranged, f"{name}: expf's range reduction ({len(ranged)} fma.rm)"

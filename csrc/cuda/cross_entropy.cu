@@ -12,6 +12,10 @@
 // order (PackIO), so every result depends on V alone, never on alignment or on where pass two reads. forward and
 // forward_backward share pass one, so their losses are the same bits, and backward from forward's lse gives
 // forward_backward's gradient bits.
+// Every exponential is fast_exp (one multiply and ex2.approx, 2 ulp): with expf's nine instructions an element, the
+// 16-bit kernels ran out of issue slots long before memory ran out of bandwidth (1.9 TB/s of reads and writes in
+// an H100's training step, against 3.0 TB/s copies and the fp32 kernel's 3.1 with two reads a row: the same
+// instructions an element at half the elements a byte). The CPU reference's expf differs in the last bits.
 // dlogits may alias logits (written in place), so no __restrict__ there: a thread writes only the units it read.
 // Templates over the storage type S (float, bf16, f16) of the logits: widened as loaded, all arithmetic in float,
 // losses and lse float. The gradient is (p - onehot) * dloss rounded once to S, as the CPU writes it: in 16 bits
@@ -19,6 +23,7 @@
 #include <cmath>
 
 #include "cuda/check.h"
+#include "cuda/fast_exp.cuh"
 #include "cuda/ops.h"
 #include "cuda/smem.cuh"
 #include "cuda/storage.cuh"
@@ -43,12 +48,12 @@ __device__ __forceinline__ void add(MaxSum& a, const float (&v)[W]) {
 #pragma unroll
   for (int k = 1; k < W; k++) m = fmaxf(m, v[k]);
   if (m > a.m) {
-    a.s *= expf(a.m - m);
+    a.s *= fast_exp(a.m - m);
     a.m = m;
   }
   const float ref = a.m == -INFINITY ? 0.f : a.m;
 #pragma unroll
-  for (int k = 0; k < W; k++) a.s += expf(v[k] - ref);
+  for (int k = 0; k < W; k++) a.s += fast_exp(v[k] - ref);
 }
 
 __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
@@ -58,7 +63,7 @@ __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   // so every lane of the block. Written a.s * ea + b.s * eb, nvcc makes it one FMA, fma(a.s, ea, b.s * eb), which
   // rounds the partner's product only: lanes then differ in lse's last bit, and forward's loss (thread 0's lse)
   // differed from forward_backward's (the target's thread) on an H200 (2026-11-26).
-  return {m, __fadd_rn(__fmul_rn(a.s, expf(a.m - m)), __fmul_rn(b.s, expf(b.m - m)))};
+  return {m, __fadd_rn(__fmul_rn(a.s, fast_exp(a.m - m)), __fmul_rn(b.s, fast_exp(b.m - m)))};
 }
 
 // Every thread of the block gets the row's (max, sum). Must be reached by all threads of the block, once a kernel.
@@ -86,9 +91,11 @@ __device__ __forceinline__ void widen(float (&v)[Pack<S>::N], const Pack<S>& p) 
   for (int k = 0; k < Pack<S>::N; k++) v[k] = to_float(p.v[k]);
 }
 
-// Pass one: the row's lse (every thread gets it). keep (shared memory, 16-byte aligned, or null): where the row's
-// values go as they are loaded, each thread's own units, for its pass two.
-template <typename S>
+// Pass one: the row's lse (every thread gets it). keep (shared memory, 16-byte aligned; kKeep only): where the
+// row's values go as they are loaded, each thread's own units, for its pass two. A template flag, not a null test:
+// ptxas tested the generic pointer in every trip of the loop (the shared window's base read and compared: eight
+// instructions a batch).
+template <bool kKeep, typename S>
 __device__ float row_lse(const S* x, int V, PackIO<S> io, S* keep) {
   constexpr int N = Pack<S>::N;
   const int units = V / N, tid = threadIdx.x, threads = blockDim.x;
@@ -97,7 +104,7 @@ __device__ float row_lse(const S* x, int V, PackIO<S> io, S* keep) {
     float v[N];
     widen(v, p);
     add(a, v);
-    if (keep) store_pack(keep + u * N, p);
+    if constexpr (kKeep) store_pack(keep + u * N, p);
   };
   int u = tid;
   for (; u + (kBatch - 1) * threads < units; u += kBatch * threads) {
@@ -112,7 +119,7 @@ __device__ float row_lse(const S* x, int V, PackIO<S> io, S* keep) {
     const S s = x[j];
     const float v[1] = {to_float(s)};
     add(a, v);
-    if (keep) keep[j] = s;
+    if constexpr (kKeep) keep[j] = s;
   }
   a = block_reduce(a);
   return a.m + logf(a.s);
@@ -126,13 +133,13 @@ __device__ __forceinline__ void unit_grad(float (&g)[W], const float (&v)[W], fl
   if ((unsigned)kt < (unsigned)W) {  // one unit of the row: its selects stay out of the other units' loop
 #pragma unroll
     for (int k = 0; k < W; k++) {
-      const float p = expf(v[k] - l);
+      const float p = fast_exp(v[k] - l);
       g[k] = __fmul_rn(k == kt ? __fsub_rn(p, 1.f) : p, dloss);
       if (k == kt && loss) *loss = l - v[k];
     }
   } else {
 #pragma unroll
-    for (int k = 0; k < W; k++) g[k] = __fmul_rn(expf(v[k] - l), dloss);
+    for (int k = 0; k < W; k++) g[k] = __fmul_rn(fast_exp(v[k] - l), dloss);
   }
 }
 
@@ -177,7 +184,7 @@ __global__ void cross_entropy_forward_kernel(float* __restrict__ losses, float* 
                                              int V, PackIO<S> io) {
   const int64_t n = blockIdx.x;
   const S* x = logits + n * V;
-  const float l = row_lse(x, V, io, (S*)nullptr);
+  const float l = row_lse<false>(x, V, io, (S*)nullptr);
   if (threadIdx.x == 0) {
     lse[n] = l;
     losses[n] = l - to_float(x[targets[n]]);
@@ -201,22 +208,23 @@ __global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses
   if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
   const int64_t n = blockIdx.x;
   const S* x = logits + n * V;
-  const float l = row_lse(x, V, io, (S*)nullptr);
+  const float l = row_lse<false>(x, V, io, (S*)nullptr);
   row_grad(dlogits + n * V, io, x, io, l, targets[n], dloss, V, losses + n);
 }
 
 // Both passes, the row read once: pass two reads the copy pass one kept in shared memory (V values of S). Each
 // thread reads back only the units it wrote, so no barrier is needed between the passes.
+// Two blocks an SM (row_copy_limit), so at most 64 registers a thread (the f16 form took 62 unbounded).
 template <typename S>
-__global__ void cross_entropy_forward_backward_smem_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
-                                                           const int32_t* __restrict__ targets, float dloss,
-                                                           const float* __restrict__ dloss_scale, int V,
-                                                           PackIO<S> io) {
+__global__ void __launch_bounds__(kThreads, 2)
+    cross_entropy_forward_backward_smem_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
+                                               const int32_t* __restrict__ targets, float dloss,
+                                               const float* __restrict__ dloss_scale, int V, PackIO<S> io) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   S* row = reinterpret_cast<S*>(smem_raw);  // (V)
   if (dloss_scale) dloss = __fmul_rn(dloss, *dloss_scale);
   const int64_t n = blockIdx.x;
-  const float l = row_lse(logits + n * V, V, io, row);
+  const float l = row_lse<true>(logits + n * V, V, io, row);
   row_grad(dlogits + n * V, io, (const S*)row, PackIO<S>{true}, l, targets[n], dloss, V, losses + n);
 }
 

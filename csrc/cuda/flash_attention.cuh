@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "cuda/cp_async.cuh"
+#include "cuda/fast_exp.cuh"
 #include "cuda/ops.h"
 
 namespace fastgpt::cuda::flash {
@@ -120,21 +121,6 @@ __device__ __forceinline__ bool visible(int query, int key, int T, bool causal) 
 // instructions than the exponential, and most tiles hide nothing.
 __device__ __forceinline__ bool hides_any(int q0, int q_end, int k0, int k_end, int T, bool causal) {
   return q_end > T || k_end > T || (causal && k_end - 1 > q0);
-}
-
-// 2^x on the SFU alone: ex2.approx.ftz, whose results below 2^-126 are 0. exp2f without fast math wraps the same
-// MUFU.EX2 in a range test and two multiplies (FSETP, FMUL, EX2, FMUL) to keep subnormal results, three issue slots
-// per score in kernels whose softmax competes with the tensor cores for issue; a probability below 2^-126 of the
-// row's largest adds nothing to a float sum of it. (The host branch is the warp emulator's.)
-__device__ __forceinline__ float fast_exp2(float x) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  const float y = exp2f(x);
-  return y < 1.17549435e-38f ? 0.f : y;  // flushed below FLT_MIN
-#endif
 }
 
 // ---- device helpers (tensor-core path)
