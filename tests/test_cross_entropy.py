@@ -124,7 +124,7 @@ def test_cuda_cross_entropy_any_alignment(rng, dtype, tol, N, V):
 
 
 # Every exponential of the GPU kernels is one multiply and ex2.approx.ftz (cuda/fast_exp.cuh): expf adds a range
-# reduction (two fma.rn, an fma.rm, a shift and a multiply: nine SASS instructions), which left the 16-bit kernels
+# reduction (fma.rn, fma.rm, an add, a shift and a multiply: eight SASS instructions), which left the 16-bit kernels
 # issue-bound at 1.9 TB/s in an H100's training step; exp2f wraps ex2.approx.f32 (no ftz) in a range test.
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cuda_kernels_take_each_exponential_on_the_sfu_alone(tmp_path):

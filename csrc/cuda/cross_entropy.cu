@@ -12,7 +12,7 @@
 // order (PackIO), so every result depends on V alone, never on alignment or on where pass two reads. forward and
 // forward_backward share pass one, so their losses are the same bits, and backward from forward's lse gives
 // forward_backward's gradient bits.
-// Every exponential is fast_exp (one multiply and ex2.approx, 2 ulp): with expf's nine instructions an element, the
+// Every exponential is fast_exp (one multiply and ex2.approx): with expf's eight instructions an element, the
 // 16-bit kernels ran out of issue slots long before memory ran out of bandwidth (1.9 TB/s of reads and writes in
 // an H100's training step, against 3.0 TB/s copies and the fp32 kernel's 3.1 with two reads a row: the same
 // instructions an element at half the elements a byte). The CPU reference's expf differs in the last bits.
@@ -214,7 +214,9 @@ __global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses
 
 // Both passes, the row read once: pass two reads the copy pass one kept in shared memory (V values of S). Each
 // thread reads back only the units it wrote, so no barrier is needed between the passes.
-// Two blocks an SM (row_copy_limit), so at most 64 registers a thread (the f16 form took 62 unbounded).
+// Two blocks an SM (row_copy_limit), so at most 64 registers a thread: unbounded, the f16 form took 62, and one
+// more than 64 would halve the SM's rows. (ptxas then takes all 64: no loss where the row copy allows two blocks
+// anyway, V 50304 in 16 bits; a row small enough for three blocks gets two.)
 template <typename S>
 __global__ void __launch_bounds__(kThreads, 2)
     cross_entropy_forward_backward_smem_kernel(float* __restrict__ losses, S* dlogits, const S* logits,
