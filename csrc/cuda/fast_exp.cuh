@@ -7,6 +7,8 @@
 
 namespace fastgpt::cuda {
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 // 2^x as ex2.approx.ftz: at most 2 ulp off, and results below 2^-126 are 0. exp2f without fast math wraps the same
 // MUFU.EX2 in a range test and two multiplies (FSETP, FMUL, EX2, FMUL) to keep subnormal results, three issue slots
 // more; a probability below 2^-126 of the row's largest adds nothing to a float sum of it.
@@ -25,6 +27,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // FFMA.SAT, FFMA.RM, FADD, SHF, two FFMA, then MUFU.EX2 and FMUL). The product's rounding and log2 e's own move the
 // result by a relative 1.22 * 2^-24 |x| at most (1.5e-6 at |x| = 20, where e^x is 2e-9), ex2.approx by 2 ulp more:
 // the callers pass x = v - max, so the terms that matter have small |x|. The CPU's expf differs in the last bits.
-__device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * 1.4426950408889634f); }
+__device__ __forceinline__ float fast_exp(float x) { return fast_exp2(x * kLog2e); }
 
 }  // namespace fastgpt::cuda

@@ -18,7 +18,6 @@
 
 namespace fastgpt::cuda::flash {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // The tile shapes of the tensor-core kernels at head dim 64 (d 128 has only option 0 of each, and the sm90 ones),
