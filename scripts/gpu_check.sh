@@ -18,7 +18,7 @@
 # ones are CI's), SANITIZERS="memcheck ..." the sanitize part. FIRST="cross_entropy flash_attention@sm90 ..." runs
 # those entries (names as --list-tests prints them, less tests/test_ and .py) before the rest, in the usual order:
 # what the last GPU run failed or never reached. BENCH_VARIANTS="NAME,NAME" runs only those variants of
-# bench_gpu_train.py (its --variants), first in the bench part.
+# bench_gpu_train.py (its --variants), first in the bench part; BENCH_PARTS="cross_entropy adamw" only those parts.
 # A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each. A
 # session has 15 minutes of device time in all, the machine's start (a minute or more) included: `tests sanitize`
 # first; `bench` next only at once (the machine stays warm 30 s, the build folder is kept) with CALL_BUDGET cut to
@@ -71,6 +71,10 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
+bench_parts=" train precision flash layernorm matmul cross_entropy embedding adamw generate "
+for n in ${BENCH_PARTS:-}; do  # refused before the build: a misspelt part would run nothing, silently
+  [[ $bench_parts == *" $n "* ]] || { echo "gpu_check.sh: BENCH_PARTS names $n, not one of:$bench_parts" >&2; exit 2; }
+done
 # Hopper only: a third of the build time there (the default list, 75-real;80-real;90, is for GPU-less builds).
 export PYTHONUNBUFFERED=1 FASTGPT_CUDA=ON CUDAARCHS=${CUDAARCHS:-90} FASTGPT_SHARED=${FASTGPT_SHARED:-$PWD/.device/shared}
 t0=$SECONDS
@@ -216,18 +220,26 @@ if [ $build = ok ] && has accuracy; then
 fi
 
 if [ $build = ok ] && has bench; then
+  # BENCH_PARTS="cross_entropy adamw ..." runs only those of $bench_parts (a short second call spends its seconds on
+  # what the last run cut or what changed since).
+  part() { [ -z "${BENCH_PARTS:-}" ] || [[ " $BENCH_PARTS " == *" $1 "* ]]; }
   # GPT-2 124M (T 1024, vocab 50304; each variant at the largest B of 64/32/16/8 that fits): fastgpt fp32, bf16
   # fused and unfused vs torch eager fp32 / tf32 / bf16 autocast + compile + fused AdamW.
   # --profile: then where the GPU time of fastgpt's fused/graph step and torch compiled's goes, kernel by kernel.
   # BENCH_VARIANTS="fastgpt bf16 graph,torch compiled bf16" runs only those (a short call's budget).
+  if part train; then
   b=FAIL; timeout $(tmo 300) python3 bench/bench_gpu_train.py --B ${BENCH_B:-max} --profile \
-    ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} --json "$out/bench_gpu_train.json" > "$out/bench.log" 2>&1 && b=ok
+    ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} --json "$out/bench_gpu_train.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_gpu_train]=$b
+  fi
   # The same model in fp32 / tf32 / bf16 / fp16 against torch eager / TF32 / bf16 autocast / fp16 autocast+GradScaler.
+  if part precision; then
   b=FAIL; timeout $(tmo 120) python3 bench/bench_precision.py --device cuda --gpt2 --steps 4 --json "$out/bench_precision.json" \
     >> "$out/bench.log" 2>&1 && b=ok
   res[bench_precision]=$b
+  fi
   # --tiles: every tile shape of the tensor-core kernels at d 64 beside the default (which to make the default).
+  if part flash; then
   b=FAIL; timeout $(tmo 180) python3 bench/bench_flash_attention.py --tiles --json "$out/bench_flash_attention.json" \
     >> "$out/bench.log" 2>&1 && b=ok
   # fp32 at GPT-2's shape, against torch's fp32 SDPA: the TF32 tensor-core kernels (three products per product: the
@@ -235,40 +247,53 @@ if [ $build = ok ] && has bench; then
   timeout $(tmo 60) python3 bench/bench_flash_attention.py --dtype fp32 --d 64 --T 1024 --causal yes \
     --json "$out/bench_flash_attention_fp32.json" >> "$out/bench.log" 2>&1 || b=FAIL
   res[bench_flash]=$b
+  fi
   # The LayerNorm kernels at GPT-2's rows, alone and fused with the residual add: rows read once ("fwd", "bwd") and
   # the older kernels that read a row again ("fwd2", "bwd2"), each vs torch. B 64 (the training step's): at B 16 a
   # kernel (12-17 us) is shorter than a Python call's overhead (about 25 us), and the rows would time the host.
+  if part layernorm; then
   b=ok
   for c in layernorm residual_layernorm; do
     timeout $(tmo 40) python3 bench/bench_ops.py --device cuda --case $c --B 64 --T 1024 --C 768 \
       --json "$out/bench_ops_$c.json" >> "$out/bench.log" 2>&1 || b=FAIL
   done
   res[bench_layernorm]=$b
+  fi
   # GPT-2's linear layers, forward and backward, with cuBLASLt's heuristic algorithm and with matmul autotune
   # ("fwd tuned", "bwd tuned"; a line sums the chosen algorithms' times against the heuristic's), and the backward
   # with the bias gradient's epilogue ("bwd epilogue"), each vs torch: the block's four at B 16, lm_head at one chunk
   # of the engine's classifier (4096 rows).
+  if part matmul; then
   b=ok
   timeout $(tmo 75) python3 bench/bench_ops.py --device cuda --case matmul --B 16 --T 1024 --C 768 \
     --linears attn,attn_proj,fc,fc_proj --json "$out/bench_ops_matmul.json" >> "$out/bench.log" 2>&1 || b=FAIL
   timeout $(tmo 40) python3 bench/bench_ops.py --device cuda --case matmul --B 4 --T 1024 --C 768 --linears lm_head \
     --json "$out/bench_ops_matmul_lm_head.json" >> "$out/bench.log" 2>&1 || b=FAIL
   res[bench_matmul]=$b
+  fi
   # Cross-entropy over GPT-2's vocabulary, one chunk of the engine's classifier (4096 rows of 50304 bf16 logits):
   # forward, backward from lse, and the training step's forward_backward ("fb"), each vs torch.
+  if part cross_entropy; then
   b=FAIL; timeout $(tmo 40) python3 bench/bench_ops.py --device cuda --case cross_entropy --B 4 --T 1024 \
     --json "$out/bench_ops_cross_entropy.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_cross_entropy]=$b
+  fi
   # The embedding at the training step's B 64: the backward with random ids and with 12% one id ("bwd hot").
+  if part embedding; then
   b=FAIL; timeout $(tmo 40) python3 bench/bench_ops.py --device cuda --case embedding --B 64 --T 1024 --C 768 \
     --json "$out/bench_ops_embedding.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_embedding]=$b
+  fi
+  if part adamw; then
   b=FAIL; timeout $(tmo 40) python3 bench/bench_adamw.py --json "$out/bench_adamw.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_adamw]=$b
+  fi
   # --profile: why the KV cache was slower than recomputing (third run): kernels per token against wall time
+  if part generate; then
   b=FAIL; timeout $(tmo 90) python3 bench/bench_generate.py --device cuda --precision bf16 --prompt-len 64 --new-tokens 128 \
     --profile --json "$out/bench_generate.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_generate]=$b
+  fi
 fi
 if [ $build = ok ] && has diagnose; then
   timeout $(tmo 300) python3 scripts/flash_diagnose.py > "$out/diagnose.log" 2>&1; res[diagnose]="rc=$?"

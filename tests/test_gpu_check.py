@@ -2,6 +2,7 @@
 anything): every test file with a GPU case runs once, the bring-up's first, the never-run Hopper cases last."""
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,17 @@ def test_first_moves_named_entries_ahead_and_refuses_unknown_ones():
     assert moved[3:] == [e for e in base if e not in head]
     bad = listing("cross_entropy no_such_file")
     assert bad.returncode == 2 and "no_such_file" in bad.stderr
+
+
+def test_bench_parts_names_only_parts_that_exist(tmp_path):
+    # BENCH_PARTS narrows a short second call's bench; a name with no part behind it would run nothing, silently.
+    text = (ROOT / "scripts/gpu_check.sh").read_text()
+    listed = text.split('bench_parts=" ', 1)[1].split('"', 1)[0].split()
+    gated = re.findall(r"^  if part (\w+); then$", text, re.M)
+    assert sorted(listed) == sorted(gated) and len(gated) == len(set(gated)) >= 9, (listed, gated)
+    bad = subprocess.run(["bash", "scripts/gpu_check.sh", "bench"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "BENCH_PARTS": "adamw ce", "OUT": str(tmp_path)})
+    assert bad.returncode == 2 and "BENCH_PARTS names ce" in bad.stderr, bad.stderr
 
 
 def test_the_initcheck_probe_refuses_a_bad_argument_and_says_when_it_cannot_run():
