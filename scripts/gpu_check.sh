@@ -24,7 +24,9 @@
 # first; `bench` next only at once (the machine stays warm 30 s, the build folder is kept) with CALL_BUDGET cut to
 # what is left, e.g. `CALL_BUDGET=150 bash scripts/gpu_check.sh bench` (steps past the budget time out: FAIL). On
 # 2026-11-26 an H200 started in about 30 s, and CALL_BUDGET=440 for `tests sanitize` then 345 for `bench` (four
-# variants, all parts: 285 s) fit the 15 minutes.
+# variants, all parts: 285 s) fit the 15 minutes. The notebooks' GPU cases take about 290 s (sixth run, H100): a
+# `tests` call with them cannot also reach every other file (`TESTS=` the rest in a second call: 195 s with a bench
+# part).
 # Raw evidence goes to $OUT (or ./gpu_out): logs, benchmark JSON, nvidia-smi line (at most 8 files come back).
 # Before calling: `bash scripts/device_prep.sh` (the data, the commit and the notebooks' wheels into .device, ignored
 # by git), and carry .device.
