@@ -74,7 +74,12 @@ mkdir -p "$out"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
 bench_parts=" train precision flash layernorm matmul cross_entropy embedding adamw generate "
-for n in ${BENCH_PARTS:-}; do  # refused before the build: a misspelt part would run nothing, silently
+# BENCH_PARTS is checked before the build: a misspelt part, or a blank list, would run nothing, silently.
+if [ -n "${BENCH_PARTS+set}" ]; then
+  BENCH_PARTS=$(echo $BENCH_PARTS)  # one space between names (part() matches " name ")
+  [ -n "$BENCH_PARTS" ] || { echo "gpu_check.sh: BENCH_PARTS is blank; leave it unset for every part" >&2; exit 2; }
+fi
+for n in ${BENCH_PARTS:-}; do
   [[ $bench_parts == *" $n "* ]] || { echo "gpu_check.sh: BENCH_PARTS names $n, not one of:$bench_parts" >&2; exit 2; }
 done
 # Hopper only: a third of the build time there (the default list, 75-real;80-real;90, is for GPU-less builds).
@@ -222,6 +227,7 @@ if [ $build = ok ] && has accuracy; then
 fi
 
 if [ $build = ok ] && has bench; then
+  : > "$out/bench.log"  # every part appends to it (a local ./gpu_out keeps the last call's)
   # BENCH_PARTS="cross_entropy adamw ..." runs only those of $bench_parts (a short second call spends its seconds on
   # what the last run cut or what changed since).
   part() { [ -z "${BENCH_PARTS:-}" ] || [[ " $BENCH_PARTS " == *" $1 "* ]]; }

@@ -66,9 +66,11 @@ def test_bench_parts_names_only_parts_that_exist(tmp_path):
     listed = text.split('bench_parts=" ', 1)[1].split('"', 1)[0].split()
     gated = re.findall(r"^  if part (\w+); then$", text, re.M)
     assert sorted(listed) == sorted(gated) and len(gated) == len(set(gated)) >= 9, (listed, gated)
-    bad = subprocess.run(["bash", "scripts/gpu_check.sh", "bench"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "BENCH_PARTS": "adamw ce", "OUT": str(tmp_path)})
-    assert bad.returncode == 2 and "BENCH_PARTS names ce" in bad.stderr, bad.stderr
+    for value, said in (("adamw ce", "BENCH_PARTS names ce"), (" \t", "BENCH_PARTS is blank")):
+        bad = subprocess.run(["bash", "scripts/gpu_check.sh", "bench"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "BENCH_PARTS": value, "OUT": str(tmp_path)})
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
+        assert not (tmp_path / "build.log").exists()  # refused before the build
 
 
 def test_the_initcheck_probe_refuses_a_bad_argument_and_says_when_it_cannot_run():
