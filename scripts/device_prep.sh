@@ -3,8 +3,9 @@
 # the data the tests read (../shared does not travel), the commit (the machine's copy of the tree may carry a stale
 # .git), and the wheels that the notebook tests' kernel needs there. The device machine has no network and lacks
 # nbformat, nbclient, ipykernel and matplotlib, so the GPU cases of tests/test_notebooks.py skipped on every run
-# until 2026-11-26; gpu_check.sh installs them by name from .device/wheels, offline, before its tests. The wheels are for the device's CPython 3.12 on x86_64 Linux; what it already has (numpy, packaging,
-# typing_extensions) is left out, and so is what fits no carry (at most 64 MiB with the tree: about 40 MB here).
+# until 2026-11-26; gpu_check.sh installs them by name from .device/wheels, offline, before its tests. The wheels
+# are for the device's CPython 3.12 on x86_64 Linux; what it already has (numpy, packaging, typing_extensions) is
+# left out, and so is what fits no carry (at most 64 MiB with the tree: about 40 MB here).
 # Usage: bash scripts/device_prep.sh [--no-wheels]; then carry [".device"]. DEVICE_DIR=path: prepare that folder
 # instead (the tests').
 set -euo pipefail

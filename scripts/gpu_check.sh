@@ -73,8 +73,11 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
+# BENCH_PARTS="cross_entropy adamw ..." runs only those bench parts (a short second call spends its seconds on what
+# the last run cut or what changed since). Checked before the build: a misspelt part, or a blank list, would run
+# nothing, silently.
 bench_parts=" train precision flash layernorm matmul cross_entropy embedding adamw generate "
-# BENCH_PARTS is checked before the build: a misspelt part, or a blank list, would run nothing, silently.
+part() { [ -z "${BENCH_PARTS:-}" ] || [[ " $BENCH_PARTS " == *" $1 "* ]]; }
 if [ -n "${BENCH_PARTS+set}" ]; then
   BENCH_PARTS=$(echo $BENCH_PARTS)  # one space between names (part() matches " name ")
   [ -n "$BENCH_PARTS" ] || { echo "gpu_check.sh: BENCH_PARTS is blank; leave it unset for every part" >&2; exit 2; }
@@ -228,9 +231,6 @@ fi
 
 if [ $build = ok ] && has bench; then
   : > "$out/bench.log"  # every part appends to it (a local ./gpu_out keeps the last call's)
-  # BENCH_PARTS="cross_entropy adamw ..." runs only those of $bench_parts (a short second call spends its seconds on
-  # what the last run cut or what changed since).
-  part() { [ -z "${BENCH_PARTS:-}" ] || [[ " $BENCH_PARTS " == *" $1 "* ]]; }
   # GPT-2 124M (T 1024, vocab 50304; each variant at the largest B of 64/32/16/8 that fits): fastgpt fp32, bf16
   # fused and unfused vs torch eager fp32 / tf32 / bf16 autocast + compile + fused AdamW.
   # --profile: then where the GPU time of fastgpt's fused/graph step and torch compiled's goes, kernel by kernel.
