@@ -71,6 +71,18 @@ if [ "${1:-}" = --pytest-args ]; then  # what pytest is given for entry $2, one 
 fi
 out=${OUT:-gpu_out}
 mkdir -p "$out"
+# At most 8 files come back: the small ones go into one archive, and only this call's (files newer than its start
+# stamp): what an earlier run left in $out stays where it is, out of the archive (the 2026-11-26 H200 run's archive
+# held another run's sanitizer and NCCL logs beside its own benchmark JSON). `--pack-evidence STAMP` runs this alone.
+pack_evidence() {
+  (cd "$out" && find . -maxdepth 2 -type f -newer "$1" \( -path "./san/*" -o \( ! -path "./*/*" \( -name "*.json" \
+     -o -name build.log -o -name pytest_nccl.log \) \) \) | sed 's|^\./||' | sort | xargs -r tar -czf evidence.tgz \
+     --remove-files
+   rmdir san 2>/dev/null)
+  return 0
+}
+if [ "${1:-}" = --pack-evidence ]; then pack_evidence "$(realpath "${2:?usage: --pack-evidence STAMP}")"; exit; fi
+stamp=$(mktemp)
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
 # BENCH_PARTS="cross_entropy adamw ..." runs only those bench parts (a short second call spends its seconds on what
@@ -318,8 +330,8 @@ if [ $build = ok ] && has ladder; then
   res[ladder]=$b
   tail -20 "$out/ladder.log"
 fi
-# At most 8 files come back: the small ones go into one archive.
-(cd "$out" && ls -d *.json build.log pytest_nccl.log san 2>/dev/null | xargs -r tar -czf evidence.tgz --remove-files)
+pack_evidence "$stamp"
+rm -f "$stamp"
 
 # The long tables first, the status table last: the device tool returns only the output's last 12,000 characters.
 echo

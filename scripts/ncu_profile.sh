@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# gpu_check.sh's `ncu` part: Nsight Compute over scripts/ncu_targets.py, every flash attention kernel choice at
-# GPT-2's attention shape with the full set of sections, then one bf16 training step with speed of light, launch and
-# occupancy only (about 400 kernels); the reports imported as CSV (every metric; the same with the NVTX labels as
-# kernel names; ncu's own findings; per SASS instruction and per .cu line, executions and sampled stalls);
-# scripts/ncu_summary.py's tables into OUT/ncu.log, the rest into OUT/ncu.tgz and OUT/ncu_sass.tgz. The reports
-# themselves are dropped: the sessions that tune the kernels have no ncu to open them, and they are large. Prints
-# one line for gpu_check's table: ok, or what failed.
+# gpu_check.sh's `ncu` part: Nsight Compute over scripts/ncu_targets.py, in the order that loses the least when the
+# call's time runs out: the Hopper flash attention kernels beside torch's cuDNN backend ("sm90", what training runs on
+# an H100/H200), then one bf16 training step (speed of light, launch and occupancy only; about 320 kernels), then the
+# other flash kernel choices beside torch's flash backend ("flash"); the flash reports with the full set of
+# sections at GPT-2's attention shape. Each report is imported as CSV as soon as it is made (every metric; the same
+# with the NVTX labels as kernel names; ncu's own findings; for the flash reports, per SASS instruction and per .cu
+# line, executions and sampled stalls); scripts/ncu_summary.py's tables go into OUT/ncu.log, the rest into
+# OUT/ncu.tgz and OUT/ncu_sass.tgz. The reports themselves are dropped: the sessions that tune the kernels have no
+# ncu to open them, and they are large. Prints one line for gpu_check's table: ok, or what failed.
+# The 2026-11-26 H200 run (the old order: flash, sm90, step) ran out of its 550 s after the sm90 report: no SASS
+# pages for the Hopper kernels, and the step's report timed out.
 # Usage: bash scripts/ncu_profile.sh OUT   (NCU=path overrides `ncu`; tests/test_ncu_summary.py passes a fake one;
 # NCU_BUDGET=s cuts every step's timeout to what is left of that many seconds: gpu_check passes what its call has)
 set -uo pipefail
@@ -19,47 +23,54 @@ mkdir -p "$dir"
 # --clock-control none: the card's clocks as found (ncu would lock them to base for the run otherwise);
 # --profile-from-start off: only the calls ncu_targets.py brackets with cudaProfilerStart/Stop (not warm-ups).
 args=(--profile-from-start off --nvtx --clock-control none --import-source no -f)
-status=ok skip=
-timeout $(tmo 240) "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash \
-  > "$dir/flash.log" 2>&1 || status="FAIL flash (rc $?)"
-# The Hopper kernels in a report of their own (a trap or hang there cannot cost the one above), and not at all when
-# flash_diagnose, earlier in the same call, saw one of them crash or time out.
-if [ -f "$out/diagnose.log" ] && grep -Eq "^== .*sm90.*: (CRASHED|TIMEOUT)" "$out/diagnose.log"; then
-  status="$status; sm90 not profiled (diagnose: a crash or timeout)"
-  skip=sm90
-else
-  timeout $(tmo 150) "$ncu" "${args[@]}" --set full -o "$dir/sm90" python3 scripts/ncu_targets.py sm90 \
-    > "$dir/sm90.log" 2>&1 || status="$status; FAIL sm90 (rc $?)"
-fi
-# The step's ~400 kernels with the GPT-2 model's gigabytes around them: kernel replay would save and restore that
-# memory for each kernel's every pass; application replay runs the whole program once per pass instead (the same
-# seed, the same kernels).
-timeout $(tmo 200) "$ncu" "${args[@]}" --replay-mode application --section SpeedOfLight --section LaunchStats \
-  --section Occupancy -o "$dir/step" python3 scripts/ncu_targets.py step > "$dir/step.log" 2>&1 ||
-  status="$status; FAIL step (rc $?)"
-for r in flash sm90 step; do
-  rep="$dir/$r.ncu-rep"
-  [ $r = "$skip" ] && continue
-  [ -f "$rep" ] || { status="$status; no $r report"; continue; }
+status=ok
+
+# Report r's CSV pages (and for a flash report its source pages) from $dir/r.ncu-rep, which is then deleted.
+import_report() {
+  local r=$1 rep="$dir/$1.ncu-rep"
+  [ -f "$rep" ] || { status="$status; no $r report"; return; }
   "$ncu" -i "$rep" --page raw --csv --print-units base > "$dir/$r-raw.csv" 2>&1
   "$ncu" -i "$rep" --page raw --csv --print-units base --print-nvtx-rename kernel > "$dir/$r-labels.csv" 2>&1
   "$ncu" -i "$rep" --page details --csv --print-units base > "$dir/$r-details.csv" 2>&1
-  [ $r = step ] && continue
-  # Per SASS instruction (--print-source is newer than --page source: without it, the page's default view), and per
-  # .cu line (the build has -lineinfo; the sources are where the build left them, in this tree).
-  timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv --print-source sass > "$dir/$r-sass.csv" 2>&1 ||
-    timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv > "$dir/$r-sass.csv" 2>&1
-  timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv --print-source cuda > "$dir/$r-cuda.csv" 2>&1
-done
+  if [ "$r" != step ]; then
+    # Per SASS instruction (--print-source is newer than --page source: without it, the page's default view), and
+    # per .cu line (the build has -lineinfo; the sources are where the build left them, in this tree).
+    timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv --print-source sass > "$dir/$r-sass.csv" 2>&1 ||
+      timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv > "$dir/$r-sass.csv" 2>&1
+    timeout $(tmo 120) "$ncu" -i "$rep" --page source --csv --print-source cuda > "$dir/$r-cuda.csv" 2>&1
+  fi
+  rm -f "$rep"
+}
+
+# The Hopper kernels first, in a report of their own (a trap or hang there cannot cost the others), and not at all
+# when flash_diagnose, earlier in the same call, saw one of them crash or time out.
+if [ -f "$out/diagnose.log" ] && grep -Eq "^== .*sm90.*: (CRASHED|TIMEOUT)" "$out/diagnose.log"; then
+  status="$status; sm90 not profiled (diagnose: a crash or timeout)"
+else
+  timeout $(tmo 150) "$ncu" "${args[@]}" --set full -o "$dir/sm90" python3 scripts/ncu_targets.py sm90 \
+    > "$dir/sm90.log" 2>&1 || status="$status; FAIL sm90 (rc $?)"
+  import_report sm90
+fi
+# The step's kernels with the GPT-2 model's gigabytes around them: kernel replay would save and restore that memory
+# for each kernel's every pass; application replay runs the whole program once per pass instead (the same seed,
+# the same kernels). Relaxed: a kernel that one pass does not match (the 2026-11-26 run's strict matching refused
+# the whole report after nine passes of 323 kernels each) is left out, not the report.
+timeout $(tmo 200) "$ncu" "${args[@]}" --replay-mode application --app-replay-mode relaxed \
+  --section SpeedOfLight --section LaunchStats --section Occupancy -o "$dir/step" \
+  python3 scripts/ncu_targets.py step > "$dir/step.log" 2>&1 || status="$status; FAIL step (rc $?)"
+import_report step
+timeout $(tmo 240) "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash \
+  > "$dir/flash.log" 2>&1 || status="$status; FAIL flash (rc $?)"
+import_report flash
 {
-  for r in flash sm90; do
+  for r in sm90 flash; do
     [ -f "$dir/$r-raw.csv" ] || continue
     python3 scripts/ncu_summary.py "$dir/$r-raw.csv" --labels "$dir/$r-labels.csv" --json "$dir/$r-summary.json"
     echo
   done
-  python3 scripts/ncu_summary.py "$dir/step-raw.csv" --group --top 20 --json "$dir/step-summary.json"
+  [ -f "$dir/step-raw.csv" ] &&
+    python3 scripts/ncu_summary.py "$dir/step-raw.csv" --group --top 20 --json "$dir/step-summary.json"
 } > "$out/ncu.log" 2>&1
-rm -f "$dir"/*.ncu-rep
 # The source pages in an archive of their own: if they pass the device call's 16 MB a file, the rest still comes
 # back.
 (cd "$dir" && ls -- *-sass.csv *-cuda.csv 2>/dev/null | xargs -r tar -czf ../ncu_sass.tgz --remove-files)

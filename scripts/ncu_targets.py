@@ -1,7 +1,8 @@
 """What Nsight Compute (ncu) profiles in `scripts/gpu_check.sh ncu`: each flash attention kernel choice once at
-GPT-2 124M's attention shape (bf16, d 64, T 1024, causal, 12 heads): the mma.sync ones beside torch's cuDNN and flash
-SDPA backends ("flash"), or the Hopper ones ("sm90": never run on a GPU yet, so in a report of their own, which a
-trap or hang there cannot cost the others); or one fastgpt bf16 training step of GPT-2 124M ("step").
+GPT-2 124M's attention shape (bf16, d 64, T 1024, causal, 12 heads): the Hopper ones beside torch's cuDNN SDPA
+backend, the one they race on an H100/H200 ("sm90": in a report of their own, which a trap or hang there cannot cost
+the others), or the mma.sync ones beside torch's flash backend ("flash"); or one fastgpt bf16 training step of GPT-2
+124M ("step").
 
 Why: issue 10 asks for flash attention at Hopper speed and says "profile with ncu"; the benchmarks give each
 kernel's time, not why it takes it (tensor-pipe use, issue slots, stalls, bank conflicts, spills). The sessions that
@@ -34,8 +35,9 @@ def fastgpt_targets(options, sm90):
     return out if sm90 else out + [("bwd atomic", {}, "bwd atomic")]
 
 
-TORCH_TARGETS = [(f"torch {b.lower()} {what}", b, what) for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION")
-                 for what in ("fwd", "bwd")]
+# torch's SDPA backends per report: cuDNN's Hopper kernels beside ours, FlashAttention-2 beside the mma.sync ones.
+TORCH_TARGETS = {report: [(f"torch {backend.lower()} {what}", backend, what) for what in ("fwd", "bwd")]
+                 for report, backend in (("sm90", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION"))}
 
 
 def parse_args(argv=None):
@@ -95,8 +97,8 @@ class Plain:
 
 
 def flash(args, torch, run):
-    """fastgpt's choices (the Hopper ones for "sm90", the others for "flash"), then ("flash") torch's SDPA
-    backends."""
+    """fastgpt's choices (the Hopper ones for "sm90", the others for "flash"), then the report's torch SDPA
+    backend."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -123,10 +125,8 @@ def flash(args, torch, run):
                                                                 deterministic=what == "bwd det"))
     finally:
         ops.flash_attention_tiles(**first)
-    if args.what == "sm90":
-        return
     qt, kt, vt = (x.clone().requires_grad_(True) for x in (q, k, v))
-    for label, backend, what in TORCH_TARGETS:
+    for label, backend, what in TORCH_TARGETS[args.what]:
         with sdpa_kernel([getattr(SDPBackend, backend)]):
             try:
                 out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
@@ -164,7 +164,7 @@ def main(argv=None):
             return 0
         from fastgpt import ops
         targets = fastgpt_targets(ops.flash_attention_tile_options(), args.what == "sm90")
-        print("\n".join(label for label, _, _ in targets + (TORCH_TARGETS if args.what == "flash" else [])))
+        print("\n".join(label for label, _, _ in targets + TORCH_TARGETS[args.what]))
         return 0
     import torch
     if args.device == "cpu":

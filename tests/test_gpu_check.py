@@ -5,6 +5,8 @@ import pathlib
 import re
 import subprocess
 import sys
+import tarfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CPU_ONLY = {"flash_attention_emulated", "wgmma", "ncu_summary", "flash_diagnose", "tokenizer", "data", "hellaswag",
@@ -128,3 +130,31 @@ def test_device_prep_copies_the_data_and_names_the_commit(tmp_path, shakespeare_
     assert (dev / "COMMIT").read_text() == head and not (dev / "keep").exists() and not (dev / "wheels").exists()
     copied = dev / "shared" / "data" / "tinyshakespeare.txt"
     assert copied.read_bytes() == pathlib.Path(shakespeare_txt).read_bytes()
+
+
+def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
+    """gpu_check.sh's archive of small files (benchmark JSON, build and NCCL logs, sanitizer logs) takes only the
+    files written after the call's start stamp; what an earlier run left in the output folder stays there as it was,
+    and so does what is not evidence."""
+    out, old, new = tmp_path / "out", time.time() - 3600, time.time() - 60
+    (out / "san").mkdir(parents=True)
+    stale = {"bench_adamw.json": "old", "pytest_nccl.log": "old nccl", "san/memcheck-x.log": "old san"}
+    fresh = {"bench_gpu_train.json": "{}", "build.log": "built", "san/racecheck-y.log": "new san"}
+    for name, text in stale.items():
+        (out / name).write_text(text)
+        os.utime(out / name, (old, old))
+    stamp = tmp_path / "stamp"
+    stamp.write_text("")
+    os.utime(stamp, (new, new))
+    for name, text in {**fresh, "bench.log": "kept", "sub/deep.json": "not top level"}.items():
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text(text)
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--pack-evidence", str(stamp)],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OUT=str(out)))
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(out / "evidence.tgz") as t:
+        assert sorted(t.getnames()) == sorted(fresh)
+        assert t.extractfile("san/racecheck-y.log").read() == b"new san"
+    for name, text in {**stale, "bench.log": "kept", "sub/deep.json": "not top level"}.items():
+        assert (out / name).read_text() == text
+    assert not any((out / name).exists() for name in fresh)

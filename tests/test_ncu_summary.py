@@ -159,7 +159,8 @@ def test_an_empty_report_is_an_error(tmp_path):
 
 def test_targets_split_the_choices_into_two_reports():
     """ncu_targets.py's two flash reports between them hold every choice of flash_diagnose.choices once, the Hopper
-    ones alone in "sm90", each timing the pass its choice changes, and --list prints them in running order."""
+    ones alone in "sm90", each timing the pass its choice changes, each report with its torch backend (cuDNN beside
+    the Hopper kernels), and --list prints them in running order."""
     options = {"fwd": ["auto", "16x64", "sm90 ws 128x128"], "dkdv": ["auto", "16x64", "sm90 fused"],
                "dq": ["auto", "16x64", "32x64"]}
     flash, sm90 = targets.fastgpt_targets(options, False), targets.fastgpt_targets(options, True)
@@ -172,8 +173,12 @@ def test_targets_split_the_choices_into_two_reports():
         pytest.skip("fastgpt built without CUDA: no tile options")
     from fastgpt import ops
     options = ops.flash_attention_tile_options()
-    want = {"flash": [label for label, _, _ in targets.fastgpt_targets(options, False) + targets.TORCH_TARGETS],
-            "sm90": [label for label, _, _ in targets.fastgpt_targets(options, True)]}
+    assert [label for label, _, _ in targets.TORCH_TARGETS["sm90"]] == ["torch cudnn_attention fwd",
+                                                                         "torch cudnn_attention bwd"]
+    assert [label for label, _, _ in targets.TORCH_TARGETS["flash"]] == ["torch flash_attention fwd",
+                                                                          "torch flash_attention bwd"]
+    want = {what: [label for label, _, _ in targets.fastgpt_targets(options, what == "sm90") +
+                   targets.TORCH_TARGETS[what]] for what in ("flash", "sm90")}
     for what in ("flash", "sm90"):
         out = subprocess.run([sys.executable, str(REPO / "scripts" / "ncu_targets.py"), what, "--list"],
                              capture_output=True, text=True, timeout=60)
@@ -258,19 +263,26 @@ def run_ncu_part(tmp_path, diagnose=None):
 
 
 def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
-    """scripts/ncu_profile.sh (gpu_check.sh ncu) with a stand-in ncu: the options each ncu call gets, the CSV it
-    imports, the tables it writes and the archives it leaves (no reports in them)."""
+    """scripts/ncu_profile.sh (gpu_check.sh ncu) with a stand-in ncu: the reports in the order that loses the least
+    to a call's time running out (the Hopper kernels and their SASS pages first, then the step, then the others), the
+    options each ncu call gets, the CSV it imports, the tables it writes and the archives it leaves (no reports in
+    them)."""
     out, status, calls = run_ncu_part(tmp_path, "== fwd sm90 128x128: OK\n== dkdv sm90 fused: WRONG\n")
     assert status == "ok"
     profiles = [c for c in calls if "-o" in c]
-    assert [c[-1] for c in profiles] == ["flash", "sm90", "step"]
+    assert [c[-1] for c in profiles] == ["sm90", "step", "flash"]
+    sm90_sass = next(i for i, c in enumerate(calls) if "-i" in c and c[c.index("-i") + 1].endswith("sm90.ncu-rep")
+                     and "sass" in c)
+    assert calls.index(profiles[0]) < sm90_sass < calls.index(profiles[1])  # its SASS page before the step
     for c in profiles:
         for opt in (["--profile-from-start", "off"], ["--clock-control", "none"]):
             i = c.index(opt[0])
             assert c[i:i + 2] == opt
         assert "--nvtx" in c and c[-3:-1] == ["python3", "scripts/ncu_targets.py"]
-    assert all(c[c.index("--set") + 1] == "full" and "--replay-mode" not in c for c in profiles[:2])
-    assert profiles[2][profiles[2].index("--replay-mode") + 1] == "application" and "--set" not in profiles[2]
+    assert all(c[c.index("--set") + 1] == "full" and "--replay-mode" not in c for c in (profiles[0], profiles[2]))
+    step = profiles[1]
+    assert step[step.index("--replay-mode") + 1] == "application" and "--set" not in step
+    assert step[step.index("--app-replay-mode") + 1] == "relaxed"
     imports = [c for c in calls if "-i" in c]
     # raw, labelled raw and details of each report; SASS and .cu source pages of the two flash ones
     assert sum("--print-nvtx-rename" in c for c in imports) == 3 and len(imports) == 13
@@ -292,7 +304,7 @@ def test_the_hopper_kernels_are_not_profiled_after_a_crash_in_diagnose(tmp_path)
     """A Hopper choice that crashed or timed out in flash_diagnose (the same call, before) would hang or trap under
     ncu too: its report is left out, and the status says so; the others are made as before."""
     out, status, calls = run_ncu_part(tmp_path, "== fwd 16x64: OK\n== dkdv sm90 ws fused: TIMEOUT (30 s)\n")
-    assert [c[-1] for c in calls if "-o" in c] == ["flash", "step"]
+    assert [c[-1] for c in calls if "-o" in c] == ["step", "flash"]
     assert status == "ok; sm90 not profiled (diagnose: a crash or timeout)"
     assert (out / "ncu.log").read_text().count("2 kernels, 143.0 us in all") == 2
 
@@ -319,7 +331,8 @@ def test_targets_run_on_the_cpu(capsys):
                       torch, run)
         skipped = [line[9:].split(":")[0] for line in capsys.readouterr().out.splitlines()
                    if line.startswith("skipped: ")]
-        assert run.labels == [] and skipped == [label for label, _, _ in targets.fastgpt_targets(options, True)]
+        assert run.labels == [] and skipped == [label for label, _, _ in targets.fastgpt_targets(options, True) +
+                                                targets.TORCH_TARGETS["sm90"]]
     run = targets.Plain()
     targets.step(targets.parse_args(["step", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2", "--n-embd",
                                      "32", "--n-layer", "2", "--vocab", "96"]), torch, run)

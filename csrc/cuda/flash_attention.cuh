@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "cuda/cp_async.cuh"
@@ -153,17 +154,29 @@ __device__ __forceinline__ void a_from_acc(uint32_t* a, const float* lo, const f
 // ---- Steps the tensor-core kernels share on one warp's 16-row accumulator tile: rows g and g + 8, columns 2c and
 // 2c + 1 of each 8-wide tile t (mma.sync's m16n8 accumulators and wgmma's per-warp rows are laid out alike).
 
+// The masks below test a lane's score (t, e) by its column's offset off = t * 8 + (e & 1) from the lane's first
+// column (2c): a constant once the loops unroll, so that each score costs one compare with a bound worked out per row
+// (two for the backward's transposed tiles), not the index arithmetic and two or three compares of visible().
+__device__ __forceinline__ int column_offset(int t, int e) { return t * 8 + (e & 1); }
+// Queries on the rows: row `row` sees keys [0, min(T, row + 1)) (causal) or [0, T), so the offsets below this bound
+// for keys from `key0` (the lane's first column's key); with `hide_rows_past_t`, a row past T sees none.
+__device__ __forceinline__ int seen_below(int row, int key0, int T, bool causal, bool hide_rows_past_t) {
+  if (hide_rows_past_t && row >= T) return 0;
+  return (causal && row + 1 < T ? row + 1 : T) - key0;
+}
+
 // Forward: -inf where a key is hidden from a query: keys past T and (causal) keys after the query. k0 is the
-// block's first key, row0 the tile's first query. Callers skip it for blocks with no such key.
+// block's first key, row0 the tile's first query. Callers skip it for blocks with no such key. Rows past T are left
+// as they are (their output is never stored).
 template <int NT>
 __device__ __forceinline__ void mask_scores(float (&s)[NT][4], int k0, int row0, int g, int c, int T, bool causal) {
+  const int below[2] = {seen_below(row0 + g, k0 + 2 * c, T, causal, false),
+                        seen_below(row0 + g + 8, k0 + 2 * c, T, causal, false)};
 #pragma unroll
   for (int t = 0; t < NT; t++)
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-      const int key = k0 + t * 8 + 2 * c + (e & 1), row = row0 + g + (e >> 1) * 8;
-      if (key >= T || (causal && key > row)) s[t][e] = -INFINITY;
-    }
+    for (int e = 0; e < 4; e++)
+      if (column_offset(t, e) >= below[e >> 1]) s[t][e] = -INFINITY;
 }
 
 // Forward: the online softmax of one key block of raw scores s (masked: -inf), without O. Each row's values are
@@ -319,9 +332,28 @@ __device__ __forceinline__ void probs(float (&s)[N][4], float sl2, bool mask, Ls
 template <int N>
 __device__ __forceinline__ void probs_rows(float (&s)[N][4], int k0, int row, int c, int T, bool causal, bool mask,
                                            float sl2, const float (&lse2)[2]) {
+  const int below[2] = {seen_below(row, k0 + 2 * c, T, causal, true),
+                        seen_below(row + 8, k0 + 2 * c, T, causal, true)};
   probs(s, sl2, mask, [&](int, int e) { return lse2[e >> 1]; },
-        [&](int t, int e) { return !visible(row + (e >> 1) * 8, k0 + t * 8 + 2 * c + (e & 1), T, causal); });
+        [&](int t, int e) { return column_offset(t, e) >= below[e >> 1]; });
 }
+
+// Keys on the rows (row `key`), queries q0c + offset on the columns (q0c: the lane's first column's query): the
+// query sees the key iff it is below T and (causal) at or after the key, so the key keeps the offsets in
+// [from, to): from = key - q0c (causal; else none below), to = T - q0c; a key past T keeps none.
+struct SeenBy {
+  int from[2], to;
+  __device__ __forceinline__ SeenBy(int key, int q0c, int T, bool causal) : to(T - q0c) {
+    for (int r = 0; r < 2; r++) {
+      const int k = key + 8 * r;
+      from[r] = k >= T ? to : causal ? k - q0c : INT_MIN;
+    }
+  }
+  __device__ __forceinline__ bool hides(int t, int e) const {
+    const int off = column_offset(t, e);
+    return off < from[e >> 1] || off >= to;
+  }
+};
 
 // Backward, on a warp's 16 rows x 8N columns of m16n8 accumulators (a lane holds rows `row` and row + 8, columns
 // t * 8 + 2c and + 1): P (probs) in place of S, and dS = P (dP - delta) in place of dP. Queries on the rows (dq: keys
@@ -341,8 +373,9 @@ __device__ __forceinline__ void probs_ds_rows(float (&s)[N][4], float (&dp)[N][4
 template <int N>
 __device__ __forceinline__ void probs_ds_cols(float (&st)[N][4], float (&dpt)[N][4], int q0, int row, int c, int T,
                                               bool causal, bool mask, float sl2, const float* sL, const float* sDl) {
+  const SeenBy seen(row, q0 + 2 * c, T, causal);
   probs(st, sl2, mask, [&](int t, int e) { return sL[t * 8 + 2 * c + (e & 1)]; },
-        [&](int t, int e) { return !visible(q0 + t * 8 + 2 * c + (e & 1), row + (e >> 1) * 8, T, causal); });
+        [&](int t, int e) { return seen.hides(t, e); });
 #pragma unroll
   for (int t = 0; t < N; t++)
 #pragma unroll

@@ -258,7 +258,7 @@ __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D 
   wgmma::keep(st);
   probs(st, sl2, hides_any(q0, q0 + BR, kw0, kw0 + 16, T, p.causal),
         [&](int t, int e) { return wgmma::ld_shared_f32(sL + t * 8 + 2 * c + (e & 1)); },
-        [&](int t, int e) { return !visible(q0 + t * 8 + 2 * c + (e & 1), kw0 + g + (e >> 1) * 8, T, p.causal); });
+        [&, seen = SeenBy(kw0 + g, q0 + 2 * c, T, p.causal)](int t, int e) { return seen.hides(t, e); });
   if constexpr (!kLateP) {
 #pragma unroll
     for (int ks = 0; ks < BR / 16; ks++) a_from_acc<E>(ap[ks], st[2 * ks], st[2 * ks + 1]);

@@ -24,11 +24,13 @@
 //   P V are on the tensor cores, the others run their softmax, so the tensor cores see one warpgroup's products
 //   after another's instead of all at once and then none (FlashAttention-3's "ping-pong" scheduling).
 // - A CTA works through a list of tiles (query blocks of a (b, h)): blockIdx.x, then every gridDim.x-th, heaviest
-//   first (causal: the last query blocks see the most keys). One tile per CTA is the plain launch; the "persistent"
-//   options launch one CTA per SM, whose copier fetches the next tile's Q (two buffers) and key blocks (the rings
-//   run on across tiles) while the consumers finish the tile before and write its O: a tile's start (the first
-//   copies' latency, the barriers' set-up, a CTA's launch) and end overlap another's work instead of leaving the
-//   SM idle, as FlashAttention-3's persistent scheduler does. At GPT-2's T 1024, causal, a tile is 1-8 key blocks.
+//   first (causal: the last query blocks see the most keys), a persistent CTA one (b, h) at a time where there are
+//   more (b, h) than CTAs (Tiles, below: L2 keeps K and V between its query blocks). One tile per CTA is the plain
+//   launch; the "persistent" options launch one CTA per SM, whose copier fetches the next tile's Q (two buffers)
+//   and key blocks (the rings run on across tiles) while the consumers finish the tile before and write its O: a
+//   tile's start (the first copies' latency, the barriers' set-up, a CTA's launch) and end overlap another's work
+//   instead of leaving the SM idle, as FlashAttention-3's persistent scheduler does. At GPT-2's T 1024, causal, a
+//   tile is 1-8 key blocks.
 // Inside a consumer the order is the other kernel's: S_j is issued before P_{j-1} V_{j-1}, and block j's softmax
 // runs while that product is still on the tensor cores. Chosen with the fwd tile options "sm90 ws ..."
 // (flash_attention.cu's kKernelOptions; "sm90 ws 128x128 persistent" is "auto"'s on an H100/H200). Ran and
@@ -72,12 +74,18 @@ constexpr int kBarBytes = 8 * (6 + 4 * kStages<D>);
 // Q buffers: a CTA's next tile's Q lands while the consumers still read the one before.
 constexpr int kQBuffers = 2;
 
-// The tiles, BR query rows each: tile t (0 .. n) is query block nqb - 1 - t / BH of (b, h) number t % BH (BH = B H),
-// so that the heaviest query blocks (causal) come first; a CTA takes blockIdx.x and every gridDim.x-th after it.
-// The counts are the launch's (a kernel parameter): worked out per thread, their divisions cost the three-consumer
-// kernel 8 bytes of spills.
+// The tiles, BR query rows each, numbered t = 0 .. n - 1; a CTA takes blockIdx.x and every gridDim.x-th after it.
+// The (b, h) are taken in groups of `group` (the grid's CTAs, or all BH = B H when there are as many CTAs as that;
+// the last group may have fewer), one group after another; within a group, t - (the group's first tile) = i is query
+// block nqb - 1 - i / heads of the group's (b, h) number i % heads: the heaviest query blocks (causal) first, every
+// CTA's tile of a round as heavy as the others'. With a group as large as the persistent grid, a CTA takes one (b,
+// h)'s query blocks one after another, so its K and V, read again for each query block, are still in L2; numbered
+// across all BH (b, h) (the seventh GPU run), a (b, h)'s next query block came BH tiles later, after L2 had let them
+// go: each K and V block came from DRAM about twice (BENCHMARKS.md). The counts are the launch's (a kernel
+// parameter): worked out per thread, their divisions cost the three-consumer kernel 8 bytes of spills. It keeps 4
+// (the tile's (b, h), for its lse, stored once a tile and loaded once), where ptxas worked t % BH out again.
 struct Tiles {
-  int BH, nqb, n;
+  int BH, nqb, n, group;
 };
 struct Tile {
   int q0, b, h, bh, nblocks;  // first query row, its (b, h), the key blocks of BC it multiplies
@@ -85,9 +93,11 @@ struct Tile {
 template <int BR, int BC>
 __device__ __forceinline__ Tile tile_at(const Params& p, const Tiles& ts, int t) {
   Tile x;
-  x.bh = t % ts.BH;
+  const int first = t / (ts.group * ts.nqb) * ts.group;  // the group's first (b, h)
+  const int heads = min(ts.group, ts.BH - first), i = t - first * ts.nqb;
+  x.bh = first + i % heads;
   x.b = x.bh / p.H, x.h = x.bh % p.H;
-  x.q0 = (ts.nqb - 1 - t / ts.BH) * BR;
+  x.q0 = (ts.nqb - 1 - i / heads) * BR;
   const int kv_end = p.causal ? min(p.T, x.q0 + BR) : p.T;
   x.nblocks = (kv_end + BC - 1) / BC;
   return x;
@@ -305,11 +315,11 @@ bool launch_ws(const Params& p, Stream stream, bool persistent) {
       !tma::make_heads_map(maps.v, p.v, p.B, p.H, p.T, D, p.is, BC) ||
       !tma::make_heads_map(maps.o, p.out, p.B, p.H, p.T, D, p.os, 64, &o_bytes))
     return false;
-  const Tiles ts{p.B * p.H, nqb, (int)tiles};
-  int ctas = ts.n;
+  int ctas = (int)tiles;
   if (persistent) {
     ctas = (int)std::min<int64_t>(tiles, sm_count());
   }
+  const Tiles ts{p.B * p.H, nqb, (int)tiles, std::min(ctas, p.B * p.H)};
   FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(forward_ws_kernel<E, D, NC, BC>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   forward_ws_kernel<E, D, NC, BC><<<ctas, 128 * (NC + 1), bytes, stream>>>(p, maps, ts);

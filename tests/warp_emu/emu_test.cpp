@@ -240,6 +240,42 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
   fflush(stdout);
 }
 
+// The flash kernels' masks (flash_attention.cuh) against visible(), the rule they stand for, over every score of a
+// lane's tile: mask_scores (the forward: -inf where a key is past T or, causal, after the query; rows past T as they
+// are), probs_rows' bound (the backward, queries on the rows: rows past T see nothing) and SeenBy (keys on the rows,
+// queries on the columns). Tiles start below, at and past T, on and off the diagonal.
+void check_masks() {
+  using namespace cuda::flash;
+  constexpr int NT = 4;
+  long checked = 0, wrong = 0;
+  for (int T : {1, 5, 8, 9, 31, 32, 33})
+    for (int causal = 0; causal < 2; causal++)
+      for (int row0 = 0; row0 <= 48; row0 += 8)
+        for (int k0 = 0; k0 <= 48; k0 += 8)
+          for (int g = 0; g < 8; g++)
+            for (int c = 0; c < 4; c++) {
+              float s[NT][4];
+              for (auto& x : s) std::fill(x, x + 4, 1.f);
+              mask_scores(s, k0, row0, g, c, T, causal);
+              const int below[2] = {seen_below(row0 + g, k0 + 2 * c, T, causal, true),
+                                    seen_below(row0 + g + 8, k0 + 2 * c, T, causal, true)};
+              const SeenBy seen(row0 + g, k0 + 2 * c, T, causal);  // rows are keys, columns queries
+              for (int t = 0; t < NT; t++)
+                for (int e = 0; e < 4; e++) {
+                  const int row = row0 + g + (e >> 1) * 8, col = k0 + t * 8 + 2 * c + (e & 1);
+                  const bool fwd_hidden = col >= T || (causal && col > row);
+                  wrong += (s[t][e] == -INFINITY) != fwd_hidden;
+                  wrong += (column_offset(t, e) >= below[e >> 1]) != !visible(row, col, T, causal);
+                  wrong += seen.hides(t, e) != !visible(col, row, T, causal);
+                  checked += 3;
+                }
+            }
+  if (wrong) failures++;
+  printf("%s flash masks: %ld of %ld scores' mask tests disagree with visible()\n", wrong ? "FAIL" : "ok  ", wrong,
+         checked);
+  fflush(stdout);
+}
+
 // make_heads_map's dense bytes: the range the ws forward marks for initcheck is O's bytes only where they have no
 // gaps (the engine's and the binding's O: (B, H, T, d) or (B, T, H, d), row-major); a view with gaps gets 0 (nothing
 // marked), as does one with no map (the broadcast head: the ws kernels decline it).
@@ -1682,8 +1718,11 @@ int main(int argc, char** argv) {
       run_sm90<__nv_bfloat16>(1, 1, 150, 64, true, false, true, DType::bf16, 3e-2, seed++, {{3, 2, 3}});
       run_fused_sm90<__nv_bfloat16>(1, 1, 260, 64, true, true, DType::bf16, 3e-2, seed++, 5);
       check_dense_bytes();
-      emu::g_sm_count = 1;  // the persistent forwards: one CTA takes all three tiles (its Q buffers reused)
-      run_ws<__nv_bfloat16>(1, 1, 260, 64, true, false, DType::bf16, 3e-2, seed++, 0, 0);
+      check_masks();
+      // The persistent forwards on 2 SMs: 3 (b, h) of 2 query tiles, so a group of two (each CTA one (b, h)'s tiles)
+      // and a last group of one (its two tiles on the two CTAs), every CTA three tiles (its Q buffers reused).
+      emu::g_sm_count = 2;
+      run_ws<__nv_bfloat16>(1, 3, 200, 64, true, false, DType::bf16, 3e-2, seed++, 0, 0);
       emu::g_sm_count = 3;
       run_ws_views<__half>(1, 2, 70, false, true, DType::f16, 5e-3, seed++);
       run_sm75_cases(seed);
@@ -1777,6 +1816,9 @@ int main(int argc, char** argv) {
       run_ws<__half>(2, 1, 150, 64, true, true, DType::f16, 5e-3, seed++, 2, 3);
       // scripts/flash_sanitize.py's Hopper shape (B 2, H 3: 12 tiles, 4 per persistent CTA; causal bhtd, else bthd)
       for (int causal : {1, 0}) run_ws<__half>(2, 3, 200, 128, causal, !causal, DType::f16, 5e-3, seed++, 0, 0);
+      emu::g_sm_count = 4;  // 6 (b, h) on 4 persistent CTAs: a group of four, then one of two
+      run_ws<__nv_bfloat16>(2, 3, 300, 64, true, true, DType::bf16, 3e-2, seed++, 0, 0);
+      emu::g_sm_count = 3;
       run_ws_views<__nv_bfloat16>(2, 3, 200, true, false, DType::bf16, 3e-2, seed++);
       run_ws_views<__half>(1, 2, 130, false, true, DType::f16, 5e-3, seed++);
     } else if (mode == "fused") {  // the fused sm90 backward: both head dims, T below, at and past its tiles
