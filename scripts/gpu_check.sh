@@ -83,6 +83,9 @@ pack_evidence() {
 }
 if [ "${1:-}" = --pack-evidence ]; then pack_evidence "$(realpath "${2:?usage: --pack-evidence STAMP}")"; exit; fi
 stamp=$(mktemp)
+# An archive already there (an earlier run's) is renamed, kept: it must not pass for this call's should this call
+# write no evidence.
+[ -f "$out/evidence.tgz" ] && mv "$out/evidence.tgz" "$out/evidence-before-$(date +%s).tgz"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
 # BENCH_PARTS="cross_entropy adamw ..." runs only those bench parts (a short second call spends its seconds on what

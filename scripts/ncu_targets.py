@@ -40,6 +40,11 @@ TORCH_TARGETS = {report: [(f"torch {backend.lower()} {what}", backend, what) for
                  for report, backend in (("sm90", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION"))}
 
 
+def torch_targets(args):
+    """The report's torch SDPA targets: its own backend's, and for "flash --cudnn" cuDNN's as well."""
+    return TORCH_TARGETS[args.what] + (TORCH_TARGETS["sm90"] if args.what == "flash" and args.cudnn else [])
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("what", nargs="?", choices=("flash", "sm90", "step"), default="flash")
@@ -52,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, default=768, help="step: width (a multiple of --n-head)")
     p.add_argument("--vocab", type=int, default=50304, help="step: vocab size")
     p.add_argument("--device", default="cuda", help="cpu: the same calls without a GPU or profiler (a smoke test)")
+    p.add_argument("--cudnn", action="store_true",
+                   help="flash: torch's cuDNN backend too (ncu_profile.sh, when it leaves the sm90 report out)")
     args = p.parse_args(argv)
     if args.B is None:
         args.B = 8 if args.what == "step" else 16
@@ -126,7 +133,7 @@ def flash(args, torch, run):
     finally:
         ops.flash_attention_tiles(**first)
     qt, kt, vt = (x.clone().requires_grad_(True) for x in (q, k, v))
-    for label, backend, what in TORCH_TARGETS[args.what]:
+    for label, backend, what in torch_targets(args):
         with sdpa_kernel([getattr(SDPBackend, backend)]):
             try:
                 out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
@@ -164,7 +171,7 @@ def main(argv=None):
             return 0
         from fastgpt import ops
         targets = fastgpt_targets(ops.flash_attention_tile_options(), args.what == "sm90")
-        print("\n".join(label for label, _, _ in targets + TORCH_TARGETS[args.what]))
+        print("\n".join(label for label, _, _ in targets + torch_targets(args)))
         return 0
     import torch
     if args.device == "cpu":

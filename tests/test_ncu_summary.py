@@ -168,15 +168,18 @@ def test_targets_split_the_choices_into_two_reports():
                      ("dq 32x64", {"dq": "32x64"}, "bwd det"), ("bwd atomic", {}, "bwd atomic")]
     assert sm90 == [("dkdv sm90 fused", {"dkdv": "sm90 fused"}, "bwd det"),
                     ("fwd sm90 ws 128x128", {"fwd": "sm90 ws 128x128"}, "fwd")]
+    assert [label for label, _, _ in targets.TORCH_TARGETS["sm90"]] == ["torch cudnn_attention fwd",
+                                                                         "torch cudnn_attention bwd"]
+    assert [label for label, _, _ in targets.TORCH_TARGETS["flash"]] == ["torch flash_attention fwd",
+                                                                          "torch flash_attention bwd"]
+    cudnn = targets.torch_targets(targets.parse_args(["flash", "--cudnn"]))
+    assert cudnn == targets.TORCH_TARGETS["flash"] + targets.TORCH_TARGETS["sm90"]
+    assert targets.torch_targets(targets.parse_args(["sm90", "--cudnn"])) == targets.TORCH_TARGETS["sm90"]
     fastgpt = pytest.importorskip("fastgpt")
     if not fastgpt._C.built_with_cuda:
         pytest.skip("fastgpt built without CUDA: no tile options")
     from fastgpt import ops
     options = ops.flash_attention_tile_options()
-    assert [label for label, _, _ in targets.TORCH_TARGETS["sm90"]] == ["torch cudnn_attention fwd",
-                                                                         "torch cudnn_attention bwd"]
-    assert [label for label, _, _ in targets.TORCH_TARGETS["flash"]] == ["torch flash_attention fwd",
-                                                                          "torch flash_attention bwd"]
     want = {what: [label for label, _, _ in targets.fastgpt_targets(options, what == "sm90") +
                    targets.TORCH_TARGETS[what]] for what in ("flash", "sm90")}
     for what in ("flash", "sm90"):
@@ -270,6 +273,7 @@ def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
     out, status, calls = run_ncu_part(tmp_path, "== fwd sm90 128x128: OK\n== dkdv sm90 fused: WRONG\n")
     assert status == "ok"
     profiles = [c for c in calls if "-o" in c]
+    assert "--cudnn" not in profiles[2]  # cuDNN is in the sm90 report
     assert [c[-1] for c in profiles] == ["sm90", "step", "flash"]
     sm90_sass = next(i for i, c in enumerate(calls) if "-i" in c and c[c.index("-i") + 1].endswith("sm90.ncu-rep")
                      and "sass" in c)
@@ -304,8 +308,10 @@ def test_the_hopper_kernels_are_not_profiled_after_a_crash_in_diagnose(tmp_path)
     """A Hopper choice that crashed or timed out in flash_diagnose (the same call, before) would hang or trap under
     ncu too: its report is left out, and the status says so; the others are made as before."""
     out, status, calls = run_ncu_part(tmp_path, "== fwd 16x64: OK\n== dkdv sm90 ws fused: TIMEOUT (30 s)\n")
-    assert [c[-1] for c in calls if "-o" in c] == ["step", "flash"]
-    assert status == "ok; sm90 not profiled (diagnose: a crash or timeout)"
+    profiles = [c for c in calls if "-o" in c]
+    assert [c[c.index("scripts/ncu_targets.py") + 1] for c in profiles] == ["step", "flash"]
+    assert profiles[1][-1] == "--cudnn"  # cuDNN's kernels join the flash report instead
+    assert status == "sm90 not profiled (diagnose: a crash or timeout)"
     assert (out / "ncu.log").read_text().count("2 kernels, 143.0 us in all") == 2
 
 
