@@ -71,21 +71,19 @@ if [ "${1:-}" = --pytest-args ]; then  # what pytest is given for entry $2, one 
 fi
 out=${OUT:-gpu_out}
 mkdir -p "$out"
-# At most 8 files come back: the small ones go into one archive, and only this call's (files newer than its start
-# stamp): what an earlier run left in $out stays where it is, out of the archive (the 2026-11-26 H200 run's archive
-# held another run's sanitizer and NCCL logs beside its own benchmark JSON). `--pack-evidence STAMP` runs this alone.
+# At most 8 files come back: the small ones go into one archive, evidence.tgz (written afresh, as bench.log is), and
+# only this call's (files newer than its start stamp): what an earlier run left in $out stays where it is, out of
+# the archive (the 2026-11-26 H200 run's archive held another run's sanitizer and NCCL logs beside its own benchmark
+# JSON). `--pack-evidence STAMP` runs this alone.
 pack_evidence() {
   (cd "$out" && find . -maxdepth 2 -type f -newer "$1" \( -path "./san/*" -o \( ! -path "./*/*" \( -name "*.json" \
-     -o -name build.log -o -name pytest_nccl.log \) \) \) | sed 's|^\./||' | sort | xargs -r tar -czf evidence.tgz \
+     -o -name build.log -o -name pytest_nccl.log \) \) \) | sed 's|^\./||' | sort | tar -czf evidence.tgz -T - \
      --remove-files
    rmdir san 2>/dev/null)
   return 0
 }
 if [ "${1:-}" = --pack-evidence ]; then pack_evidence "$(realpath "${2:?usage: --pack-evidence STAMP}")"; exit; fi
 stamp=$(mktemp)
-# An archive already there (an earlier run's) is renamed, kept: it must not pass for this call's should this call
-# write no evidence.
-[ -f "$out/evidence.tgz" ] && mv "$out/evidence.tgz" "$out/evidence-before-$(date +%s).tgz"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
 # BENCH_PARTS="cross_entropy adamw ..." runs only those bench parts (a short second call spends its seconds on what

@@ -158,3 +158,10 @@ def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
     for name, text in {**stale, "bench.log": "kept", "sub/deep.json": "not top level"}.items():
         assert (out / name).read_text() == text
     assert not any((out / name).exists() for name in fresh)
+    # a call with nothing new writes an empty archive: the one above cannot pass for its evidence
+    stamp.touch()
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--pack-evidence", str(stamp)],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OUT=str(out)))
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(out / "evidence.tgz") as t:
+        assert t.getnames() == []

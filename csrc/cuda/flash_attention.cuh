@@ -158,25 +158,31 @@ __device__ __forceinline__ void a_from_acc(uint32_t* a, const float* lo, const f
 // column (2c): a constant once the loops unroll, so that each score costs one compare with a bound worked out per row
 // (two for the backward's transposed tiles), not the index arithmetic and two or three compares of visible().
 __device__ __forceinline__ int column_offset(int t, int e) { return t * 8 + (e & 1); }
-// Queries on the rows: row `row` sees keys [0, min(T, row + 1)) (causal) or [0, T), so the offsets below this bound
-// for keys from `key0` (the lane's first column's key); with `hide_rows_past_t`, a row past T sees none.
-__device__ __forceinline__ int seen_below(int row, int key0, int T, bool causal, bool hide_rows_past_t) {
-  if (hide_rows_past_t && row >= T) return 0;
-  return (causal && row + 1 < T ? row + 1 : T) - key0;
-}
+// Queries on the rows (`row` and row + 8), keys key0 + offset on the columns (key0: the lane's first column's key):
+// a row sees keys [0, min(T, row + 1)) (causal) or [0, T), so the offsets below a bound per row; with
+// `hide_rows_past_t`, a row past T sees none.
+struct SeenBelow {
+  int below[2];
+  __device__ __forceinline__ SeenBelow(int row, int key0, int T, bool causal, bool hide_rows_past_t)
+      : below{bound(row, key0, T, causal, hide_rows_past_t), bound(row + 8, key0, T, causal, hide_rows_past_t)} {}
+  static __device__ __forceinline__ int bound(int row, int key0, int T, bool causal, bool hide_rows_past_t) {
+    if (hide_rows_past_t && row >= T) return 0;
+    return (causal && row + 1 < T ? row + 1 : T) - key0;
+  }
+  __device__ __forceinline__ bool hides(int t, int e) const { return column_offset(t, e) >= below[e >> 1]; }
+};
 
 // Forward: -inf where a key is hidden from a query: keys past T and (causal) keys after the query. k0 is the
 // block's first key, row0 the tile's first query. Callers skip it for blocks with no such key. Rows past T are left
 // as they are (their output is never stored).
 template <int NT>
 __device__ __forceinline__ void mask_scores(float (&s)[NT][4], int k0, int row0, int g, int c, int T, bool causal) {
-  const int below[2] = {seen_below(row0 + g, k0 + 2 * c, T, causal, false),
-                        seen_below(row0 + g + 8, k0 + 2 * c, T, causal, false)};
+  const SeenBelow seen(row0 + g, k0 + 2 * c, T, causal, false);
 #pragma unroll
   for (int t = 0; t < NT; t++)
 #pragma unroll
     for (int e = 0; e < 4; e++)
-      if (column_offset(t, e) >= below[e >> 1]) s[t][e] = -INFINITY;
+      if (seen.hides(t, e)) s[t][e] = -INFINITY;
 }
 
 // Forward: the online softmax of one key block of raw scores s (masked: -inf), without O. Each row's values are
@@ -332,15 +338,13 @@ __device__ __forceinline__ void probs(float (&s)[N][4], float sl2, bool mask, Ls
 template <int N>
 __device__ __forceinline__ void probs_rows(float (&s)[N][4], int k0, int row, int c, int T, bool causal, bool mask,
                                            float sl2, const float (&lse2)[2]) {
-  const int below[2] = {seen_below(row, k0 + 2 * c, T, causal, true),
-                        seen_below(row + 8, k0 + 2 * c, T, causal, true)};
-  probs(s, sl2, mask, [&](int, int e) { return lse2[e >> 1]; },
-        [&](int t, int e) { return column_offset(t, e) >= below[e >> 1]; });
+  const SeenBelow seen(row, k0 + 2 * c, T, causal, true);
+  probs(s, sl2, mask, [&](int, int e) { return lse2[e >> 1]; }, [&](int t, int e) { return seen.hides(t, e); });
 }
 
-// Keys on the rows (row `key`), queries q0c + offset on the columns (q0c: the lane's first column's query): the
-// query sees the key iff it is below T and (causal) at or after the key, so the key keeps the offsets in
-// [from, to): from = key - q0c (causal; else none below), to = T - q0c; a key past T keeps none.
+// Its transpose: keys on the rows (`key` and key + 8), queries q0c + offset on the columns (q0c: the lane's first
+// column's query): the query sees the key iff it is below T and (causal) at or after the key, so the key keeps the
+// offsets in [from, to): from = key - q0c (causal; else none below), to = T - q0c; a key past T keeps none.
 struct SeenBy {
   int from[2], to;
   __device__ __forceinline__ SeenBy(int key, int q0c, int T, bool causal) : to(T - q0c) {

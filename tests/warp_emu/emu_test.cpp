@@ -242,8 +242,8 @@ void run_ws(int B, int H, int T, int d, bool causal, bool bthd, DType dt, double
 
 // The flash kernels' masks (flash_attention.cuh) against visible(), the rule they stand for, over every score of a
 // lane's tile: mask_scores (the forward: -inf where a key is past T or, causal, after the query; rows past T as they
-// are), probs_rows' bound (the backward, queries on the rows: rows past T see nothing) and SeenBy (keys on the rows,
-// queries on the columns). Tiles start below, at and past T, on and off the diagonal.
+// are), probs_rows' SeenBelow (the backward, queries on the rows: rows past T see nothing) and SeenBy (keys on the
+// rows, queries on the columns). Tiles start below, at and past T, on and off the diagonal.
 void check_masks() {
   using namespace cuda::flash;
   constexpr int NT = 4;
@@ -257,15 +257,14 @@ void check_masks() {
               float s[NT][4];
               for (auto& x : s) std::fill(x, x + 4, 1.f);
               mask_scores(s, k0, row0, g, c, T, causal);
-              const int below[2] = {seen_below(row0 + g, k0 + 2 * c, T, causal, true),
-                                    seen_below(row0 + g + 8, k0 + 2 * c, T, causal, true)};
+              const SeenBelow below(row0 + g, k0 + 2 * c, T, causal, true);  // probs_rows'
               const SeenBy seen(row0 + g, k0 + 2 * c, T, causal);  // rows are keys, columns queries
               for (int t = 0; t < NT; t++)
                 for (int e = 0; e < 4; e++) {
                   const int row = row0 + g + (e >> 1) * 8, col = k0 + t * 8 + 2 * c + (e & 1);
                   const bool fwd_hidden = col >= T || (causal && col > row);
                   wrong += (s[t][e] == -INFINITY) != fwd_hidden;
-                  wrong += (column_offset(t, e) >= below[e >> 1]) != !visible(row, col, T, causal);
+                  wrong += below.hides(t, e) != !visible(row, col, T, causal);
                   wrong += seen.hides(t, e) != !visible(col, row, T, causal);
                   checked += 3;
                 }
