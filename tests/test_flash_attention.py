@@ -269,7 +269,12 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
       the wait for P V (where it was, 32 multiplies between that wait and the next step's issue at d 64);
     - in the two-consumer warp-specialised kernels (two sets of P fragments), P_j's packing, one conversion per two
       scores (BC / 4), comes before the wait for P V too.
-    wgmma::settle holds the first two in place; without it each count is 0 (and without the second set, the third)."""
+    wgmma::settle holds the first two in place; without it each count is 0 (and without the second set, the third).
+    - from S_j's first wgmma to the wait for it (S_j's and P_{j-1} V_{j-1}'s issue, O's rescale), no R2UR: the
+      products' descriptors are worked out on the uniform datapath (wgmma::warp_uniform; from threadIdx, 16 to 44 a
+      step, each descriptor a chain of vector integer ops and a move to a uniform register);
+    - in the warp-specialised kernels, the warp's release of V_{j-1} after the wait for P V is a predicated arrive
+      with no branch before it (wgmma::mbar_arrive_if; `if (leader)` around the arrive was a divergent branch)."""
     kernels = compile_sass(CSRC / "cuda" / source, tmp_path / "k.cubin", "arch=compute_90a,code=sm_90a")
     forwards = {n: v for n, v in kernels.items() if "forward" in n}
     assert len(forwards) == (6 if "ws" in source else 10), sorted(forwards)  # (E, D, warpgroups, BC) instances
@@ -294,6 +299,15 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
             muls = sum(ins.startswith("FMUL") for ins in code[qk + 1:pv])
             assert muls >= d // 2, f"{name}: {muls} multiplies (O's rescale) between S's and P V's issue, " \
                                    f"want >= {d // 2}"
+            qk0 = max(k for k in range(i) if _hgmma(code[k], False) and code[k].endswith("RZ, !UPT"))  # S_j's first
+            r2ur = sum(ins.startswith("R2UR") for ins in code[qk0:i])
+            assert r2ur == 0, f"{name}: {r2ur} R2UR from S's first wgmma to the wait for it (descriptors per thread)"
+            if "ws" in source:
+                pv_done = i + 1 + end
+                arrive = next(k for k in range(pv_done, len(code)) if "SYNCS.ARRIVE" in code[k])
+                assert code[arrive].startswith("@"), f"{name}: the release of V after P V is not predicated"
+                assert not any("BRA" in ins for ins in code[pv_done:arrive]), \
+                    f"{name}: a branch between the wait for P V and the release of V"
 
 
 # ---- GPU

@@ -56,7 +56,8 @@ constexpr int dq_sm90_smem() {  // Q and dO, K and V twice each, alignment
 template <typename E, int D, int KB, int BR>
 __device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t aKt, int bh, int j, int n_kb, int i,
                                         int n_q, int q0, int64_t in_off, int tid) {
-  const int wg = tid / 128, warp = tid / 32 % 4, g = tid % 32 / 4, c = tid % 4;
+  const int wg = wgmma::warp_uniform(tid / 128), warp = wgmma::warp_uniform(tid / 32 % 4);
+  const int g = tid % 32 / 4, c = tid % 4;
   const int turn = sm90::turn_of<KB, BR>(p.causal, i, j, n_kb);  // parts added before this one
   float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;           // (BR, D): the step's rows, past T too
   int* counter = p.dq_turn + (int64_t)bh * n_q + i;
@@ -107,7 +108,8 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
   float* sL = reinterpret_cast<float*>(kDq ? sKt + kKBytes : sS);  // (BR) lse in log2 units
   float* sDl = sL + BR;                                            // (BR) delta
 
-  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int tid = threadIdx.x, wg = wgmma::warp_uniform(tid / 128), warp = wgmma::warp_uniform(tid / 32 % 4);
+  const int lane = tid % 32, g = lane / 4, c = lane % 4;
   // Fused: one grid row, each (b, h)'s key blocks counted down (the turn order needs the higher ones started first).
   const int n_kb = (p.T + KB - 1) / KB;
   const int bh = kDq ? blockIdx.x / n_kb : blockIdx.x, j = kDq ? n_kb - 1 - blockIdx.x % n_kb : blockIdx.y;
@@ -167,7 +169,8 @@ __global__ void __launch_bounds__(kNT, 1) dq_sm90_kernel(Params p) {
   unsigned char* sK = sdO + kQBytes;            // 2 x (BC, D)
   unsigned char* sV = sK + 2 * kKBytes;         // 2 x (BC, D)
 
-  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int tid = threadIdx.x, wg = wgmma::warp_uniform(tid / 128), warp = wgmma::warp_uniform(tid / 32 % 4);
+  const int lane = tid % 32, g = lane / 4, c = lane % 4;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * QB, bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
   const int64_t in_off = b * p.is.sb + h * p.is.sh, out_off = b * p.os.sb + h * p.os.sh;
   const E* K = static_cast<const E*>(p.k) + in_off;

@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
   const Bars<BR> bars{wgmma::shared_addr(sm + L::kBars)};
   int* slots = reinterpret_cast<int*>(sm + L::kTiles);
 
-  const int tid = threadIdx.x, wg = tid / 128;
+  const int tid = threadIdx.x, wg = wgmma::warp_uniform(tid / 128);
   const int n_kb = (p.T + KB - 1) / KB, n_q = (p.T + BR - 1) / BR;
 
   if (tid == 0) {
@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
   }
   wgmma::regs_inc<Step<BR>::kConsumerRegs>();
   const int ci = wg - 1, ct = tid - 128;  // this consumer's 64 keys; the consumers' thread index
-  const int warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int warp = wgmma::warp_uniform(tid / 32 % 4), lane = tid % 32, g = lane / 4, c = lane % 4;
   const uint32_t aK = wgmma::shared_addr(sm + L::kK), aV = wgmma::shared_addr(sm + L::kV);
   const uint32_t aKt = wgmma::shared_addr(sm + L::kKt);
 

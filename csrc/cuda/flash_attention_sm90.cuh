@@ -231,7 +231,7 @@ template <typename E, int KB, int BR, int D, bool kDq>
 __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t aK, uint32_t aV,
                                            uint32_t qb, uint32_t ob, const float* sL, const float* sDl,
                                            unsigned char* sS, const Params& p, int wg, int k0, int q0, int tid) {
-  const int warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int warp = wgmma::warp_uniform(tid / 32 % 4), lane = tid % 32, g = lane / 4, c = lane % 4;
   const int wk0 = k0 + wg * 64, kw0 = wk0 + warp * 16;  // the warpgroup's and the warp's first key
   if (p.causal && q0 + BR - 1 < wk0) {  // warpgroup-uniform: no query of the step sees a key of the warpgroup
     if constexpr (kDq) {

@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(128 * WG, D == 64 && BC == 64 ? 2 : 1) forward
   unsigned char* sK = sQ + kQBytes;             // 2 x (BC, D)
   unsigned char* sV = sK + 2 * kKVBytes;        // 2 x (BC, D)
 
-  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int tid = threadIdx.x, wg = wgmma::warp_uniform(tid / 128), warp = wgmma::warp_uniform(tid / 32 % 4);
+  const int lane = tid % 32, g = lane / 4, c = lane % 4;
   const int qblock = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int q0 = qblock * BR, T = p.T;
   const int64_t in_off = b * p.is.sb + h * p.is.sh;

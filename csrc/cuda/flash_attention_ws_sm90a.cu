@@ -186,7 +186,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   unsigned char* sV = sK + S * kKVBytes;           // S x (BC, D)
   const Bars bars{wgmma::shared_addr(sV + S * kKVBytes)};
 
-  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
+  // wg and warp as warp-uniform values (wgmma::warp_uniform): what follows from them runs on the uniform datapath.
+  const int tid = threadIdx.x, wg = wgmma::warp_uniform(tid / 128), warp = wgmma::warp_uniform(tid / 32 % 4);
+  const int lane = tid % 32, g = lane / 4, c = lane % 4;
   const int T = p.T;
 
   if (tid == 0) {
@@ -267,10 +269,10 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         if (hand_on) wgmma::bar_arrive(next_turn, 256);
       };
       const auto k_read = [&] {  // this warp is done with K_j's buffer
-        if (leader) wgmma::mbar_arrive(bars.k_empty(sk));
+        wgmma::mbar_arrive_if(bars.k_empty(sk), leader);
       };
       const auto v_read = [&] {
-        if (leader) wgmma::mbar_arrive(bars.v_empty(sv));
+        wgmma::mbar_arrive_if(bars.v_empty(sv), leader);
       };
       if (j == 0) {  // S_0 alone (block 0 is visible to every warpgroup)
         sm90::first_block<E, BR, BC, D>(s, alpha, pa, aQ, kb, ci, softmax, issued, k_read);

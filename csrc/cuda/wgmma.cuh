@@ -28,6 +28,15 @@ __host__ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, u
          (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
 }
 
+// x, which every lane of the warp holds alike (a warpgroup's or a warp's index), as a value ptxas knows to be so: lane
+// 0's, broadcast (CUTLASS's canonical_warp_group_idx does the same). What is worked out from it then lives in
+// uniform registers and runs on the uniform datapath, once a warp: a warpgroup's rows and buffers, wgmma descriptors,
+// mbarrier addresses, branches. Worked out from threadIdx itself, ptxas keeps them per thread: in the seventh GPU
+// run's ncu report the Hopper forward issued 1.45x the vector ALU instructions of cuDNN's and left the uniform
+// datapath idle (0.1% against cuDNN's 1.7%), each wgmma's descriptor a chain of integer ops and an R2UR. All 32 lanes
+// must call it together.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // ---- PTX (the emulator's begins here)
 
 // (wgmma is an sm_90a instruction: the file that uses it is compiled for sm_90a only, see CMakeLists.txt; any other
@@ -200,6 +209,14 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   FASTGPT_SM90A_ASM("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// mbar_arrive where `arrive` (one lane of a warp, say): a predicated arrive, where `if (arrive) mbar_arrive(bar)`
+// was a divergent branch around it (the seventh GPU run's ncu: the forward's warps took 48x cuDNN's divergent branch
+// targets, its per-warp arrivals on the empty barriers at each step among them).
+__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool arrive) {
+  FASTGPT_SM90A_ASM("{\n.reg .pred p;\n.reg .b64 state;\nsetp.ne.b32 p, %1, 0;\n"
+                    "@p mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar), "r"((uint32_t)arrive)
+                    : "memory");
 }
 // `count` arrivals at once, by one thread (sm_90): its release covers only its own accesses, as any arrive's.
 __device__ __forceinline__ void mbar_arrive(uint32_t bar, uint32_t count) {

@@ -45,6 +45,9 @@ __device__ __forceinline__ void add_count(int* counter) { emu::add_count(counter
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) { emu::mbar_init(bar, count); }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) { emu::mbar_arrive(bar); }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar, uint32_t count) { emu::mbar_arrive(bar, 0, (int)count); }
+__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool arrive) {
+  if (arrive) emu::mbar_arrive(bar);
+}
 template <bool kLimit = true>  // the emulator's waits all have its own limit
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) { emu::mbar_wait(bar, parity); }
 __device__ __forceinline__ void bar_sync(int id, int count) { emu::bar_sync(id, count); }
