@@ -2,6 +2,8 @@
 round to nearest even exactly as torch's .to() for every float16 / bfloat16 case class (normals, subnormals,
 ties, overflow, inf, NaN); widening exact for all 65536 bit patterns; and the stochastic rounding that writes bf16
 weights: deterministic for a seed, different across seeds and steps, only ever the two neighbours, unbiased."""
+import shutil
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from fastgpt import ops
 from devices import needs_cuda
+from ptx import CSRC, compile_sass, nvdisasm
 
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +33,34 @@ def test_round_to_nearest_matches_torch(rng, dtype):
     assert np.array_equal(ours.view(np.int16), ref)
     nan = ops.cast(np.array([np.nan], np.float32), dtype).astype(np.float32)
     assert np.isnan(nan).all()
+
+
+def nan_floats():
+    """NaNs of both signs, quiet and signalling, with and without payload bits (a bit pattern each)."""
+    bits = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FA5A5A5, 0xFFC0FFEE]
+    return np.array(bits, np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_nan_narrows_to_the_canonical_nan(dtype):
+    # 0x7FFF, sign and payload dropped: what the GPU's cvt.rn makes of every NaN (dtype.h narrows with it on sm_80
+    # and newer), and CUDA's own host conversions; the CPU and the GPU then agree on every bit pattern.
+    assert np.array_equal(ops.cast(nan_floats(), dtype).view(np.uint16), np.full(8, 0x7FFF, np.uint16))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
+                    reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_gpu_narrowing_is_the_hardware_conversion(tmp_path, arch):
+    """dtype.h's from_float in GPU code for sm_80 and newer, in cuda/cast.cu's narrow_kernel as in every kernel that
+    stores 16-bit values: the pair conversion F2FP (cvt.rn.bf16x2 / f16x2 with 0 in the upper half), not the
+    integer round to nearest even (its + 0x7FFF, seven to ten instructions a value: 52 in the bf16 kernel before)."""
+    kernels = compile_sass(CSRC / "cuda" / "cast.cu", tmp_path / "cast.cubin", f"arch=compute_{arch},code=sm_{arch}")
+    narrow = {n: v for n, v in kernels.items() if "narrow_kernel" in n}
+    assert len(narrow) == 2, sorted(narrow)  # bf16 and f16
+    for name, code in narrow.items():
+        assert any(ins.startswith("F2FP.") for ins in code), f"{name}: no F2FP"
+        assert not any("0x7fff" in ins.lower() for ins in code), f"{name}: the integer rounding"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -85,7 +116,7 @@ def test_bad_casts():
 
 @needs_cuda
 def test_cuda_casts_match_cpu(rng):
-    x = special_floats(rng)
+    x = np.concatenate([special_floats(rng), nan_floats()])
     for dtype in ("bfloat16", "float16"):
         gpu = ops.cast(torch.from_numpy(x).cuda(), dtype).cpu().view(torch.int16).numpy()
         assert np.array_equal(gpu, ops.cast(x, dtype).view(np.int16))
