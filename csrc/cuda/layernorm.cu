@@ -49,7 +49,11 @@ constexpr int kParts = kRowsPerChunk / kRowsPerPart;  // the one-pass kernel's w
 constexpr int kWarpsPerBlock = 8;
 constexpr int kColThreads = 128;
 constexpr int kCombineLanes = 16;  // chunk lanes of the combine: must stay equal to the CPU's
-constexpr int kCombineCols = 32;   // columns a combine block: a warp reads 128 contiguous bytes of a chunk's partial
+// Columns a combine block: 8, so that GPT-2's 768 make 96 blocks (a warp reads one 32-byte sector of 4 chunks'
+// partials). With 32 (a warp's 128 contiguous bytes of one chunk) there were 24 blocks for 132 SMs, each thread
+// walking its 64 chunks a few loads at a time: 24 us a call, 25 calls a step, on the H200 (seventh run) for a
+// 9.4 MB read.
+constexpr int kCombineCols = 8;
 constexpr int kMaxCols = kLayerNormMaxPackedCols;  // the one-pass backward's widest row (64 sums per lane)
 
 // Read by every layernorm_forward, residual_layernorm_forward and layernorm_backward (set_layernorm_one_pass).
@@ -373,11 +377,31 @@ __global__ void __launch_bounds__(kCombineCols * kCombineLanes)
   const int c = blockIdx.x * kCombineCols + tx;
   const int64_t stride = (int64_t)sums_of(dinp_sum != nullptr) * C;
   double w = 0.0, b = 0.0, r = 0.0;
+  // kAhead of the lane's chunks at a time, all loaded before the first is added: left to itself ptxas kept about ten
+  // loads on their way, so a lane's 64 chunks (GPT-2 at B 64) were some twenty waits on the L2 in a row. Past the
+  // last chunk a lane adds +0.0, which changes no sum here (a sum from +0.0 is never -0.0): the same bits as adding
+  // only the chunks there are, in the same order.
+  constexpr int kAhead = 16;
   if (c < C)
-    for (int64_t ch = ty; ch < nchunks; ch += kCombineLanes) {
-      w += partial[ch * stride + c];
-      b += partial[ch * stride + C + c];
-      if (dinp_sum) r += partial[ch * stride + 2 * C + c];
+    for (int64_t ch0 = ty; ch0 < nchunks; ch0 += kAhead * kCombineLanes) {
+      float pw[kAhead], pb[kAhead], pr[kAhead];
+#pragma unroll
+      for (int u = 0; u < kAhead; u++) {
+        const int64_t ch = ch0 + u * kCombineLanes;
+        const bool in = ch < nchunks;
+        const float* row = partial + (in ? ch : ch0) * stride;  // a chunk there is, so that every load may go
+        const float vw = row[c], vb = row[C + c], vr = dinp_sum ? row[2 * C + c] : 0.f;
+        pw[u] = in ? vw : 0.f;
+        pb[u] = in ? vb : 0.f;
+        pr[u] = in ? vr : 0.f;
+      }
+      compiler_fence();  // every load above before any add below (the compiler interleaved them)
+#pragma unroll
+      for (int u = 0; u < kAhead; u++) {
+        w += pw[u];
+        b += pb[u];
+        r += pr[u];
+      }
     }
   lanes[ty * kCombineCols + tx] = w;
   lanes[(kCombineLanes + ty) * kCombineCols + tx] = b;
