@@ -272,9 +272,11 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
     wgmma::settle holds the first two in place; without it each count is 0 (and without the second set, the third).
     - from S_j's first wgmma to the wait for it (S_j's and P_{j-1} V_{j-1}'s issue, O's rescale), no R2UR: the
       products' descriptors are worked out on the uniform datapath (wgmma::warp_uniform; from threadIdx, 16 to 44 a
-      step, each descriptor a chain of vector integer ops and a move to a uniform register);
-    - in the warp-specialised kernels, the warp's release of V_{j-1} after the wait for P V is a predicated arrive
-      with no branch before it (wgmma::mbar_arrive_if; `if (leader)` around the arrive was a divergent branch)."""
+      step, each descriptor a chain of vector integer ops and a move to a uniform register). S_j's first descriptor,
+      made before its wgmma, is outside the range;
+    - in the warp-specialised kernels, the warp's release of V_{j-1} after the wait for P V (an arrive at offset
+      0x48 of its stage's barriers: Bars::v_empty) is a predicated arrive with no branch before it
+      (wgmma::mbar_arrive_if; `if (leader)` around the arrive was a divergent branch in the two-consumer kernels)."""
     kernels = compile_sass(CSRC / "cuda" / source, tmp_path / "k.cubin", "arch=compute_90a,code=sm_90a")
     forwards = {n: v for n, v in kernels.items() if "forward" in n}
     assert len(forwards) == (6 if "ws" in source else 10), sorted(forwards)  # (E, D, warpgroups, BC) instances
@@ -299,12 +301,14 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
             muls = sum(ins.startswith("FMUL") for ins in code[qk + 1:pv])
             assert muls >= d // 2, f"{name}: {muls} multiplies (O's rescale) between S's and P V's issue, " \
                                    f"want >= {d // 2}"
-            qk0 = max(k for k in range(i) if _hgmma(code[k], False) and code[k].endswith("RZ, !UPT"))  # S_j's first
+            qk0 = max((k for k in range(i) if _hgmma(code[k], False) and code[k].endswith("RZ, !UPT")), default=None)
+            assert qk0 is not None, f"{name}: no first wgmma of S (accumulator off) before the wait for it"
             r2ur = sum(ins.startswith("R2UR") for ins in code[qk0:i])
             assert r2ur == 0, f"{name}: {r2ur} R2UR from S's first wgmma to the wait for it (descriptors per thread)"
             if "ws" in source:
                 pv_done = i + 1 + end
-                arrive = next(k for k in range(pv_done, len(code)) if "SYNCS.ARRIVE" in code[k])
+                arrive = next((k for k in range(pv_done, len(code)) if "SYNCS.ARRIVE" in code[k]), None)
+                assert arrive is not None and "+0x48]" in code[arrive], f"{name}: no release of V after P V"
                 assert code[arrive].startswith("@"), f"{name}: the release of V after P V is not predicated"
                 assert not any("BRA" in ins for ins in code[pv_done:arrive]), \
                     f"{name}: a branch between the wait for P V and the release of V"

@@ -52,11 +52,10 @@ constexpr int dq_sm90_smem() {  // Q and dO, K and V twice each, alignment
 
 // The fused backward's dQ for query step i (rows q0 ..): this CTA's part dS_i K_j (dS^T of its KB keys in the tile at
 // aS, K^T (D, KB) at aKt), warpgroup wg's D / 2 columns 32 at a time, added in turn (sm90::turn_of) into the fp32
-// buffer (key block 0 last, which writes dq instead).
+// buffer (key block 0 last, which writes dq instead). wg and warp: the kernel's warp-uniform indices.
 template <typename E, int D, int KB, int BR>
 __device__ __forceinline__ void dq_part(const Params& p, uint32_t aS, uint32_t aKt, int bh, int j, int n_kb, int i,
-                                        int n_q, int q0, int64_t in_off, int tid) {
-  const int wg = wgmma::warp_uniform(tid / 128), warp = wgmma::warp_uniform(tid / 32 % 4);
+                                        int n_q, int q0, int64_t in_off, int wg, int warp, int tid) {
   const int g = tid % 32 / 4, c = tid % 4;
   const int turn = sm90::turn_of<KB, BR>(p.causal, i, j, n_kb);  // parts added before this one
   float* acc = p.dq_accum + ((int64_t)bh * n_q + i) * BR * D;           // (BR, D): the step's rows, past T too
@@ -146,11 +145,12 @@ __global__ void __launch_bounds__(kNT, 1) dkdv_sm90_kernel(Params p) {
     if constexpr (kDq)
       if (i == i_first) sm90::transpose<KB, D, kNT>(sKt, sK, tid);  // K has landed; read after the next barrier
     sm90::dkdv_block<E, KB, BR, D, kDq>(dk, dv, aK, aV, aQ + buf * kQBytes, adO + buf * kQBytes, sL, sDl, sS, p, wg,
-                                        k0, q0, tid);
+                                        warp, k0, q0, tid);
     if constexpr (kDq) {
       wgmma::fence_proxy_async();
       __syncthreads();  // both warpgroups' dS^T are in the tile
-      dq_part<E, D, KB, BR>(p, wgmma::shared_addr(sS), wgmma::shared_addr(sKt), bh, j, n_kb, i, n_q, q0, in_off, tid);
+      dq_part<E, D, KB, BR>(p, wgmma::shared_addr(sS), wgmma::shared_addr(sKt), bh, j, n_kb, i, n_q, q0, in_off, wg,
+                            warp, tid);
     }
     __syncthreads();  // buffers and sL/sDl are free before the next step refills them
   }

@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
       wgmma::mbar_wait<false>(bars.q_full(s), (u / kStages) & 1);
       sm90::dkdv_block<E, KB, BR, D, true>(dk, dv, aK, aV, wgmma::shared_addr(sm + L::kQ + s * L::kQBytes),
                                            wgmma::shared_addr(sm + L::kdO + s * L::kQBytes), ld, ld + BR, sS, p,
-                                           ci, k0, q0, ct);
+                                           ci, warp, k0, q0, ct);
       wgmma::mbar_arrive(bars.q_empty(s));  // its wgmma have retired, its lse and delta loads are done
       wgmma::fence_proxy_async();           // its dS^T (and K^T) stores, for wgmma
       // Both consumers' dS^T are in sS. The other dS^T tile is free: the other consumer passed this barrier after

@@ -226,12 +226,14 @@ __device__ __forceinline__ void dv_product(float (&dv)[D / 8][4], const uint32_t
 // would not fit the warp-specialised kernel's 232. kDq: dS^T also goes into the (KB, BR) tile at sS for the fused
 // backward's dQ (zeros from a warpgroup none of whose keys a query of the step sees; it multiplies nothing). Every
 // wgmma has retired on return: the Q and dO tiles, sL and sDl may be refilled once the warpgroup's threads are past
-// it.
+// it. wg and warp: the caller's warp-uniform indices (wgmma::warp_uniform, once a kernel: a broadcast here would be
+// a shuffle every step).
 template <typename E, int KB, int BR, int D, bool kDq>
 __device__ __forceinline__ void dkdv_block(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t aK, uint32_t aV,
                                            uint32_t qb, uint32_t ob, const float* sL, const float* sDl,
-                                           unsigned char* sS, const Params& p, int wg, int k0, int q0, int tid) {
-  const int warp = wgmma::warp_uniform(tid / 32 % 4), lane = tid % 32, g = lane / 4, c = lane % 4;
+                                           unsigned char* sS, const Params& p, int wg, int warp, int k0, int q0,
+                                           int tid) {
+  const int lane = tid % 32, g = lane / 4, c = lane % 4;
   const int wk0 = k0 + wg * 64, kw0 = wk0 + warp * 16;  // the warpgroup's and the warp's first key
   if (p.causal && q0 + BR - 1 < wk0) {  // warpgroup-uniform: no query of the step sees a key of the warpgroup
     if constexpr (kDq) {

@@ -212,7 +212,8 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 }
 // mbar_arrive where `arrive` (one lane of a warp, say): a predicated arrive, where `if (arrive) mbar_arrive(bar)`
 // was a divergent branch around it (the seventh GPU run's ncu: the forward's warps took 48x cuDNN's divergent branch
-// targets, its per-warp arrivals on the empty barriers at each step among them).
+// targets, its per-warp arrivals on the empty barriers at each step among them). ptxas may still branch around it
+// where the arrive ends a path (the forward's last P V of a tile).
 __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool arrive) {
   FASTGPT_SM90A_ASM("{\n.reg .pred p;\n.reg .b64 state;\nsetp.ne.b32 p, %1, 0;\n"
                     "@p mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar), "r"((uint32_t)arrive)
