@@ -1,7 +1,9 @@
 """The conversions between float32 and the 16-bit storage types (csrc/cpu/dtype.h, cast.cpp; cuda/cast.cu):
 round to nearest even exactly as torch's .to() for every float16 / bfloat16 case class (normals, subnormals,
-ties, overflow, inf, NaN); widening exact for all 65536 bit patterns; and the stochastic rounding that writes bf16
-weights: deterministic for a seed, different across seeds and steps, only ever the two neighbours, unbiased."""
+ties, overflow, inf; NaN narrows to the canonical 0x7FFF, where torch keeps sign or payload bits); the GPU's
+hardware conversion bit for bit as the CPU's; widening exact for all 65536 bit patterns; and the stochastic rounding
+that writes bf16 weights: deterministic for a seed, different across seeds and steps, only ever the two neighbours,
+unbiased."""
 import shutil
 
 import ml_dtypes
@@ -21,7 +23,21 @@ def special_floats(rng):
     x = rng.standard_normal(20000) * np.exp2(rng.integers(-30, 20, 20000))
     edges = [0.0, -0.0, np.inf, -np.inf, 65504.0, 65519.0, 65520.0, 65536.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26,
              2.0**-14, 2.0**-15 * 1.5, 3.4e38, 1.0 + 2.0**-8, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-9, 1e-40]
-    return np.concatenate([x, edges, -np.array(edges)]).astype(np.float32)
+    # Bit patterns at the edges of the integer rounding: bf16 ties among subnormals, the subnormal-to-normal carry,
+    # the largest tie (rounds to inf) and the value below it, even and odd ties; fp16's last subnormal tie, the
+    # largest value that stays finite, the smallest that rounds up to a subnormal.
+    bits = np.array([0x00008000, 0x00018000, 0x007F8000, 0x7F7F8000, 0x7F7F7FFF, 0x3F808000, 0x3F818000,
+                     0x387FF000, 0x477FEFFF, 0x33000001], np.uint32).view(np.float32)
+    return np.concatenate([x, edges, -np.array(edges), bits, -bits]).astype(np.float32)
+
+
+def tie_floats():
+    """Every bf16 tie and its neighbours (low halves 0x7FFF, 0x8000, 0x8001 under every upper half), NaNs included,
+    and a stride through all 2^32 patterns: 1.2M floats, for the GPU's hardware conversion against the CPU's."""
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    ties = (hi[:, None] | np.array([0x7FFF, 0x8000, 0x8001], np.uint32)).ravel()
+    stride = np.arange(0, 1 << 32, 4099, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([ties, stride]).view(np.float32)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -116,7 +132,7 @@ def test_bad_casts():
 
 @needs_cuda
 def test_cuda_casts_match_cpu(rng):
-    x = np.concatenate([special_floats(rng), nan_floats()])
+    x = np.concatenate([special_floats(rng), nan_floats(), tie_floats()])
     for dtype in ("bfloat16", "float16"):
         gpu = ops.cast(torch.from_numpy(x).cuda(), dtype).cpu().view(torch.int16).numpy()
         assert np.array_equal(gpu, ops.cast(x, dtype).view(np.int16))

@@ -1,14 +1,14 @@
 // The storage types of mixed precision: bf16 and fp16 as 16-bit bit patterns, their conversions to and from float
-// (round to nearest even, as torch's .to() and CUDA's __float2bfloat16_rn / __float2half_rn), the stochastic
-// rounding that writes bf16 weights from fp32 masters, and DType dispatch. Kernels load a storage element,
-// compute in float and store the rounded result, so a kernel template over S in {float, bf16, f16} is one kernel
-// for every precision. Written with integer bit operations only: the same bits on every compiler, vectorisable,
-// and usable from CUDA code (the SR hash must give the GPU and the CPU the same weights). The one exception: GPU
-// code for sm_80 and newer narrows with the hardware's conversion (cvt.rn), one instruction a value where the bit
-// operations took seven to ten (the bf16 LayerNorm backward's row loop at GPT-2's width: 1,010 SASS instructions a
-// row before, 824 after; the kernels that store 16-bit values run more instructions than their bytes need). The
-// same bits for every value; a NaN becomes the canonical NaN 0x7FFF on both sides, as cvt makes it (and as CUDA's
-// own host conversions do).
+// (round to nearest even, as torch's .to() but for NaN, and as CUDA's __float2bfloat16_rn / __float2half_rn: bit
+// for bit over all 2^32 inputs), the stochastic rounding that writes bf16 weights from fp32 masters, and DType
+// dispatch. Kernels load a storage element, compute in float and store the rounded result, so a kernel template over
+// S in {float, bf16, f16} is one kernel for every precision. Written with integer bit operations only: the same bits
+// on every compiler, vectorisable, and usable from CUDA code (the SR hash must give the GPU and the CPU the same
+// weights). The one exception: GPU code for sm_80 and newer narrows with the hardware's conversion (cvt.rn), one
+// instruction a value where the bit operations took seven to ten (the bf16 LayerNorm backward's row loop at GPT-2's
+// width: 1,010 SASS instructions a row before, 824 after; the kernels that store 16-bit values ran more instructions
+// than their bytes need). The same bits for every value; a NaN becomes the canonical NaN 0x7FFF on both sides, as
+// cvt makes it (and CUDA's own host conversions; torch keeps sign or payload bits).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -70,9 +70,9 @@ FASTGPT_HD float from_float<float>(float x) {
 template <>
 FASTGPT_HD bf16 from_float<bf16>(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  // The pair form, 0 in the upper half: ptxas makes it F2FP, as the flash kernels' packing of P (off the XU pipe by
-  // the seventh run's ncu counts); the single form becomes F2F, a type conversion (the CUDA guide rates those at 16
-  // a clock an SM).
+  // The pair form, 0 in the upper half: always F2FP, as the flash kernels' packing of P (off the XU pipe by the
+  // seventh run's ncu counts). ptxas made the single form F2F.BF16.F32 in the LayerNorm backward, a type conversion
+  // (the CUDA guide rates those at 16 a clock an SM), though F2FP in a kernel of one conversion.
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.f), "f"(x));
   return bf16{(uint16_t)r};
