@@ -172,7 +172,7 @@ __device__ __forceinline__ int take_tile(const Params& p, Bars<BR> bars, int* sl
       wgmma::st_shared_b32(slots + 4 * s, (uint32_t)t);
       wgmma::mbar_arrive(bars.tile_full(s));
     }
-    return __shfl_sync(0xffffffffu, t, 0);
+    return wgmma::warp_uniform(t);  // lane 0's tile
   }
 }
 template <bool kPersistent, bool kLimit, int BR>

@@ -186,7 +186,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
   unsigned char* sV = sK + S * kKVBytes;           // S x (BC, D)
   const Bars bars{wgmma::shared_addr(sV + S * kKVBytes)};
 
-  // wg and warp as warp-uniform values (wgmma::warp_uniform): what follows from them runs on the uniform datapath.
   const int tid = threadIdx.x, wg = wgmma::warp_uniform(tid / 128), warp = wgmma::warp_uniform(tid / 32 % 4);
   const int lane = tid % 32, g = lane / 4, c = lane % 4;
   const int T = p.T;
