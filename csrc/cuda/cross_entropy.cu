@@ -9,7 +9,11 @@
 // past the last whole pack a unit each: thread i takes units i, i + blockDim.x, ... in both passes, kBatch of them
 // loaded before the first is used (one wait on memory a batch, not a unit). Where V is a whole number of packs and
 // the rows are 16-byte aligned the units move as 128-bit loads and stores; otherwise as single elements, in the same
-// order (PackIO), so every result depends on V alone, never on alignment or on where pass two reads. forward and
+// order (PackIO), so every result depends on V alone, never on alignment or on where pass two reads. The kept row's
+// 16-byte units go to shared memory by cp.async (sm_80+), every unit of the thread asked for before the first is
+// used (row_lse_async): the whole row is on its way at once, where loads through registers had a thread's kBatch
+// units in flight, about 32 KB an SM while a block read (the step's kernel moved 2.6 TB/s on an H200, a copy 4.1).
+// forward and
 // forward_backward share pass one, so their losses are the same bits, and backward from forward's lse gives
 // forward_backward's gradient bits.
 // Every exponential is fast_exp (one multiply and ex2.approx): with expf's eight instructions an element, the
@@ -23,6 +27,7 @@
 #include <cmath>
 
 #include "cuda/check.h"
+#include "cuda/cp_async.cuh"
 #include "cuda/fast_exp.cuh"
 #include "cuda/ops.h"
 #include "cuda/smem.cuh"
@@ -33,6 +38,11 @@ namespace fastgpt::cuda {
 namespace {
 constexpr int kThreads = 512;  // a multiple of 32 (the block reduction assumes full warps), at least a pack
 constexpr int kBatch = 4;      // units a thread loads before it uses the first
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr bool kCpAsync = false;  // sm_75 has no cp.async: the kept row goes through registers there
+#else
+constexpr bool kCpAsync = true;
+#endif
 
 // (max, sum of exp(x - max)) over a part of a row; an empty part, or one of -inf logits only, is (-inf, 0).
 struct MaxSum {
@@ -91,6 +101,41 @@ __device__ __forceinline__ void widen(float (&v)[Pack<S>::N], const Pack<S>& p) 
   for (int k = 0; k < Pack<S>::N; k++) v[k] = to_float(p.v[k]);
 }
 
+// Pass one of a kept row in 16-byte units (x and keep 16-byte aligned, V whole units): the thread's units u = tid,
+// tid + threads, ... copied to keep by cp.async, kBatch to a group, kGroups groups ahead of the one it adds (so a
+// row of up to kGroups * kBatch units a thread is asked for whole before the first add), then added from keep in
+// the order of the register path (unit by unit, k ascending): the same bits. Every unit the thread copies it waits
+// for (groups past its last unit are empty), so pass two reads only landed values, its own.
+template <typename S>
+__device__ __forceinline__ void row_lse_async(MaxSum& a, const S* x, S* keep, int units) {
+  constexpr int N = Pack<S>::N;
+  constexpr int kGroups = 4;  // in flight: 16 units a thread, rows up to 131 KB whole at 512 threads
+  const int tid = threadIdx.x, threads = blockDim.x;
+  const int mine = tid < units ? (units - 1 - tid) / threads + 1 : 0;  // units tid + k threads, k < mine
+  const auto issue = [&](int g) {
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int k = g * kBatch + b, u = tid + k * threads;
+      if (k < mine) cp_async16(keep + u * N, x + u * N, true);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int g = 0; g < kGroups; g++) issue(g);
+  for (int g = 0; g * kBatch < mine; g++) {
+    cp_async_wait<kGroups - 1>();  // group g has landed: only the kGroups - 1 after it may be on their way
+#pragma unroll
+    for (int b = 0; b < kBatch; b++) {
+      const int k = g * kBatch + b, u = tid + k * threads;
+      if (k >= mine) break;
+      float v[N];
+      widen(v, load_pack(keep + u * N));
+      add(a, v);
+    }
+    issue(g + kGroups);
+  }
+}
+
 // Pass one: the row's lse (every thread gets it). keep (shared memory, 16-byte aligned; kKeep only): where the
 // row's values go as they are loaded, each thread's own units, for its pass two. A template flag, not a null test:
 // ptxas tested the generic pointer in every trip of the loop (the shared window's base read and compared: eight
@@ -100,6 +145,13 @@ __device__ float row_lse(const S* x, int V, PackIO<S> io, S* keep) {
   constexpr int N = Pack<S>::N;
   const int units = V / N, tid = threadIdx.x, threads = blockDim.x;
   MaxSum a{-INFINITY, 0.f};
+  if constexpr (kKeep && kCpAsync) {
+    if (io.vec) {  // whole units, no tail
+      row_lse_async(a, x, keep, units);
+      a = block_reduce(a);
+      return a.m + logf(a.s);
+    }
+  }
   auto use = [&](int u, const Pack<S>& p) {
     float v[N];
     widen(v, p);
@@ -213,7 +265,7 @@ __global__ void cross_entropy_forward_backward_kernel(float* __restrict__ losses
 }
 
 // Both passes, the row read once: pass two reads the copy pass one kept in shared memory (V values of S). Each
-// thread reads back only the units it wrote, so no barrier is needed between the passes.
+// thread reads back only the units it stored or copied (and waited for), so no barrier is needed between the passes.
 // Two blocks an SM (row_copy_limit), so at most 64 registers a thread: unbounded, the f16 form took 62, and one
 // more than 64 would halve the SM's rows. (ptxas then takes all 64: no loss where the row copy allows two blocks
 // anyway, V 50304 in 16 bits; a row small enough for three blocks gets two.)
