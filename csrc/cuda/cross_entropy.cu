@@ -12,10 +12,9 @@
 // order (PackIO), so every result depends on V alone, never on alignment or on where pass two reads. The kept row's
 // 16-byte units go to shared memory by cp.async (sm_80+), every unit of the thread asked for before the first is
 // used (row_lse_async): the whole row is on its way at once, where loads through registers had a thread's kBatch
-// units in flight, about 32 KB an SM while a block read (the step's kernel moved 2.6 TB/s on an H200, a copy 4.1).
-// forward and
-// forward_backward share pass one, so their losses are the same bits, and backward from forward's lse gives
-// forward_backward's gradient bits.
+// units in flight, 32 KB a block (the step's kernel moved 2.6 TB/s on an H200, a copy 4.1).
+// forward and forward_backward share pass one, so their losses are the same bits, and backward from forward's lse
+// gives forward_backward's gradient bits.
 // Every exponential is fast_exp (one multiply and ex2.approx): with expf's eight instructions an element, the
 // 16-bit kernels ran out of issue slots long before memory ran out of bandwidth (1.9 TB/s of reads and writes in
 // an H100's training step, against 3.0 TB/s copies and the fp32 kernel's 3.1 with two reads a row: the same
