@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastgpt import ops
 from devices import DEVICES, bits, host, needs_cuda, on
-from ptx import CSRC, compile_ptx, compile_sass, kernel_lines
+from ptx import CSRC, compile_ptx, compile_sass, kernel_lines, nvdisasm
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -143,7 +143,8 @@ def test_cuda_kernels_take_each_exponential_on_the_sfu_alone(tmp_path):
 # its whole share of the row by cp.async (LDGSTS, 16 units before its first wait: all of a 50,304-logit 16-bit row)
 # instead of loading it through registers (LDG.E.128, kBatch units a thread in flight), which moved 2.6 TB/s in an
 # H200's training step against a copy's 4.1. sm_75 has no cp.async (the helper traps there): registers.
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
+                    reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
 @pytest.mark.parametrize("arch", ["90a", "75"])
 def test_cuda_kept_row_goes_to_shared_memory_by_cp_async(tmp_path, arch):
     kernels = compile_sass(CSRC / "cuda" / "cross_entropy.cu", tmp_path / "ce.cubin",

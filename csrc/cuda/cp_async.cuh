@@ -3,7 +3,7 @@
 // LayerNorm backward's row ring). Each thread commits its copies in groups and waits for all but its newest N;
 // what a thread copied is then visible to that thread (others see it after a barrier).
 // A build for older GPUs (sm_75) compiles these with a trap in their place: the callers never launch their kernels
-// there. tests/warp_emu swaps this header for an emulated one (emu_cp_async.h).
+// there, or compile the call out for sm_75 (cross_entropy.cu's kCpAsync: its kept-row kernel does run on a T4). tests/warp_emu swaps this header for an emulated one (emu_cp_async.h).
 // CUDA-only header: include it from .cu files.
 #pragma once
 #include <cstdint>

@@ -101,10 +101,11 @@ __device__ __forceinline__ void widen(float (&v)[Pack<S>::N], const Pack<S>& p) 
 }
 
 // Pass one of a kept row in 16-byte units (x and keep 16-byte aligned, V whole units): the thread's units u = tid,
-// tid + threads, ... copied to keep by cp.async, kBatch to a group, kGroups groups ahead of the one it adds (so a
-// row of up to kGroups * kBatch units a thread is asked for whole before the first add), then added from keep in
-// the order of the register path (unit by unit, k ascending): the same bits. Every unit the thread copies it waits
-// for (groups past its last unit are empty), so pass two reads only landed values, its own.
+// tid + threads, ... copied to keep by cp.async, kBatch to a group, kGroups groups asked for before the first add
+// (so a row of up to kGroups * kBatch units a thread is on its way whole) and one more after each group added (the
+// kGroups - 1 after a group are in flight while it is added), then added from keep in the order of the register
+// path (unit by unit, k ascending): the same bits. Every unit the thread copies it waits for (groups past its last
+// unit are empty), so pass two reads only landed values, its own.
 template <typename S>
 __device__ __forceinline__ void row_lse_async(MaxSum& a, const S* x, S* keep, int units) {
   constexpr int N = Pack<S>::N;
