@@ -3,7 +3,8 @@
 // LayerNorm backward's row ring). Each thread commits its copies in groups and waits for all but its newest N;
 // what a thread copied is then visible to that thread (others see it after a barrier).
 // A build for older GPUs (sm_75) compiles these with a trap in their place: the callers never launch their kernels
-// there, or compile the call out for sm_75 (cross_entropy.cu's kCpAsync: its kept-row kernel does run on a T4). tests/warp_emu swaps this header for an emulated one (emu_cp_async.h).
+// there, or leave the calls out where kCpAsync is false (cross_entropy.cu's kept-row kernel does run on a T4).
+// tests/warp_emu swaps this header for an emulated one (emu_cp_async.h).
 // CUDA-only header: include it from .cu files.
 #pragma once
 #include <cstdint>
@@ -15,6 +16,14 @@
 #endif
 
 namespace fastgpt::cuda {
+
+// Whether this compilation's device code has cp.async (false in an sm_75 device pass), for callers that keep a
+// form without it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr bool kCpAsync = false;
+#else
+constexpr bool kCpAsync = true;
+#endif
 
 // 16 bytes global -> shared; `valid` false writes zeros and reads nothing (the source must still be a valid
 // address: callers pass a tensor's base for rows past its end).

@@ -37,11 +37,6 @@ namespace fastgpt::cuda {
 namespace {
 constexpr int kThreads = 512;  // a multiple of 32 (the block reduction assumes full warps), at least a pack
 constexpr int kBatch = 4;      // units a thread loads before it uses the first
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-constexpr bool kCpAsync = false;  // sm_75 has no cp.async: the kept row goes through registers there
-#else
-constexpr bool kCpAsync = true;
-#endif
 
 // (max, sum of exp(x - max)) over a part of a row; an empty part, or one of -inf logits only, is (-inf, 0).
 struct MaxSum {
@@ -145,7 +140,7 @@ __device__ float row_lse(const S* x, int V, PackIO<S> io, S* keep) {
   constexpr int N = Pack<S>::N;
   const int units = V / N, tid = threadIdx.x, threads = blockDim.x;
   MaxSum a{-INFINITY, 0.f};
-  if constexpr (kKeep && kCpAsync) {
+  if constexpr (kKeep && kCpAsync) {  // (sm_75: the register path below)
     if (io.vec) {  // whole units, no tail
       row_lse_async(a, x, keep, units);
       a = block_reduce(a);

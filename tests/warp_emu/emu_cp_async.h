@@ -8,6 +8,7 @@
 #include "../emu.h"
 
 namespace fastgpt::cuda {
+constexpr bool kCpAsync = true;
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) { emu::cp16(dst, src, valid); }
 __device__ __forceinline__ void cp_async_commit() { emu::commit(); }
 template <int N>
