@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import shutil
+import statistics
 
 import numpy as np
 import pytest
@@ -254,6 +255,27 @@ def _wait(ins, pending):
     return ins == f"WARPGROUP.DEPBAR.LE gsb0, {pending:#x}"
 
 
+def _uniform(ins):
+    """Whether a SASS instruction runs on the uniform datapath (UIADD3, UMOV, ULOP3, ...; a predicate kept)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", ins).startswith("U")
+
+
+def _max_chain(code, op):
+    """The longest chain of `op` instructions (e.g. FMNMX) in `code` each reading a register the one before wrote
+    (a register another instruction writes starts a chain again)."""
+    depth, longest = {}, 0
+    for ins in code:
+        m = re.match(r"(?:@!?U?P\w+\s+)?(\S+) (R\d+), (.*)", ins)
+        if not m:
+            continue
+        if m.group(1).split(".")[0] != op:
+            depth[m.group(2)] = 0
+            continue
+        depth[m.group(2)] = 1 + max([depth.get(r, 0) for r in re.findall(r"\bR\d+\b", m.group(3))], default=0)
+        longest = max(longest, depth[m.group(2)])
+    return longest
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
                     reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
 @pytest.mark.parametrize("source", ["flash_attention_sm90a.cu", "flash_attention_ws_sm90a.cu"])
@@ -274,6 +296,11 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
       products' descriptors are worked out on the uniform datapath (wgmma::warp_uniform; from threadIdx, 16 to 44 a
       step, each descriptor a chain of vector integer ops and a move to a uniform register). S_j's first descriptor,
       made before its wgmma, is outside the range;
+    - in that range, at most 5 uniform instructions a wgmma (3.25 to 3.5 with ptxas 13.0): each descriptor is an
+      add of an immediate to a base worked out once (wgmma::desc_add) and a move of its upper half; written as
+      desc(tile + offset) each was an add, mask, shift, or and a move (6.4 to 8.4 a wgmma);
+    - the row max before block j's exponentials (from the wait for S to the first shuffle) is a chain of at most
+      BC / 32 + 2 dependent FMNMX (softmax_rows' four partial maxima): one running max was BC / 8 + 1 (17 at BC 128);
     - in the warp-specialised kernels, the warp's release of V_{j-1} after the wait for P V (an arrive at offset
       0x48 of its stage's barriers: Bars::v_empty) is a predicated arrive with no branch before it
       (wgmma::mbar_arrive_if; `if (leader)` around the arrive was a divergent branch in the two-consumer kernels)."""
@@ -305,6 +332,14 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
             assert qk0 is not None, f"{name}: no first wgmma of S (accumulator off) before the wait for it"
             r2ur = sum(ins.startswith("R2UR") for ins in code[qk0:i])
             assert r2ur == 0, f"{name}: {r2ur} R2UR from S's first wgmma to the wait for it (descriptors per thread)"
+            products = sum(ins.startswith("HGMMA") for ins in code[qk0:i])
+            uniform = sum(map(_uniform, code[qk0:i]))
+            assert uniform <= 5 * products, f"{name}: {uniform} uniform instructions for {products} wgmma (a " \
+                                            "descriptor's chain per wgmma, not an add off its base)"
+            shuffle = next((k for k in range(i, len(code)) if code[k].startswith("SHFL.BFLY")), None)
+            assert shuffle is not None, f"{name}: no shuffle (the row max across a row's lanes) after the wait for S"
+            chain = _max_chain(code[i:shuffle], "FMNMX")
+            assert chain <= bc // 32 + 2, f"{name}: the row max is a chain of {chain} FMNMX, want <= {bc // 32 + 2}"
             if "ws" in source:
                 pv_done = i + 1 + end
                 arrive = next((k for k in range(pv_done, len(code)) if "SYNCS.ARRIVE" in code[k]), None)
@@ -312,6 +347,31 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
                 assert code[arrive].startswith("@"), f"{name}: the release of V after P V is not predicated"
                 assert not any("BRA" in ins for ins in code[pv_done:arrive]), \
                     f"{name}: a branch between the wait for P V and the release of V"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
+                    reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+def test_hopper_backward_descriptors_are_one_add_each(tmp_path):
+    """The training step's backward (flash_attention_bwd_ws_sm90a.cu, every instance) as ptxas scheduled it (SASS,
+    sm_90a): between two wgmma of a product with nothing but uniform instructions between them, the median is at
+    most 2 of those a descriptor (wgmma::desc_add: an add of an immediate to a base worked out once, and a move of
+    the upper half). Written as desc(tile + offset), each descriptor was a chain of 5 (median): add, mask, shift, or,
+    move, in the issue sequence of all five products of a step."""
+    kernels = compile_sass(CSRC / "cuda" / "flash_attention_bwd_ws_sm90a.cu", tmp_path / "k.cubin",
+                           "arch=compute_90a,code=sm_90a")
+    backwards = {n: v for n, v in kernels.items() if "backward_ws_kernel" in n}
+    assert len(backwards) == 8, sorted(backwards)  # (E, BR, persistent) instances
+    for name, code in backwards.items():
+        products = [k for k, ins in enumerate(code) if ins.startswith("HGMMA")]
+        per_descriptor = []
+        for a, b in zip(products, products[1:]):
+            between = code[a + 1:b]
+            if all(map(_uniform, between)):  # the next wgmma of the same issue sequence
+                descriptors = 2 if re.match(r"HGMMA\.\S+ R\d+, gdesc", code[b]) else 1  # A from shared memory too
+                per_descriptor.append(len(between) / descriptors)
+        assert len(per_descriptor) >= 8, f"{name}: {len(per_descriptor)} wgmma issued back to back"
+        median = statistics.median(per_descriptor)
+        assert median <= 2, f"{name}: {median} uniform instructions a descriptor (median), want <= 2"
 
 
 # ---- GPU

@@ -195,9 +195,20 @@ __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float sl2, float
                                              float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; r++) {
-    float mx = -INFINITY;
+    // The row's max as four partial maxima, then theirs pairwise: the value one chain gives (a max is exact, in any
+    // order), its compares a chain of NT / 4 + 2 instead of NT + 1, on the way to every exponential (17 at BC 128,
+    // the two rows' chains side by side, each compare waiting for the one before; now 6).
+    constexpr int kWays = NT >= 4 ? 4 : NT >= 2 ? 2 : 1;
+    float part[kWays];
 #pragma unroll
-    for (int t = 0; t < NT; t++) mx = fmaxf(mx, fmaxf(s[t][2 * r], s[t][2 * r + 1]));
+    for (int w = 0; w < kWays; w++) part[w] = fmaxf(s[w][2 * r], s[w][2 * r + 1]);
+#pragma unroll
+    for (int t = kWays; t < NT; t++) part[t % kWays] = fmaxf(part[t % kWays], fmaxf(s[t][2 * r], s[t][2 * r + 1]));
+#pragma unroll
+    for (int w = kWays / 2; w > 0; w /= 2)
+#pragma unroll
+      for (int i = 0; i < w; i++) part[i] = fmaxf(part[i], part[i + w]);
+    float mx = part[0];
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     mx = fmaxf(m[r], mx * sl2);

@@ -40,13 +40,13 @@ __host__ __device__ constexpr int tile_bytes() {
 // [16 kk, 16 kk + 16): 32 bytes into a 64-column block. 8-row groups are 1024 bytes apart (SBO); LBO is unused.
 template <int ROWS>
 __device__ __forceinline__ uint64_t kmajor(uint32_t tile, int r0, int kk) {
-  return wgmma::desc(tile + (kk / 4) * ROWS * 128 + r0 * 128 + (kk % 4) * 32, 16, 1024);
+  return wgmma::desc_add(wgmma::desc(tile + r0 * 128, 16, 1024), (kk / 4) * ROWS * 128 + (kk % 4) * 32);
 }
 // The MN-major operand of reduction rows [16 ks, 16 ks + 16) (two 8-row groups, 1024 bytes apart) of a tile of ROWS
 // rows: its columns run along the rows, 64 per column block, the blocks ROWS * 128 bytes apart (LBO).
 template <int ROWS>
 __device__ __forceinline__ uint64_t mnmajor(uint32_t tile, int ks) {
-  return wgmma::desc(tile + ks * 2048, ROWS * 128, 1024);
+  return wgmma::desc_add(wgmma::desc(tile, ROWS * 128, 1024), ks * 2048);
 }
 
 // The MN-major operand of column block cb (columns [64 cb, 64 cb + 64)) of a tile of ROWS rows: M = 64 of them.

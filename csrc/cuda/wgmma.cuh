@@ -27,6 +27,16 @@ __host__ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, u
   return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
          (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
 }
+// The descriptor of the operand `bytes` (a non-negative multiple of 16) on from the one d describes: d's start address
+// field plus bytes / 16, one 32-bit add with the rest of d kept. desc() keeps an address's low 18 bits, and those of a
+// CTA's shared memory (at most 227 KB past the 1 KB the system reserves) stay below 2^18, so the sum stays inside the
+// field: the descriptor desc() gives of the address plus bytes. The flash kernels step through a tile by constant
+// offsets: as desc(tile + offset), each wgmma's descriptor was its own chain (add, mask, shift, or, and a move: five
+// uniform instructions before every wgmma of a step, in the issue sequence the other warpgroups wait on); as
+// desc_add(base, offset) the base is worked out once a tile and each wgmma adds an immediate to it.
+__host__ __device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t bytes) {
+  return (d & ~0xFFFFFFFFull) | (uint32_t)((uint32_t)d + (bytes >> 4));
+}
 
 // x, which every lane of the warp holds alike (a warpgroup's or a warp's index), as a value ptxas knows to be so: lane
 // 0's, broadcast (CUTLASS's canonical_warp_group_idx does the same). What is worked out from it then lives in

@@ -534,6 +534,10 @@ inline uint32_t wg_operand_addr(uint64_t desc, int mn, int k, bool mn_major) {
                  sbo = (uint32_t)((desc >> 32) & 0x3FFF) << 4;
   if ((desc >> 62) != 1) die("emulated wgmma reads only 128-byte swizzled operands (descriptor mode 1)");
   if ((desc >> 49) & 7) die("emulated wgmma: descriptor base offset must be 0");
+  // Bits no field owns (14-15, 30-31, 46-48, 52-61): a start address summed past its 14 bits (wgmma::desc_add)
+  // carries into bit 14, which would otherwise go unseen (a K-major operand's LBO is not read above).
+  constexpr uint64_t kReserved = 0x3ull << 14 | 0x3ull << 30 | 0x7ull << 46 | 0x3FFull << 52;
+  if (desc & kReserved) die("emulated wgmma: a descriptor sets bits no field owns (a start address overflowed?)");
   if (!mn_major) return start + (mn % 8) * 128 + (mn / 8) * sbo + k * 2;
   return start + (mn % 64) * 2 + (mn / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo;
 }
