@@ -12,6 +12,7 @@ deterministic backward must repeat bit for bit, and the ops must run on the call
 kernels' tile options (ops.flash_attention_tiles, for benchmarks) must give the first options' bits; the Hopper
 (wgmma, "sm90") kernels, which sum in another order, must meet the same rule of torch, and are refused elsewhere.
 """
+import concurrent.futures
 import math
 import re
 import subprocess
@@ -276,10 +277,24 @@ def _max_chain(code, op):
     return longest
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
-                    reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+_HOPPER_SASS = ("flash_attention_sm90a.cu", "flash_attention_ws_sm90a.cu", "flash_attention_bwd_ws_sm90a.cu")
+
+
+@pytest.fixture(scope="module")
+def hopper_sass(tmp_path_factory):
+    """{source: its kernels' SASS (compile_sass, sm_90a)} of the Hopper flash files the SASS tests read, compiled side
+    by side (nvcc runs apart from the GIL: about 4 s each on two cores, not 12 in a row)."""
+    if shutil.which("nvcc") is None or nvdisasm() is None:
+        pytest.skip("needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    out = tmp_path_factory.mktemp("hopper_sass")
+    with concurrent.futures.ThreadPoolExecutor(len(_HOPPER_SASS)) as pool:
+        jobs = {src: pool.submit(compile_sass, CSRC / "cuda" / src, out / f"{src}.cubin",
+                                 "arch=compute_90a,code=sm_90a") for src in _HOPPER_SASS}
+        return {src: job.result() for src, job in jobs.items()}
+
+
 @pytest.mark.parametrize("source", ["flash_attention_sm90a.cu", "flash_attention_ws_sm90a.cu"])
-def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
+def test_hopper_forward_step_overlaps_as_written(hopper_sass, source):
     """The Hopper forwards' inner step (flash_attention_sm90.cuh next_block) as ptxas scheduled it (SASS, sm_90a),
     in every forward kernel of the file (D and the key block BC from the template arguments):
     - between the wait for S_j (wgmma wait_group 1, P_{j-1} V_{j-1} still on the tensor cores) and the wait for that
@@ -304,8 +319,7 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
     - in the warp-specialised kernels, the warp's release of V_{j-1} after the wait for P V (an arrive at offset
       0x48 of its stage's barriers: Bars::v_empty) is a predicated arrive with no branch before it
       (wgmma::mbar_arrive_if; `if (leader)` around the arrive was a divergent branch in the two-consumer kernels)."""
-    kernels = compile_sass(CSRC / "cuda" / source, tmp_path / "k.cubin", "arch=compute_90a,code=sm_90a")
-    forwards = {n: v for n, v in kernels.items() if "forward" in n}
+    forwards = {n: v for n, v in hopper_sass[source].items() if "forward" in n}
     assert len(forwards) == (6 if "ws" in source else 10), sorted(forwards)  # (E, D, warpgroups, BC) instances
     for name, code in forwards.items():
         d, wg, bc = map(int, re.search(r"_kernelI\w+?Li(\d+)ELi(\d+)ELi(\d+)E", name).groups())
@@ -349,17 +363,13 @@ def test_hopper_forward_step_overlaps_as_written(tmp_path, source):
                     f"{name}: a branch between the wait for P V and the release of V"
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or nvdisasm() is None,
-                    reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)")
-def test_hopper_backward_descriptors_are_one_add_each(tmp_path):
+def test_hopper_backward_descriptors_are_one_add_each(hopper_sass):
     """The training step's backward (flash_attention_bwd_ws_sm90a.cu, every instance) as ptxas scheduled it (SASS,
     sm_90a): between two wgmma of a product with nothing but uniform instructions between them, the median is at
     most 2 of those a descriptor (wgmma::desc_add: an add of an immediate to a base worked out once, and a move of
     the upper half). Written as desc(tile + offset), each descriptor was a chain of 5 (median): add, mask, shift, or,
     move, in the issue sequence of all five products of a step."""
-    kernels = compile_sass(CSRC / "cuda" / "flash_attention_bwd_ws_sm90a.cu", tmp_path / "k.cubin",
-                           "arch=compute_90a,code=sm_90a")
-    backwards = {n: v for n, v in kernels.items() if "backward_ws_kernel" in n}
+    backwards = {n: v for n, v in hopper_sass["flash_attention_bwd_ws_sm90a.cu"].items() if "backward_ws_kernel" in n}
     assert len(backwards) == 8, sorted(backwards)  # (E, BR, persistent) instances
     for name, code in backwards.items():
         products = [k for k, ins in enumerate(code) if ins.startswith("HGMMA")]
