@@ -2,7 +2,9 @@
 default. Variants, one after the other: fastgpt fp32; fastgpt bf16 fused (GPT(fused=True), the default: the chunked
 classifier) and unfused (GPT(fused=False): one kernel per op, the full logits kept); torch eager fp32 (TF32 off);
 torch eager TF32; torch compiled bf16 (build-nanogpt's set-up: TF32 matmuls, bf16 autocast, torch.compile, SDPA
-attention, fused AdamW). fastgpt's fused step is one AdamW.train_step call (the norm, clip and counters on the
+attention, fused AdamW), each for --loss-steps steps (50) from the same weights on the same batches: with --data
+(Tiny Shakespeare, as gpu_check.sh passes it) the last loss shows whether they train alike, issue 10's "loss after 50
+steps". fastgpt's fused step is one AdamW.train_step call (the norm, clip and counters on the
 device, one-launch AdamW), recorded as a CUDA graph and replayed in "fastgpt bf16 graph"; unfused it is
 forward_backward, clip_grad_norm, step. The model keeps every activation (GPT(recompute=0), the default);
 "fastgpt bf16 recompute=1" recomputes GELU in backward and "recompute=2" also the LayerNorms: the time and memory
@@ -21,7 +23,8 @@ backward, clip, AdamW) at GPT-2 size, and how much of the GPU that uses (MFU). t
 arithmetic as fastgpt's fp32 engine, so it is the like-for-like comparison; eager TF32 and compiled bf16 are what
 build-nanogpt actually trains with, and fastgpt bf16 fused against compiled bf16 is issue 10's ratio. All variants
 start from the same weights and see the same batches, so their step-0 losses must agree (closely for fp32, less for
-TF32/bf16): a sanity line, not a test.
+TF32/bf16): a sanity line, not a test. The timed steps are steps warmup + 1 .. warmup + steps of those run; on random
+tokens (no --data) a model learns nothing to speak of, and the last loss stays near ln V.
 
     python3 bench/bench_gpu_train.py                      # GPT-2 124M, T 1024, B 8, every variant
     python3 bench/bench_gpu_train.py --B 16 --json /tmp/gpu_train.json
@@ -30,6 +33,8 @@ TF32/bf16): a sanity line, not a test.
     python3 bench/bench_gpu_train.py --n-layer 2 --T 256  # a quick smoke run
     python3 bench/bench_gpu_train.py --B max --profile    # and where each side's GPU time goes (gpu_check's run)
     python3 bench/bench_gpu_train.py --B 64 --variants "fastgpt bf16 graph,torch compiled bf16"  # just those two
+    python3 bench/bench_gpu_train.py --B max --data ../shared/data/tinyshakespeare.txt \
+        --encoder ../shared/data/gpt2/encoder.json       # on real text: the loss after 50 steps means something
 """
 import argparse
 import contextlib
@@ -41,6 +46,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 from _common import autotune_summary, environment, write_json
 from _profile import print_breakdown, profile_steps
@@ -55,6 +62,7 @@ VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt
             "fastgpt bf16 recompute=1", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32",
             "torch eager tf32", "torch compiled bf16", "fastgpt bf16 graph sm90")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
+GPT2_VOCAB = 50257
 # --profile's variants: issue 10's pair (and the graph), and fp32's like-for-like pair.
 PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph recompute=1",
             "fastgpt bf16 graph rows=16384", "fastgpt bf16 graph bias-epilogue", "fastgpt bf16 graph sm90",
@@ -66,6 +74,34 @@ def variant_options(name):
     """A variant's settings written into its name as key=integer words: {"recompute": 1} of "fastgpt bf16 graph
     recompute=1", {"rows": 16384} (classifier_rows) of "... rows=16384"."""
     return {k: int(v) for k, _, v in (w.partition("=") for w in name.split()) if _}
+
+
+def steps_in_all(args):
+    """Steps each variant runs: warmup, the timed ones, and more untimed ones up to --loss-steps."""
+    return max(args.warmup + args.steps, args.loss_steps)
+
+
+def timed(times, args):
+    """The timed steps' times of a variant's steps_in_all: steps warmup + 1 .. warmup + steps."""
+    return times[args.warmup:args.warmup + args.steps]
+
+
+def make_batches(n, B, T, V, seed, data=None, encoder=None):
+    """n (x, y) batches of int64 (B, T) tokens, y = x shifted by one: `data`'s train split (fastgpt.data: GPT-2 tokens
+    through `encoder`, consecutive B*T windows in order, wrapping around, as build-nanogpt's DataLoaderLite), or
+    uniform random tokens below min(V, 50257) from `seed`. -> (batches, a few words on where they came from)."""
+    if data is None:
+        rng = np.random.default_rng(seed)
+        toks = rng.integers(0, min(V, GPT2_VOCAB), size=(n, B, T + 1), dtype=np.int64)
+        return [(t[:, :-1], t[:, 1:]) for t in toks], "random tokens"
+    import tempfile
+
+    import fastgpt
+    with tempfile.TemporaryDirectory(prefix="fastgpt-gpu-train-") as shards:
+        info = fastgpt.data.tokenize_file(data, shards, encoder_json=encoder)
+        loader = fastgpt.data.DataLoader(info["train"], B, T, split="train")
+        batches = [tuple(a.copy() for a in loader.next_batch()) for _ in range(n)]
+    return batches, f"{os.path.basename(data)} ({info['train_tokens']:,} train tokens, in order)"
 
 
 def parse_args(argv=None):
@@ -82,6 +118,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps first, per variant (they include torch.compile's compilation; keep >= 1)")
     p.add_argument("--steps", type=int, default=10, help="timed steps; tok/s is B*T / median step time")
+    p.add_argument("--loss-steps", type=int, default=50,
+                   help="steps each variant runs in all (at least warmup + steps): the table's last loss is that\n"
+                        "of this step, from the same weights on the same batches")
+    p.add_argument("--data", help="a UTF-8 text file to train on (Tiny Shakespeare), tokenized with --encoder; its\n"
+                                  "train split in order, wrapping around (default: uniform random tokens)")
+    p.add_argument("--encoder", help="GPT-2's encoder.json, for --data")
     p.add_argument("--seed", type=int, default=None, help="weights and data seed (default: fresh random)")
     p.add_argument("--no-compile", action="store_true", help="skip the 'torch compiled bf16' variant")
     p.add_argument("--variants", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
@@ -109,8 +151,13 @@ def parse_args(argv=None):
     args.batches = B_MAX if args.B == "max" else (int(args.B),)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
-    if min(args.n_layer, args.n_head, args.n_embd, args.T, args.vocab, args.steps) < 1 or args.warmup < 0:
-        p.error("sizes and --steps must be >= 1, --warmup >= 0")
+    if min(args.n_layer, args.n_head, args.n_embd, args.T, args.vocab, args.steps, args.loss_steps) < 1 or \
+            args.warmup < 0:
+        p.error("sizes, --steps and --loss-steps must be >= 1, --warmup >= 0")
+    if (args.data is None) != (args.encoder is None):
+        p.error("--data and --encoder go together (the text and GPT-2's encoder.json to tokenize it)")
+    if args.data is not None and args.vocab < GPT2_VOCAB:
+        p.error(f"--vocab must be >= {GPT2_VOCAB} with --data (GPT-2's tokens), got {args.vocab}")
     if args.peak_tflops <= 0:
         p.error("--peak-tflops must be > 0")
     unknown = [v for v in args.variants if v not in VARIANTS]
@@ -145,7 +192,6 @@ def git_commit():
 def main(argv=None):
     args = parse_args(argv)
     # torch is imported only now so that --help works anywhere, fast.
-    import numpy as np
     import torch
     if not torch.cuda.is_available():
         print("bench_gpu_train: no CUDA GPU visible to torch (torch.cuda.is_available() is False); nothing measured")
@@ -166,12 +212,12 @@ def main(argv=None):
 
     # Batches: made once on the host; fastgpt takes int32 host arrays every step (its forward uploads them, part
     # of its step), torch gets them on the GPU once, before any timing, as a data loader with prefetch would.
-    rng = np.random.default_rng(args.seed)
-    n = args.warmup + args.steps
-    toks = rng.integers(0, min(V, 50257), size=(n, B, T + 1), dtype=np.int64)
-    np_batches = [(np.ascontiguousarray(t[:, :-1], np.int32), np.ascontiguousarray(t[:, 1:], np.int32)) for t in toks]
-    th_batches = [(torch.from_numpy(t[:, :-1].copy()).to(dev), torch.from_numpy(t[:, 1:].copy()).to(dev))
-                  for t in toks]
+    n = steps_in_all(args)
+    batches, source = make_batches(n, B, T, V, args.seed, args.data, args.encoder)
+    np_batches = [(np.ascontiguousarray(x, np.int32), np.ascontiguousarray(y, np.int32)) for x, y in batches]
+    th_batches = [(torch.from_numpy(np.ascontiguousarray(x)).to(dev), torch.from_numpy(np.ascontiguousarray(y)).to(dev))
+                  for x, y in batches]
+    del batches
 
     # Weights: one fastgpt init (on the CPU, so it exists even when fastgpt's CUDA side fails), copied to host
     # arrays; every variant loads these, so all start from identical weights.
@@ -188,18 +234,20 @@ def main(argv=None):
                cuda_torch=torch.version.cuda, fastgpt_commit=git_commit(),
                fastgpt_built_with_cuda=bool(fastgpt._C.built_with_cuda))
     print(f"bench_gpu_train: L{L} H{H} C{C} T{T} B {args.B} V{V} ({n_params:,} params; {n_params_mfu:,} without wpe "
-          f"for MFU) | random tokens | AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD} (2-D weights only) clip {CLIP}")
+          f"for MFU) | {source} | AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD} (2-D weights only) clip {CLIP}")
     print(f"{gpu} ({env['gpu_capability']}, {env['gpu_memory_gib']:.0f} GiB) | torch {torch.__version__} "
           f"(CUDA {torch.version.cuda}) | fastgpt {fastgpt.__version__} @ {env['fastgpt_commit'] or '?'} | "
-          f"warmup {args.warmup}, {args.steps} timed steps per variant | seed {args.seed}")
+          f"warmup {args.warmup}, {args.steps} timed steps per variant, {n} in all (the last loss is step {n}'s) | "
+          f"seed {args.seed}")
     print(f"MFU: {fpt / 1e9:.3f} GFLOP/token (nanoGPT's 6N + 12*L*H*Q*T) against --peak-tflops {args.peak_tflops:g}; "
           f"that is a bf16 dense peak and the fp32/tf32 variants are judged against the same bf16 peak, as nanoGPT "
           f"does, so their MFU reads low by construction", flush=True)
 
     def run_steps(step, after=None):
-        """All warmup + timed steps of one variant. Each step is bracketed by torch.cuda.synchronize(), which is
-        a device-wide sync: it also waits for fastgpt's own stream (train_step and the AdamW step are asynchronous;
-        only the loss read-back in forward_backward and the norm in clip_grad_norm sync by themselves)."""
+        """All steps of one variant (steps_in_all: warmup, timed, then on to --loss-steps). Each step is bracketed by
+        torch.cuda.synchronize(), which is a device-wide sync: it also waits for fastgpt's own stream (train_step
+        and the AdamW step are asynchronous; only the loss read-back in forward_backward and the norm in
+        clip_grad_norm sync by themselves)."""
         times, losses = [], []
         for i in range(n):
             torch.cuda.synchronize()
@@ -348,8 +396,9 @@ def main(argv=None):
         at the end with the summary (base, loss_reference, sanity)."""
         return {"benchmark": "bench_gpu_train", "env": env, "partial": not summary,
                 "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "batches", "vocab",
-                                                         "warmup", "steps", "seed", "no_compile", "peak_tflops",
-                                                         "profile", "variants")},
+                                                         "warmup", "steps", "loss_steps", "data", "seed", "no_compile",
+                                                         "peak_tflops", "profile", "variants")},
+                "data": source, "steps_in_all": n,
                 "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
                 "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,
                 **summary, "results": results}
@@ -380,12 +429,12 @@ def main(argv=None):
                 if oom and b != args.batches[-1]:
                     continue
             else:
-                timed = times[args.warmup:]
-                med = statistics.median(timed)
+                timed_times = timed(times, args)
+                med = statistics.median(timed_times)
                 res[name] = {"status": "ok", "B": b, "B_out_of_memory": tried, "step_ms_median": 1e3 * med,
-                             "step_ms_mean": 1e3 * statistics.fmean(timed), "step_ms_min": 1e3 * min(timed),
+                             "step_ms_mean": 1e3 * statistics.fmean(timed_times), "step_ms_min": 1e3 * min(timed_times),
                              "tok_per_s": b * T / med, "mfu": fpt * b * T / med / peak_flops,
-                             "first_step_s": times[0], "step_ms": [1e3 * t for t in timed],
+                             "first_step_s": times[0], "step_ms": [1e3 * t for t in timed_times],
                              "warmup_step_ms": [1e3 * t for t in times[:args.warmup]], "losses": losses,
                              "first_loss": losses[0], "last_loss": losses[-1], **extra}
                 print(f" {1e3 * med:.1f} ms/step median, first step {times[0]:.1f} s", flush=True)
@@ -418,7 +467,7 @@ def main(argv=None):
               f"~1e-2 bf16 at step 0")
 
     print(f"\n{'variant':<24} {'B':>3} {'median ms':>10} {'tok/s':>9} {'MFU':>6} {'peak mem':>9} {'first loss':>10} "
-          f"{'last loss':>10} {'tok/s vs base':>14} {'mem vs base':>12}")
+          f"{f'loss @{n}':>10} {'tok/s vs base':>14} {'mem vs base':>12}")
     for k in args.variants:
         r = res[k]
         if r["status"] != "ok":

@@ -248,8 +248,12 @@ if [ $build = ok ] && has bench; then
   # fused and unfused vs torch eager fp32 / tf32 / bf16 autocast + compile + fused AdamW.
   # --profile: then where the GPU time of fastgpt's fused/graph step and torch compiled's goes, kernel by kernel.
   # BENCH_VARIANTS="fastgpt bf16 graph,torch compiled bf16" runs only those (a short call's budget).
+  # Each variant trains 50 steps (--loss-steps) on Tiny Shakespeare from the same weights: the last loss column is
+  # issue 10's "loss after 50 steps" (random tokens where the data did not travel).
   if part train; then
-  b=FAIL; timeout $(tmo 300) python3 bench/bench_gpu_train.py --B ${BENCH_B:-max} --profile \
+  text=$FASTGPT_SHARED/data/tinyshakespeare.txt enc=$FASTGPT_SHARED/data/gpt2/encoder.json data=()
+  [ -f "$text" ] && [ -f "$enc" ] && data=(--data "$text" --encoder "$enc")
+  b=FAIL; timeout $(tmo 300) python3 bench/bench_gpu_train.py --B ${BENCH_B:-max} --profile ${data[@]+"${data[@]}"} \
     ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} --json "$out/bench_gpu_train.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_gpu_train]=$b
   fi

@@ -80,3 +80,50 @@ def test_gpu_train_bench_variant_names_carry_their_settings():
     assert bench_gpu_train.variant_options("fastgpt bf16 graph sm90") == {}
     for name in bench_gpu_train.VARIANTS:  # every name parses (a stray "=" would raise here, not on the GPU)
         assert set(bench_gpu_train.variant_options(name)) <= {"recompute", "rows"}
+
+
+def test_gpu_train_bench_runs_every_variant_to_its_loss_step_and_times_the_same_steps(capsys):
+    # Issue 10 asks for the loss after 50 steps from the same weights: every variant runs max(warmup + steps,
+    # --loss-steps) steps, and the timing still reads steps warmup + 1 .. warmup + steps only.
+    import bench_gpu_train
+    args = bench_gpu_train.parse_args([])
+    assert (args.warmup, args.steps, args.loss_steps, args.data) == (3, 10, 50, None)
+    assert bench_gpu_train.steps_in_all(args) == 50
+    times = list(range(50))
+    assert bench_gpu_train.timed(times, args) == list(range(3, 13))
+    short = bench_gpu_train.parse_args(["--loss-steps", "5", "--warmup", "2", "--steps", "4"])
+    assert bench_gpu_train.steps_in_all(short) == 6 and bench_gpu_train.timed(list(range(6)), short) == [2, 3, 4, 5]
+    for bad, said in ((["--loss-steps", "0"], "--loss-steps must be >= 1"),
+                      (["--data", "x.txt"], "--data and --encoder go together"),
+                      (["--encoder", "e.json"], "--data and --encoder go together"),
+                      (["--data", "x.txt", "--encoder", "e.json", "--vocab", "1000"], "--vocab must be >= 50257")):
+        with pytest.raises(SystemExit):
+            bench_gpu_train.parse_args(bad)
+        assert said in capsys.readouterr().err
+
+
+def test_gpu_train_bench_batches_are_shifted_windows_of_the_text_or_random_tokens(shakespeare_txt, encoder_json, rng):
+    import bench_gpu_train
+    from fastgpt.tokenizer import get_gpt2_encoding
+    seed = int(rng.integers(2**31))
+    batches, source = bench_gpu_train.make_batches(4, 3, 16, 50304, seed)
+    assert source == "random tokens" and len(batches) == 4
+    again, _ = bench_gpu_train.make_batches(4, 3, 16, 50304, seed)
+    for (x, y), (x2, y2) in zip(batches, again):
+        assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == np.int64
+        assert (x[:, 1:] == y[:, :-1]).all() and 0 <= x.min() and max(x.max(), y.max()) < 50257
+        assert (x == x2).all() and (y == y2).all()  # the seed decides them: every variant sees the same batches
+    assert len({x.tobytes() for x, _ in batches}) == 4
+    small, _ = bench_gpu_train.make_batches(2, 3, 16, 100, seed)
+    assert max(int(x.max()) for x, _ in small) < 100  # a small --vocab bounds random tokens
+
+    text = open(shakespeare_txt, encoding="utf-8").read()
+    batches, source = bench_gpu_train.make_batches(3, 2, 32, 50304, seed, shakespeare_txt, encoder_json)
+    assert source.startswith("tinyshakespeare.txt (") and "train tokens" in source
+    enc = get_gpt2_encoding(encoder_json)
+    flat = [(x.ravel(), y.ravel()) for x, y in batches]
+    for i, (x, y) in enumerate(flat):
+        assert (x[1:] == y[:-1]).all()  # y is x one token on, across the rows too: consecutive text
+        assert enc.decode(x[8:].tolist())[:40] in text
+        if i:
+            assert x[0] == flat[i - 1][1][-1]  # the next window starts where the last one's targets ended
