@@ -396,8 +396,8 @@ def main(argv=None):
         at the end with the summary (base, loss_reference, sanity)."""
         return {"benchmark": "bench_gpu_train", "env": env, "partial": not summary,
                 "config": {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "T", "B", "batches", "vocab",
-                                                         "warmup", "steps", "loss_steps", "data", "seed", "no_compile",
-                                                         "peak_tflops", "profile", "variants")},
+                                                         "warmup", "steps", "loss_steps", "data", "encoder", "seed",
+                                                         "no_compile", "peak_tflops", "profile", "variants")},
                 "data": source, "steps_in_all": n,
                 "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip": CLIP},
                 "num_parameters": n_params, "mfu_params_without_wpe": n_params_mfu, "flops_per_token": fpt,
