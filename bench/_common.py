@@ -1,12 +1,14 @@
 """Helpers shared by the benchmarks: the thread count both libraries get, the machine description recorded with
 every result, a measure of how much CPU other processes took during a run (timings on a shared machine are
-only trustworthy when that is near zero), and the summary of matmul autotune's decisions in a run.
+only trustworthy when that is near zero), the summary of matmul autotune's decisions in a run, and the batches of a
+text the training benchmarks learn from.
 """
 import datetime
 import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 
@@ -111,3 +113,15 @@ def autotune_summary(records):
     return {"problems": len(records), "timed": len(timed), "changed": sum(r["chosen"] != 0 for r in timed),
             "heuristic_ms": heuristic, "chosen_ms": chosen,
             "saved": (1 - chosen / heuristic) if heuristic > 0 else 0.0, "records": list(records)}
+
+
+def text_batches(data, encoder, B, T, n):
+    """n (x, y) batches of int64 (B, T) GPT-2 tokens of the text file `data` (through `encoder`, GPT-2's
+    encoder.json), y = x one token on: its train split (fastgpt.data) in consecutive B*T windows, in order and
+    wrapping around, as build-nanogpt's DataLoaderLite. Held in memory: the token shards are removed again.
+    -> (batches, the train split's token count)."""
+    import fastgpt
+    with tempfile.TemporaryDirectory(prefix="fastgpt-bench-") as shards:
+        info = fastgpt.data.tokenize_file(data, shards, encoder_json=encoder)
+        loader = fastgpt.data.DataLoader(info["train"], B, T, split="train")
+        return [tuple(a.copy() for a in loader.next_batch()) for _ in range(n)], info["train_tokens"]

@@ -48,8 +48,9 @@ import sys
 import time
 
 import numpy as np
+from fastgpt.tokenizer import N_VOCAB
 
-from _common import autotune_summary, environment, write_json
+from _common import autotune_summary, environment, text_batches, write_json
 from _profile import print_breakdown, profile_steps
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -62,7 +63,6 @@ VARIANTS = ("fastgpt fp32", "fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt
             "fastgpt bf16 recompute=1", "fastgpt bf16 recompute=2", "fastgpt bf16 unfused", "torch eager fp32",
             "torch eager tf32", "torch compiled bf16", "fastgpt bf16 graph sm90")
 B_MAX = (64, 32, 16, 8)  # --B max tries these in turn
-GPT2_VOCAB = 50257
 # --profile's variants: issue 10's pair (and the graph), and fp32's like-for-like pair.
 PROFILED = ("fastgpt bf16 fused", "fastgpt bf16 graph", "fastgpt bf16 graph recompute=1",
             "fastgpt bf16 graph rows=16384", "fastgpt bf16 graph bias-epilogue", "fastgpt bf16 graph sm90",
@@ -87,21 +87,15 @@ def timed(times, args):
 
 
 def make_batches(n, B, T, V, seed, data=None, encoder=None):
-    """n (x, y) batches of int64 (B, T) tokens, y = x shifted by one: `data`'s train split (fastgpt.data: GPT-2 tokens
-    through `encoder`, consecutive B*T windows in order, wrapping around, as build-nanogpt's DataLoaderLite), or
-    uniform random tokens below min(V, 50257) from `seed`. -> (batches, a few words on where they came from)."""
+    """n (x, y) batches of int64 (B, T) tokens, y = x shifted by one: `data`'s train split in order
+    (_common.text_batches), or uniform random tokens below min(V, 50257) from `seed`. -> (batches, a few words on
+    where they came from)."""
     if data is None:
         rng = np.random.default_rng(seed)
-        toks = rng.integers(0, min(V, GPT2_VOCAB), size=(n, B, T + 1), dtype=np.int64)
+        toks = rng.integers(0, min(V, N_VOCAB), size=(n, B, T + 1), dtype=np.int64)
         return [(t[:, :-1], t[:, 1:]) for t in toks], "random tokens"
-    import tempfile
-
-    import fastgpt
-    with tempfile.TemporaryDirectory(prefix="fastgpt-gpu-train-") as shards:
-        info = fastgpt.data.tokenize_file(data, shards, encoder_json=encoder)
-        loader = fastgpt.data.DataLoader(info["train"], B, T, split="train")
-        batches = [tuple(a.copy() for a in loader.next_batch()) for _ in range(n)]
-    return batches, f"{os.path.basename(data)} ({info['train_tokens']:,} train tokens, in order)"
+    batches, train_tokens = text_batches(data, encoder, B, T, n)
+    return batches, f"{os.path.basename(data)} ({train_tokens:,} train tokens, in order)"
 
 
 def parse_args(argv=None):
@@ -156,8 +150,8 @@ def parse_args(argv=None):
         p.error("sizes, --steps and --loss-steps must be >= 1, --warmup >= 0")
     if (args.data is None) != (args.encoder is None):
         p.error("--data and --encoder go together (the text and GPT-2's encoder.json to tokenize it)")
-    if args.data is not None and args.vocab < GPT2_VOCAB:
-        p.error(f"--vocab must be >= {GPT2_VOCAB} with --data (GPT-2's tokens), got {args.vocab}")
+    if args.data is not None and args.vocab < N_VOCAB:
+        p.error(f"--vocab must be >= {N_VOCAB} with --data (GPT-2's tokens), got {args.vocab}")
     if args.peak_tflops <= 0:
         p.error("--peak-tflops must be > 0")
     unknown = [v for v in args.variants if v not in VARIANTS]

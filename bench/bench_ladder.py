@@ -32,6 +32,7 @@ import fastgpt  # noqa: E402
 from fastgpt import _C  # noqa: E402
 from fastgpt.mfu import flops_per_token, num_parameters, peak_tflops  # noqa: E402
 from reference_gpt import ref_from_fastgpt  # noqa: E402  (build-nanogpt's GPT, with a fastgpt model's weights)
+from _common import text_batches  # noqa: E402
 
 LR, BETAS, EPS, WD, CLIP = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0  # build-nanogpt's GPT-3 settings (constant lr here)
 
@@ -95,10 +96,7 @@ def make_setup(data, encoder, device="cpu", preset="tiny", steps=None, compile_o
     shards are removed again)."""
     n_layer, n_head, n_embd, T, B, warmup, default_steps = PRESETS[preset]
     steps = steps or default_steps
-    with tempfile.TemporaryDirectory(prefix="fastgpt-ladder-") as shards:
-        info = fastgpt.data.tokenize_file(data, shards, encoder_json=encoder)
-        loader = fastgpt.data.DataLoader(info["train"], B, T, split="train")
-        batches = [tuple(a.copy() for a in loader.next_batch()) for _ in range(warmup + steps)]
+    batches, _ = text_batches(data, encoder, B, T, warmup + steps)
     return Setup(device, n_layer, n_head, n_embd, T, B, warmup, steps, batches, compile_on_cpu)
 
 

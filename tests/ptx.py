@@ -88,3 +88,8 @@ def compile_sass(src, out, gencode, timeout=600):
         if ins and name:
             kernels[name].append(ins.group(1))
     return kernels
+
+
+def unpredicated(ins):
+    """A SASS instruction (compile_sass's form) without its guard predicate (@P0, @!UP1, ...): its opcode first."""
+    return re.sub(r"^@!?U?P\w+\s+", "", ins)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastgpt import ops
 from devices import DEVICES, bits, host, needs_cuda, on
-from ptx import CSRC, compile_ptx, compile_sass, kernel_lines, nvdisasm
+from ptx import CSRC, compile_ptx, compile_sass, kernel_lines, nvdisasm, unpredicated
 from reference_gpt import rel_err
 
 TOL = 1e-5
@@ -152,7 +152,7 @@ def test_cuda_kept_row_goes_to_shared_memory_by_cp_async(tmp_path, arch):
     smem = {name: ins for name, ins in kernels.items() if "forward_backward_smem_kernel" in name}
     assert len(smem) == 3, list(kernels)
     for name, ins in smem.items():
-        ops = [re.sub(r"^@!?U?P\w+\s+", "", i) for i in ins]
+        ops = [unpredicated(i) for i in ins]
         wide_loads = [o for o in ops if o.startswith("LDG.") and ".128" in o]
         copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
         if arch == "75":

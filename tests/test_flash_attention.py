@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import fastgpt
 from fastgpt import _C, ops
 from devices import host, needs_cuda, sm90_device
-from ptx import CSRC, compile_ptx, compile_sass, entries, nvdisasm
+from ptx import CSRC, compile_ptx, compile_sass, entries, nvdisasm, unpredicated
 from reference_gpt import lse_err, rel_err
 
 TOL = 1e-5
@@ -258,7 +258,7 @@ def _wait(ins, pending):
 
 def _uniform(ins):
     """Whether a SASS instruction runs on the uniform datapath (UIADD3, UMOV, ULOP3, ...; a predicate kept)."""
-    return re.sub(r"^@!?U?P\w+\s+", "", ins).startswith("U")
+    return unpredicated(ins).startswith("U")
 
 
 def _max_chain(code, op):
@@ -266,7 +266,7 @@ def _max_chain(code, op):
     (a register another instruction writes starts a chain again)."""
     depth, longest = {}, 0
     for ins in code:
-        m = re.match(r"(?:@!?U?P\w+\s+)?(\S+) (R\d+), (.*)", ins)
+        m = re.match(r"(\S+) (R\d+), (.*)", unpredicated(ins))
         if not m:
             continue
         if m.group(1).split(".")[0] != op:
@@ -377,7 +377,7 @@ def test_hopper_backward_descriptors_are_one_add_each(hopper_sass):
         for a, b in zip(products, products[1:]):
             between = code[a + 1:b]
             if all(map(_uniform, between)):  # the next wgmma of the same issue sequence
-                descriptors = 2 if re.match(r"HGMMA\.\S+ R\d+, gdesc", code[b]) else 1  # A from shared memory too
+                descriptors = 2 if _hgmma(code[b], False) else 1  # A from shared memory too
                 per_descriptor.append(len(between) / descriptors)
         assert len(per_descriptor) >= 8, f"{name}: {len(per_descriptor)} wgmma issued back to back"
         median = statistics.median(per_descriptor)
