@@ -562,19 +562,30 @@ void bind_ops(py::module_& m) {
     TYPED(qkv, FASTGPT_DISPATCH(c, attention_forward<S>, out.as<S>(), lse.f(), qkv.as<S>(), B, T, C, n_head, causal));
   });
   m.def("attention_backward", [attn_dims](H dqkv_, H dout_, H qkv_, H out_, H lse_, int n_head, bool causal,
-                                          uintptr_t stream) {
+                                          uintptr_t stream, std::optional<H> dbias_) {
     View dqkv = view_of(dqkv_, "dqkv", 'a'), dout = view_of(dout_, "dout", 'a'), qkv = view_of(qkv_, "qkv", 'a'),
          out = view_of(out_, "out", 'a'), lse = view_of(lse_, "lse", 'f');
+    View dbias = dbias_ ? view_of(*dbias_, "dbias", 'f') : lse;
     same_dtype({{&qkv, "qkv"}, {&dout, "dout"}, {&out, "out"}, {&dqkv, "dqkv"}});
     auto [B, T, C] = attn_dims(qkv, n_head);
     shape_is(dout, {B, T, C}, "dout");
     same_shape(dout, out, "dout", "out");
     shape_is(lse, {B, n_head, T}, "lse");
     same_shape(dqkv, qkv, "dqkv", "qkv");
-    Ctx c = context({&dqkv, &dout, &qkv, &out, &lse}, stream);
+    if (dbias_) shape_is(dbias, {3 * C}, "dbias");
+    Ctx c = context({&dqkv, &dout, &qkv, &out, &lse, &dbias}, stream);
+    float* dbp = dbias_ ? dbias.f() : nullptr;
     py::gil_scoped_release nogil;
-    TYPED(qkv, FASTGPT_DISPATCH(c, attention_backward<S>, dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(),
-                                lse.f(), B, T, C, n_head, causal));
+#ifdef FASTGPT_WITH_CUDA
+    if (c.cuda) {  // (FASTGPT_DISPATCH puts the stream last; dbias comes after it here)
+      TYPED(qkv, cuda::attention_backward<S>(dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(), lse.f(), B, T, C,
+                                             n_head, causal, c.stream, cuda::F32Math::tf32x3, dbp));
+      return;
+    }
+#endif
+    TYPED(qkv, cpu::attention_backward<S>(dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(), lse.f(), B, T, C,
+                                          n_head, causal));
+    if (dbp) TYPED(qkv, cpu::bias_backward<S>(dbp, dqkv.as<S>(), (int64_t)B * T, 3 * C));
   });
   // Attention against a KV cache (generation): caches (B, NH, Tmax, hs), new positions [pos, pos + T) of qkv.
   auto decode_dims = [](const View& kc, const View& vc, const View& qkv, int pos) {
@@ -690,10 +701,11 @@ void bind_ops(py::module_& m) {
     need(c.cuda || q.dtype == 'f', "q, k, v must be float32 on the CPU (fastgpt.ops widens 16-bit inputs)");
     py::gil_scoped_release nogil;
 #ifdef FASTGPT_WITH_CUDA
-    if (c.cuda)
-      return cuda::flash_attention_backward(dq.data, dk.data, dv.data, f.strides, dout.data, out.data, f.strides,
-                                            q.data, k.data, v.data, lse.f(), f.shape, dtype_of(q), deterministic,
-                                            c.stream, math);
+    if (c.cuda) {
+      cuda::flash_attention_backward(dq.data, dk.data, dv.data, f.strides, dout.data, out.data, f.strides, q.data,
+                                     k.data, v.data, lse.f(), f.shape, dtype_of(q), deterministic, c.stream, math);
+      return;
+    }
 #endif
     (void)deterministic, (void)math;  // the CPU kernel is always deterministic, and computes in fp32
     cpu::flash_attention_backward(dq.f(), dk.f(), dv.f(), f.strides, dout.f(), out.f(), f.strides, q.f(), k.f(),

@@ -3,7 +3,8 @@ bf16 and fp16 at d 64 and 128, fp32 at d 64 and 128 (TF32 tensor cores, three pr
 at odd d (CUDA cores), causal and not, T that is and is not a multiple of the tiles, both layouts, atomic and
 deterministic backward (the default, "auto", and the mma.sync 16x64 kernels); and every tile option of the
 tensor-core kernels (bf16, d 64, T 130; the sm90 kernels also fp16, d 128, T 200; the persistent ones also at T 1024
-with more tiles than SMs).
+with more tiles than SMs), the warp-specialised backwards also through the engine's attention op with the qkv bias
+gradient (their column-sum epilogue).
 It checks nothing numerically (the tests do); it exits non-zero only if a call raises.
 Usage: compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/flash_sanitize.py"""
 import itertools
@@ -19,6 +20,15 @@ def run(dtype, d, T, causal, layout, deterministic, fp32_math="tf32x3", B=2, H=3
     out, lse = ops.flash_attention_forward(q, k, v, causal=causal, layout=layout, fp32_math=fp32_math)
     ops.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout, deterministic=deterministic,
                                  fp32_math=fp32_math)
+
+
+def run_qkv(dtype, T, B=2, H=3):
+    """The engine's attention op on a fused qkv (B, T, 3C), d 64, with the qkv bias gradient: on an H100/H200 the
+    warp-specialised backward then sums dK and dV's columns itself (its kv_sums epilogue)."""
+    C = 64 * H
+    qkv, dout = torch.randn(B, T, 3 * C, device="cuda", dtype=dtype), torch.randn(B, T, C, device="cuda", dtype=dtype)
+    out, lse = ops.attention_forward(qkv, H)
+    ops.attention_backward(dout, qkv, out, lse, H, bias_grad=True)
 
 
 def main():
@@ -60,12 +70,18 @@ def main():
                 if any(name.startswith("sm90") for name in names):
                     run(torch.float16, 128, 200, causal, "bhtd" if causal else "bthd", True)
                     n += 1
+            if "ws fused" in names[1]:  # and with the qkv bias gradient's column sums in its epilogue
+                run_qkv(torch.bfloat16, 130)
+                n += 1
             if any(name.endswith(" persistent") for name in names):
                 # More tiles of 128 rows or keys than SMs (at T 130 each CTA holds one or two): some CTAs take
                 # several in turn, reusing their buffers and barriers across tiles, as at GPT-2's shape.
                 sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                 run(torch.bfloat16, 64, 1024, True, "bthd", True, B=1, H=sms // 8 + 1)
                 n += 1
+                if "ws fused" in names[1]:
+                    run_qkv(torch.float16, 1024, B=1, H=sms // 8 + 1)
+                    n += 1
     finally:
         ops.flash_attention_tiles(0, 0, 0)  # "auto"
     torch.cuda.synchronize()

@@ -7,6 +7,8 @@
 // training is bit-reproducible. The tensor-core kernels need head size 64 or 128 and 16-byte aligned rows; when
 // that does not hold, 16-bit operands are widened into fp32 scratch (cudaMallocAsync, stream-ordered, freed on
 // every path), attended on the fp32 path, and the outputs rounded once to nearest even, as the CPU does.
+// dbias (the fused model's qkv bias gradient) is the column sums of dqkv: on the warp-specialised Hopper backward the
+// kernel's own for the K and V thirds (flash_attention_backward's kv_sums), a pass over the Q third; else one pass.
 // Also built on the host by tests/warp_emu/run.sh: kernel launches stay on one line, no shared memory or inline
 // PTX, and the CUDA built-ins come through flash_attention.cuh (which the emulator swaps for its own).
 #include <algorithm>
@@ -66,26 +68,30 @@ void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, in
 
 template <typename S>
 void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
-                        int NH, bool causal, Stream stream, F32Math f32) {
+                        int NH, bool causal, Stream stream, F32Math f32, float* dbias) {
   const AttentionShape shape{B, NH, T, C / NH, causal};
+  const int64_t BT = (int64_t)B * T;
   if (std::is_same_v<S, float> || tensor_core_ok(C, NH, {dqkv, dout, qkv, out})) {
     // deterministic: the fp32 path always is; the tensor-core path then computes dq in its own pass, no atomics.
-    flash_attention_backward(dqkv, dqkv + C, dqkv + 2 * C, qkv_strides(T, C, NH), dout, out, out_strides(T, C, NH),
-                             qkv, qkv + C, qkv + 2 * C, lse, shape, dtype_of<S>(), !std::is_same_v<S, float>,
-                             stream, f32);
+    // kv_sums: (K | V, head, column) is dbias's order past its Q third.
+    const bool kv = flash_attention_backward(dqkv, dqkv + C, dqkv + 2 * C, qkv_strides(T, C, NH), dout, out,
+                                             out_strides(T, C, NH), qkv, qkv + C, qkv + 2 * C, lse, shape,
+                                             dtype_of<S>(), !std::is_same_v<S, float>, stream, f32,
+                                             dbias ? dbias + C : nullptr);
+    if (dbias) bias_backward(dbias, (const S*)dqkv, BT, kv ? C : 3 * C, stream, 3 * C);
     return;
   }
-  const int64_t BT = (int64_t)B * T;
   Scratch dout32(BT * C, stream), qkv32(BT * 3 * C, stream), out32(BT * C, stream), dqkv32(BT * 3 * C, stream);
   attention_backward<float>(dqkv32.ptr, widened(dout32, dout, BT * C, stream), widened(qkv32, qkv, BT * 3 * C, stream),
                             widened(out32, out, BT * C, stream), lse, B, T, C, NH, causal, stream);
   narrow(dqkv, dqkv32.ptr, BT * 3 * C, RoundKey{}, stream);
+  if (dbias) bias_backward(dbias, (const S*)dqkv, BT, 3 * C, stream);
 }
 
 #define FASTGPT_INSTANTIATE(S)                                                                                 \
   template void attention_forward<S>(S*, float*, const S*, int, int, int, int, bool, Stream, F32Math);        \
   template void attention_backward<S>(S*, const S*, const S*, const S*, const float*, int, int, int, int, bool, \
-                                      Stream, F32Math);
+                                      Stream, F32Math, float*);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

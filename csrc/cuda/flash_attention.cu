@@ -562,16 +562,16 @@ void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const
   }
 }
 
-void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
+bool flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
                               const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
-                              Stream stream, F32Math f32) {
+                              Stream stream, F32Math f32, float* kv_sums) {
   const bool tc = dtype != DType::f32 && tensor_cores();
   check_args(shape, dtype, tc, is, os,
              {{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
   const bool tf32 = dtype == DType::f32 && tf32_kernels(f32, shape, is, os, {q, k, v, out, dout, dq, dk, dv});
   const int64_t rows = (int64_t)shape.B * shape.H * shape.T;
-  if (rows == 0) return;
+  if (rows == 0) return false;
   flash::Params p = make_params(is, os, shape, tc, deterministic);
   p.q = q, p.k = k, p.v = v, p.dout = dout, p.dq = dq, p.dk = dk, p.dv = dv;
   p.out = const_cast<void*>(out), p.lse = const_cast<float*>(lse);  // only read in backward
@@ -586,18 +586,39 @@ void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   p.delta = delta.ptr;
   p.dq_accum = accum.ptr;
   if (fused) p.dq_turn = reinterpret_cast<int*>(accum.ptr + padded * shape.d), p.next_tile = p.dq_turn + turns;
+  // kv_sums: the warp-specialised backward (head dim 64) writes each (b, key block, consumer)'s column sums of dK
+  // and dV (Params::kv_part), added up here; the other kernels have no such rows, and the caller sums dk, dv itself.
+  const bool ws = kv_sums && flash::ws_fused_sm90(p.tiles.dkdv) && shape.d == 64;
+  const int64_t kv_rows = (int64_t)shape.B * ((shape.T + 127) / 128) * 2, kv_cols = 2 * (int64_t)shape.H * shape.d;
+  Scratch kv_part(ws ? kv_rows * kv_cols : 0, stream);
+  p.kv_part = kv_part.ptr;
+  bool ws_ran = false;
   switch (dtype) {
     case DType::bf16:
       flash::compute_delta<__nv_bfloat16>(p, stream);
-      return tc ? flash::backward_tc<__nv_bfloat16>(p, deterministic, stream)
-                : flash::backward_simt<__nv_bfloat16>(p, stream);
+      if (tc)
+        ws_ran = flash::backward_tc<__nv_bfloat16>(p, deterministic, stream);
+      else
+        flash::backward_simt<__nv_bfloat16>(p, stream);
+      break;
     case DType::f16:
       flash::compute_delta<__half>(p, stream);
-      return tc ? flash::backward_tc<__half>(p, deterministic, stream) : flash::backward_simt<__half>(p, stream);
+      if (tc)
+        ws_ran = flash::backward_tc<__half>(p, deterministic, stream);
+      else
+        flash::backward_simt<__half>(p, stream);
+      break;
     case DType::f32:
       flash::compute_delta<float>(p, stream);
-      return tf32 ? flash::backward_tf32(p, f32 == F32Math::tf32x3, stream) : flash::backward_simt<float>(p, stream);
+      if (tf32)
+        flash::backward_tf32(p, f32 == F32Math::tf32x3, stream);
+      else
+        flash::backward_simt<float>(p, stream);
+      break;
   }
+  if (!(ws && ws_ran)) return false;  // (kv_part unwritten: the caller sums dk, dv)
+  bias_backward(kv_sums, kv_part.ptr, kv_rows, (int)kv_cols, stream);
+  return true;
 }
 
 }  // namespace fastgpt::cuda

@@ -42,6 +42,8 @@ struct Params {
                            // fused sm90 backwards, else nullptr
   int* dq_turn;            // (B, H, ceil(T / 64)): the fused sm90 backward's turn counters, else nullptr
   int* next_tile;          // the persistent ws backward's tile counter (after dq_turn, zeroed with it), else nullptr
+  float* kv_part;          // (B ceil(T / 128) 2, 2, H, d) or nullptr: the ws backward's column sums of dK | dV per
+                           // (b, key block, consumer), (h, column) (kv_sums: flash_attention.cu)
   HeadStrides is, os;
   int B, H, T, d;
   bool causal;
@@ -65,8 +67,9 @@ int sm_count();
 // Tensor-core launchers (one per file), instantiated for __nv_bfloat16 and __half; sm_80 and newer only.
 template <typename E>
 void forward_tc(const Params& p, Stream stream);
+// backward_tc -> whether the warp-specialised Hopper backward ran (the one kernel that writes p.kv_part).
 template <typename E>
-void backward_tc(const Params& p, bool deterministic, Stream stream);
+bool backward_tc(const Params& p, bool deterministic, Stream stream);
 // The Hopper kernels (flash_attention_sm90a.cu, flash_attention_ws_sm90a.cu, flash_attention_bwd_sm90a.cu;
 // compiled for sm_90a only, where FASTGPT_SM90A is defined): the tile options from kFirstSm90 on (per kernel), on a
 // device of compute capability 9.0; fwd options from kFirstWsSm90 on are the warp-specialised forward's

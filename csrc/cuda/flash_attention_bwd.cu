@@ -332,12 +332,15 @@ void launch_dq(const Params& p, Stream stream) {
 // sm90 ones (dq in the dkdv kernel, plain or warp-specialised: flash_attention_bwd_ws_sm90a.cu, head dim 64; at 128
 // it runs the plain one) serve both.
 template <typename E, int D>
-void launch(const Params& p, bool deterministic, Stream stream) {
+bool launch(const Params& p, bool deterministic, Stream stream) {
   constexpr int kBr = D == 64 ? 64 : 32;  // dkdv's first option: S^T, dP^T, dK, dV fit in registers
 #ifdef FASTGPT_SM90A
   // (deterministic either way; the warp-specialised kernel declines views it can make no TMA map of)
-  if (D == 64 && ws_fused_sm90(p.tiles.dkdv) && backward_ws_sm90<E>(p, stream)) return;
-  if (fused_sm90(p.tiles.dkdv)) return backward_fused_sm90<E>(p, stream);
+  if (D == 64 && ws_fused_sm90(p.tiles.dkdv) && backward_ws_sm90<E>(p, stream)) return true;
+  if (fused_sm90(p.tiles.dkdv)) {
+    backward_fused_sm90<E>(p, stream);
+    return false;
+  }
 #endif
   if (deterministic) {
     // d 128's mma.sync options past the first fall back to it; the sm90 ones stay.
@@ -357,10 +360,13 @@ void launch(const Params& p, bool deterministic, Stream stream) {
       // d 128 in blocks of 64 keys takes 102 KB of shared memory, more than sm_86/sm_89 allow (99 KB): blocks of 32
       // there (the same sums in the same order: the same bits).
       if constexpr (D == 128)
-        if (dq_smem<D, 1, 64>() > smem_optin()) return launch_dq<E, D, 1, 32>(p, stream);
+        if (dq_smem<D, 1, 64>() > smem_optin()) {
+          launch_dq<E, D, 1, 32>(p, stream);
+          return false;
+        }
       launch_dq<E, D, 1, 64>(p, stream);
     }
-    return;
+    return false;
   }
   FASTGPT_CUDA_CHECK(
       cudaMemsetAsync(p.dq_accum, 0, (size_t)p.B * p.H * p.T * D * sizeof(float), stream));
@@ -369,19 +375,17 @@ void launch(const Params& p, bool deterministic, Stream stream) {
   const unsigned blocks = (unsigned)std::min<int64_t>((total + 255) / 256, 1 << 16);
   dq_convert_kernel<E><<<blocks, 256, 0, stream>>>(p);
   FASTGPT_CUDA_CHECK_LAUNCH();
+  return false;
 }
 
 }  // namespace
 
 template <typename E>
-void backward_tc(const Params& p, bool deterministic, Stream stream) {
-  if (p.d == 64)
-    launch<E, 64>(p, deterministic, stream);
-  else
-    launch<E, 128>(p, deterministic, stream);
+bool backward_tc(const Params& p, bool deterministic, Stream stream) {
+  return p.d == 64 ? launch<E, 64>(p, deterministic, stream) : launch<E, 128>(p, deterministic, stream);
 }
 
-template void backward_tc<__nv_bfloat16>(const Params&, bool, Stream);
-template void backward_tc<__half>(const Params&, bool, Stream);
+template bool backward_tc<__nv_bfloat16>(const Params&, bool, Stream);
+template bool backward_tc<__half>(const Params&, bool, Stream);
 
 }  // namespace fastgpt::cuda::flash

@@ -14,7 +14,9 @@
 // - Warpgroups 1 and 2 own 64 keys each and only multiply: a step waits for its buffer, makes dV, dK and dS^T, hands
 //   the buffer back, meets the other warpgroup at one named barrier (dS^T of all 128 keys is in shared memory; two
 //   dS^T tiles alternate, so one barrier per step is enough), multiplies its half of the step's dQ part and leaves
-//   it in the ring. They never wait for another CTA unless the ring is full.
+//   it in the ring. They never wait for another CTA unless the ring is full. Where the caller asks (Params::kv_part:
+//   the engine's qkv bias gradient), each then sums its 64 keys of dK and dV by column (warp_column_sums) into one
+//   row of partial sums, so that no pass over dK and dV has to.
 // The sums, their order (highest key block first; key block 0 writes dq) and therefore dq, dk and dv are the "sm90
 // fused" kernel's bits. Head dim 64 only (the dkdv options "sm90 ws fused" and "sm90 ws fused 128x128"; at 128
 // they run "sm90 fused": the kernel there needs all 255 registers). Two step sizes (BR queries per step, Step<BR>):
@@ -52,6 +54,7 @@ constexpr int KB = 128;                        // keys per CTA
 constexpr int kStages = 2;                     // Q/dO/lse/delta buffers
 constexpr int kNT = 384, kWriters = 96;        // threads: warpgroup 0 (loader warp, writer warps), two consumers
 constexpr int kConsumerBar = 1, kWriterBar = 2;  // named barriers (0 is __syncthreads)
+constexpr int kSumsBar = 3;                      // 3 + consumer: its four warps' column sums (kv_sums)
 
 // Per step size (BR queries): dQ part buffers, the registers of warpgroup 0 and of the consumers, how many chunks
 // dq_writer loads from L2 at once (4: no spills at 80 registers, 5 spilled 28 bytes), and whether key block 0 has the
@@ -111,7 +114,8 @@ struct Layout {
   static constexpr int kS = kdO + kStages * kQBytes;              // 2 x (KB, BR) dS^T
   static constexpr int kDq = kS + 2 * kSBytes;                    // kDqStages x (BR, D) fp32, in fragment order
   static constexpr int kLd = kDq + kDqStages * kDqBytes;          // kStages x (lse in log2 units, delta) x BR
-  static constexpr int kBars = kLd + kStages * kLdBytes;
+  static constexpr int kSums = kLd + kStages * kLdBytes;          // 2 consumers x 4 warps x (dK | dV) x D fp32
+  static constexpr int kBars = kSums + 2 * 4 * 2 * D * 4;
   static constexpr int kTiles = kBars + 8 * Bars<BR>::kCount;     // kTileSlots tile numbers, 16 bytes apart
   static constexpr int kBytes = kTiles + 16 * kTileSlots + 1024;  // and room to align
 };
@@ -357,6 +361,49 @@ __device__ __forceinline__ void dq_adder(const Params& p, unsigned char* sm, Bar
   }
 }
 
+// kv_part (Params): the column sums of dK and dV, the K and V thirds of the engine's qkv bias gradient, made where
+// the tiles are in registers instead of by a pass over dqkv (issue 10). A value as stored: times `scale`, rounded to
+// E, as store_tile_rows stores it (so that the sums are dqkv's column sums, in another order).
+template <typename E>
+__device__ __forceinline__ float2 as_stored(float lo, float hi) {
+  const uint32_t u = Pack<E>::two(lo, hi);
+  const E* e = reinterpret_cast<const E*>(&u);
+  return make_float2(static_cast<float>(e[0]), static_cast<float>(e[1]));
+}
+// One exchange of warp_column_sums: a lane holds N tiles' two column sums; it keeps the half that its lane bit
+// `d` (16, 8 or 4: g's bits 2, 1, 0) picks and adds the other lane's sums of that half to its own.
+template <int N>
+__device__ __forceinline__ void keep_half(float (&v)[8][2], int lane, int d) {
+  const bool upper = lane & d;
+#pragma unroll
+  for (int k = 0; k < N / 2; k++)
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const float keep = upper ? v[k + N / 2][e] : v[k][e], give = upper ? v[k][e] : v[k + N / 2][e];
+      v[k][e] = keep + __shfl_xor_sync(0xffffffffu, give, d);
+    }
+}
+// One warp's 16 rows (row0 + g and + 8) of a head-dim-64 accumulator, as stored, summed by column (rows past T left
+// out). A lane adds its two rows; three exchanges (keep_half) then halve the 8-column tiles it holds, so that lane
+// (g, c) ends with tile g's columns 2c and 2c + 1: 14 shuffles a matrix, where every column on every lane takes 48.
+template <typename E>
+__device__ __forceinline__ float2 warp_column_sums(const float (&acc)[8][4], int row0, int g, int lane, int T,
+                                                   float scale) {
+  const bool r0 = row0 + g < T, r1 = row0 + g + 8 < T;
+  float v[8][2];
+#pragma unroll
+  for (int t = 0; t < 8; t++) {
+    const float2 a = as_stored<E>(acc[t][0] * scale, acc[t][1] * scale);
+    const float2 b = as_stored<E>(acc[t][2] * scale, acc[t][3] * scale);
+    v[t][0] = (r0 ? a.x : 0.f) + (r1 ? b.x : 0.f);
+    v[t][1] = (r0 ? a.y : 0.f) + (r1 ? b.y : 0.f);
+  }
+  keep_half<8>(v, lane, 16);
+  keep_half<4>(v, lane, 8);
+  keep_half<2>(v, lane, 4);
+  return make_float2(v[0][0], v[0][1]);
+}
+
 template <typename E, int D, int BR, bool kPersistent>
 __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __grid_constant__ Maps maps) {
   using L = Layout<D, BR>;
@@ -465,6 +512,26 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     const int64_t in_off = in_offset(p, x.bh);
     store_tile_rows(dk, kw0, g, c, p.T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
     store_tile_rows(dv, kw0, g, c, p.T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
+    if (p.kv_part) {  // this consumer's 64 keys' column sums of dK and dV: its row of kv_part
+      static_assert(D == 64, "warp_column_sums: eight 8-column tiles");
+      float* sums = reinterpret_cast<float*>(sm + L::kSums) + ci * 4 * 2 * D;  // (4 warps, dK | dV, D)
+      const float2 sk = warp_column_sums<E>(dk, kw0, g, lane, p.T, p.scale);
+      const float2 sv = warp_column_sums<E>(dv, kw0, g, lane, p.T, 1.f);
+      float* mine = sums + warp * 2 * D + 8 * g + 2 * c;
+      wgmma::st_shared_f32(mine, sk.x), wgmma::st_shared_f32(mine + 1, sk.y);
+      wgmma::st_shared_f32(mine + D, sv.x), wgmma::st_shared_f32(mine + D + 1, sv.y);
+      // (ids fixed at compile time: with kSumsBar + ci, ptxas reserved all 16 barriers.) sums is written again only
+      // after the next step's consumer barrier, which this thread passes after its reads below.
+      if (ci == 0)
+        wgmma::bar_sync(kSumsBar, 128);
+      else
+        wgmma::bar_sync(kSumsBar + 1, 128);
+      const int i = ct % 128, b = x.bh / p.H, h = x.bh % p.H;  // i: (dK | dV, column)
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; w++) total += wgmma::ld_shared_f32(sums + w * 2 * D + i);
+      p.kv_part[((int64_t)(b * n_kb + j) * 2 + ci) * 2 * p.H * D + (i / D) * p.H * D + h * D + i % D] = total;
+    }
   }
 }
 

@@ -1,4 +1,4 @@
-// A linear layer's bias gradient on the GPU: dbias (OC) += the column sums of dout (N, OC), the part of
+// A linear layer's bias gradient on the GPU: dbias (OC) += the column sums of dout (N, OC, row stride ld), the part of
 // matmul_backward (matmul.cu) that cuBLASLt does not do. Its own file so that the warp emulator (tests/warp_emu),
 // which has no cuBLASLt, runs these kernels beside their reference.
 // Deterministic without atomics, and the order of every sum depends on N alone (never on the GPU or the launch):
@@ -43,7 +43,7 @@ __device__ __forceinline__ float lanes_in_order(const float* sums, int width, in
 // column sums to partial (nchunks, OC), or with one chunk adds them to dbias.
 template <typename S, int V>
 __global__ void __launch_bounds__(kThreads) bias_partial_kernel(float* partial, float* dbias, const S* dout,
-                                                                int64_t N, int OC, int nchunks) {
+                                                                int64_t N, int OC, int64_t ld, int nchunks) {
   __shared__ float4 sums4[kLanes * kMaxCols / 4];  // (kLanes, kVecs * V) floats; float4 for 16-byte alignment
   float* sums = reinterpret_cast<float*>(sums4);
   static_assert(V == 1 || V % 4 == 0, "bias_partial_kernel: one value or whole packs per thread");
@@ -61,9 +61,9 @@ __global__ void __launch_bounds__(kThreads) bias_partial_kernel(float* partial, 
 #pragma unroll 4
       for (int64_t r = r0 + ty; r < r1; r += kLanes) {
         if constexpr (V == 1) {
-          s[0] += to_float(p[r * OC]);
+          s[0] += to_float(p[r * ld]);
         } else {
-          const Pack<S> x = load_pack(p + r * OC);
+          const Pack<S> x = load_pack(p + r * ld);
           for (int j = 0; j < V; j++) s[j] += to_float(x.v[j]);
         }
       }
@@ -106,20 +106,22 @@ __global__ void __launch_bounds__(kThreads) bias_final_kernel(float* dbias, cons
 }  // namespace
 
 template <typename S>
-void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream) {
+void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream, int64_t ld) {
   if (N <= 0 || OC <= 0) return;
+  if (ld == 0) ld = OC;
+  if (ld < OC) throw std::invalid_argument("bias_backward: row stride below the columns, got " + std::to_string(ld));
   const int64_t nchunks = (N + kRowChunk - 1) / kRowChunk;
   if (nchunks > INT32_MAX) throw std::invalid_argument("bias_backward: N too large, got " + std::to_string(N));
   Scratch scratch(nchunks > 1 ? (size_t)nchunks * OC : 0, stream);  // one chunk writes dbias directly
   constexpr int kPack = Pack<S>::N;
-  const bool packed = OC % kPack == 0 && reinterpret_cast<uintptr_t>(dout) % 16 == 0;
+  const bool packed = OC % kPack == 0 && ld % kPack == 0 && reinterpret_cast<uintptr_t>(dout) % 16 == 0;
   const int width = kVecs * (packed ? kPack : 1);
   const int ncb = (OC + width - 1) / width;
   const dim3 grid((unsigned)nchunks, (unsigned)std::min(ncb, 65535)), block(kThreads);
   if (packed)
-    bias_partial_kernel<S, kPack><<<grid, block, 0, stream>>>(scratch.ptr, dbias, dout, N, OC, (int)nchunks);
+    bias_partial_kernel<S, kPack><<<grid, block, 0, stream>>>(scratch.ptr, dbias, dout, N, OC, ld, (int)nchunks);
   else
-    bias_partial_kernel<S, 1><<<grid, block, 0, stream>>>(scratch.ptr, dbias, dout, N, OC, (int)nchunks);
+    bias_partial_kernel<S, 1><<<grid, block, 0, stream>>>(scratch.ptr, dbias, dout, N, OC, ld, (int)nchunks);
   FASTGPT_CUDA_CHECK_LAUNCH();
   if (nchunks > 1) {
     const unsigned blocks = (unsigned)((OC + kVecs - 1) / kVecs);
@@ -134,8 +136,8 @@ void bias_add(float* dbias, const float* sums, int OC, Stream stream) {
   FASTGPT_CUDA_CHECK_LAUNCH();
 }
 
-template void bias_backward<float>(float*, const float*, int64_t, int, Stream);
-template void bias_backward<bf16>(float*, const bf16*, int64_t, int, Stream);
-template void bias_backward<f16>(float*, const f16*, int64_t, int, Stream);
+template void bias_backward<float>(float*, const float*, int64_t, int, Stream, int64_t);
+template void bias_backward<bf16>(float*, const bf16*, int64_t, int, Stream, int64_t);
+template void bias_backward<f16>(float*, const f16*, int64_t, int, Stream, int64_t);
 
 }  // namespace fastgpt::cuda

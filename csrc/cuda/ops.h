@@ -65,10 +65,11 @@ void matmul_backward(S* dinp, float* dweight, float* dbias, const S* dout, const
 // choice.
 bool bias_grad_epilogue();
 bool set_bias_grad_epilogue(bool on);
-// The column-sum kernel (matmul_bias.cu): dbias (OC) += the sums over rows of dout (N, OC), in an order that
-// depends on N alone. bias_add: dbias += sums (OC), made elsewhere (the epilogue's).
+// The column-sum kernel (matmul_bias.cu): dbias (OC) += the sums over rows of dout (N, OC; row stride ld, 0: OC),
+// in an order that depends on N alone (a column's bits do not depend on ld or on the other columns). bias_add:
+// dbias += sums (OC), made elsewhere (the epilogue's).
 template <typename S>
-void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream);
+void bias_backward(float* dbias, const S* dout, int64_t N, int OC, Stream stream, int64_t ld = 0);
 void bias_add(float* dbias, const float* sums, int OC, Stream stream);
 
 // Every product's cuBLASLt algorithm: the heuristic's first choice (false, the default, as PyTorch), or (true) the
@@ -131,10 +132,13 @@ enum class F32Math { tf32x3, tf32, simt };
 void flash_attention_forward(void* out, const HeadStrides& os, float* lse, const void* q, const void* k,
                              const void* v, const HeadStrides& is, const AttentionShape& shape, DType dtype,
                              Stream stream, F32Math f32 = F32Math::tf32x3);
-void flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
+// kv_sums (2, H, d), or nullptr: where the kernel that runs makes them (the warp-specialised Hopper backward, head
+// dim 64), += the column sums over (b, t) of dk and dv as stored, per (h, x), and -> true; else untouched and ->
+// false. The engine's qkv bias gradient (attention_backward) takes its K and V thirds from them: no pass over dqkv.
+bool flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& is, const void* dout,
                               const void* out, const HeadStrides& os, const void* q, const void* k, const void* v,
                               const float* lse, const AttentionShape& shape, DType dtype, bool deterministic,
-                              Stream stream, F32Math f32 = F32Math::tf32x3);
+                              Stream stream, F32Math f32 = F32Math::tf32x3, float* kv_sums = nullptr);
 
 // The tensor-core kernels' tile shapes (flash_attention.cuh): a process-wide choice, so that a benchmark can time
 // each on the GPU at hand. Option 0 of each, the default, is "auto": the Hopper kernels measured fastest where they
@@ -157,9 +161,13 @@ FlashTileOptions flash_tile_options();
 template <typename S>
 void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal, Stream stream,
                        F32Math f32 = F32Math::tf32x3);
+// dbias (3C), or nullptr: += the column sums of dqkv, the qkv projection's bias gradient (the fused model's: one
+// pass over dqkv fewer than matmul_backward's). Its K and V thirds come from the kernel where it makes them
+// (flash_attention_backward's kv_sums), in another order than a pass over dqkv adds them; else that pass, whose
+// bits matmul_backward's are.
 template <typename S>
 void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
-                        int NH, bool causal, Stream stream, F32Math f32 = F32Math::tf32x3);
+                        int NH, bool causal, Stream stream, F32Math f32 = F32Math::tf32x3, float* dbias = nullptr);
 
 // Generation against a KV cache (attention_decode.cu, the twin of csrc/cpu/attention_decode.cpp): kcache, vcache
 // (B, NH, Tmax, hs); append writes the k/v thirds of qkv (B, T, 3C) at positions [t0, t0 + T); forward attends new

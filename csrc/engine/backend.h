@@ -127,10 +127,12 @@ class Backend {
   void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, int NH, bool causal) {
     attention_forward_(dt<S>(), out, lse, qkv, B, T, C, NH, causal);
   }
+  // dbias (3C), or nullptr: += the column sums of dqkv, the qkv projection's bias gradient (the fused model's;
+  // on an H100/H200 partly from the attention kernel itself, attention.cu).
   template <typename S>
   void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
-                          int NH, bool causal) {
-    attention_backward_(dt<S>(), dqkv, dout, qkv, out, lse, B, T, C, NH, causal);
+                          int NH, bool causal, float* dbias = nullptr) {
+    attention_backward_(dt<S>(), dqkv, dout, qkv, out, lse, B, T, C, NH, causal, dbias);
   }
   // Generation (attention_decode.cpp): the k/v of T new positions into a layer's cache, then their attention.
   template <typename S>
@@ -212,7 +214,7 @@ class Backend {
   virtual void attention_forward_(DType, void* out, float* lse, cv* qkv, int B, int T, int C, int NH,
                                   bool causal) = 0;
   virtual void attention_backward_(DType, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T,
-                                   int C, int NH, bool causal) = 0;
+                                   int C, int NH, bool causal, float* dbias) = 0;
   virtual void attention_decode_append_(DType, void* kcache, void* vcache, cv* qkv, int B, int T, int t0, int Tmax,
                                        int C, int NH) = 0;
   virtual void attention_decode_forward_(DType, void* out, cv* qkv, cv* kcache, cv* vcache, int B, int T, int t0,

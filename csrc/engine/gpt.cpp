@@ -754,9 +754,12 @@ void GPT::backward_t() {
                          proj_db(ATTPROJB, l));
     // residual2 = residual + attn(ln1(residual)).
     k.matmul_backward(dc, G(ATTPROJW, l), fused_ ? nullptr : G(ATTPROJB, l), dres, atty, P<S>(ATTPROJW, l), BT, C, C);
-    k.attention_backward(dqkv, dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true);
+    // Fused: qkv's bias gradient with the attention backward, which on an H100/H200 has the K and V thirds from the
+    // kernel's own tiles (the rest, or all of it elsewhere, is matmul_backward's pass over dqkv, the same bits).
+    k.attention_backward(dqkv, dc, qkv, atty, att_lse_.data() + l * BT * NH, B, T, C, NH, true,
+                         fused_ ? G(QKVB, l) : nullptr);
     if (recompute_ >= 2) k.layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, P<S>(LN1W, l), P<S>(LN1B, l), BT, C);
-    k.matmul_backward(dc, G(QKVW, l), G(QKVB, l), dqkv, ln1, P<S>(QKVW, l), BT, C, 3 * C);
+    k.matmul_backward(dc, G(QKVW, l), fused_ ? nullptr : G(QKVB, l), dqkv, ln1, P<S>(QKVW, l), BT, C, 3 * C);
     k.layernorm_backward(dres, G(LN1W, l), G(LN1B, l), dc, residual, P<S>(LN1W, l), ln1_mean, ln1_rstd, BT, C,
                          proj_db(FCPROJB, l - 1));
     if (overlap_) reduce_layer_async(l);  // nothing below this layer writes its gradients again

@@ -377,15 +377,19 @@ def attention_forward(qkv, n_head, causal=True):
     return out, lse
 
 
-def attention_backward(dout, qkv, out, lse, n_head, causal=True):
-    """-> dqkv (B, T, 3C)."""
+def attention_backward(dout, qkv, out, lse, n_head, causal=True, bias_grad=False):
+    """-> dqkv (B, T, 3C); with bias_grad, (dqkv, dbias): dbias (3C, float32) the column sums of dqkv, the qkv
+    projection's bias gradient as the fused model makes it (on an H100/H200 in 16 bits its K and V thirds come from
+    the attention kernel's own tiles, summed in another order; elsewhere a pass over dqkv, matmul_backward's bits)."""
     d = _where(dout, qkv, out, lse)
     dout, qkv, out = d.storage(dout, "dout"), d.storage(qkv, "qkv"), d.storage(out, "out")
     lse = d.f32(lse, "lse")
     dqkv = d.empty(_shape(qkv), like=qkv)
+    db = d.zeros(_shape(qkv)[-1:]) if bias_grad else None
     _ops.attention_backward(d.arg(dqkv), d.arg(dout), d.arg(qkv), d.arg(out), d.arg(lse),
-                            check_int(n_head, "n_head", 1, INT32_MAX), bool(causal), d.stream)
-    return dqkv
+                            check_int(n_head, "n_head", 1, INT32_MAX), bool(causal), d.stream,
+                            None if db is None else d.arg(db))
+    return (dqkv, db) if bias_grad else dqkv
 
 
 def attention_decode_append(k_cache, v_cache, qkv, pos):

@@ -155,6 +155,8 @@ struct Block {
 };
 inline thread_local dim3 tl_tid, tl_bid;
 inline dim3 g_grid, g_block;
+inline dim3 g_grid_big_smem;  // the last launch's with over 48 KB of dynamic shared memory (a Hopper kernel's, not
+                              // the small reductions that may follow it)
 inline thread_local Block* tl_block;
 inline unsigned char* smem() { return tl_block->smem; }
 // A static `__shared__ T name[n];` (run.sh rewrites the declaration): one array per block, the first thread to
@@ -1147,6 +1149,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
   if (block.y != 1 || block.z != 1) die("a block of more than one dimension (emulated: threadIdx.x alone)");
   g_max_smem_seen = std::max(g_max_smem_seen, bytes);
   g_grid = grid, g_block = block;
+  if (bytes > 48 * 1024) g_grid_big_smem = grid;
   const int nt = block.x;
   for (unsigned by = 0; by < grid.y; by++)
     for (unsigned bx = 0; bx < grid.x; bx++) {

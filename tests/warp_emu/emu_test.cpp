@@ -71,6 +71,10 @@ static Ref reference(const std::vector<double>& q, const std::vector<double>& k,
 static int failures = 0;
 static float g_amp = 2.f;
 static bool g_fwd_only = false;  // run() skips the backward (its dq, dk, dv are then not checked)
+// run()'s backward asks for kv_sums (flash_attention_backward; the engine's K and V bias gradients) where this is 0
+// or 1: 1, the kernel must make them (true; kv_sums += the column sums of dk | dv as returned, per (h, x)); 0, it
+// must not (false; kv_sums untouched). -1: not asked for.
+static int g_kv_expect = -1;
 static cuda::F32Math g_f32 = cuda::F32Math::simt;  // how float32 cases multiply (the tf32 modes set it)
 static bool g_normal = false;    // run() draws standard-normal inputs (tests/test_flash_attention.py's) and
                                  // relerr is ||got - ref|| / ||ref|| (its rel_err), for mode tchw
@@ -125,9 +129,14 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
   std::vector<float> lse((size_t)B * H * T, NAN);
   cpu::AttentionShape sh{B, H, T, d, causal};
   cuda::flash_attention_forward(out.data(), s, lse.data(), q.data(), k.data(), v.data(), s, sh, dt, nullptr, g_f32);
+  std::vector<float> kv(g_kv_expect >= 0 ? (size_t)2 * H * d : 0);
+  for (size_t i = 0; i < kv.size(); i++) kv[i] = 0.25f * (float)(i % 7) - 0.5f;  // += onto these
+  const std::vector<float> kv0 = kv;
+  bool kv_made = false;
   if (!g_fwd_only)
-    cuda::flash_attention_backward(dq.data(), dk.data(), dv.data(), s, dout.data(), out.data(), s, q.data(),
-                                   k.data(), v.data(), lse.data(), sh, dt, det, nullptr, g_f32);
+    kv_made = cuda::flash_attention_backward(dq.data(), dk.data(), dv.data(), s, dout.data(), out.data(), s, q.data(),
+                                             k.data(), v.data(), lse.data(), sh, dt, det, nullptr, g_f32,
+                                             kv.empty() ? nullptr : kv.data());
   Ref r = reference(lq, lk, lv, ldo, B, H, T, d, causal);
   auto logical = [&](const std::vector<E>& a) {
     std::vector<double> o(n);
@@ -139,6 +148,24 @@ Outs run(int B, int H, int T, int d, bool causal, bool bthd, bool det, DType dt,
   double eo = relerr(got.out, r.out), el = relerr(got.lse, r.lse), eq = 0, ek = 0, ev = 0;
   if (!g_fwd_only) eq = relerr(got.dq, r.dq), ek = relerr(got.dk, r.dk), ev = relerr(got.dv, r.dv);
   bool ok = eo < tol && el < tol && eq < tol && ek < tol && ev < tol;
+  double ekv = 0;  // kv_sums against the column sums (double) of the dk, dv returned, over |values|' sums
+  if (g_kv_expect >= 0) {
+    bool kv_ok = kv_made == (g_kv_expect == 1);
+    for (int m = 0; m < 2 && kv_ok; m++) for (int h = 0; h < H; h++) for (int x = 0; x < d; x++) {
+      const std::vector<double>& a = m == 0 ? got.dk : got.dv;
+      double sum = 0, mag = 0;
+      for (int b = 0; b < B; b++) for (int t = 0; t < T; t++) {
+        const double y = a[(((size_t)b * H + h) * T + t) * d + x];
+        sum += y, mag += fabs(y);
+      }
+      const size_t i = ((size_t)m * H + h) * d + x;
+      const double want = kv_made ? kv0[i] + sum : kv0[i];
+      ekv = std::max(ekv, fabs(kv[i] - want) / (mag + 1.0));
+    }
+    kv_ok = kv_ok && ekv < 1e-5;  // fp32 sums; a missing scale, row, warp or head is off by far more
+    ok = ok && kv_ok;
+    printf("%s kv_sums %s: %.2e\n", kv_ok ? "ok  " : "FAIL", kv_made ? "made" : "not made", ekv);
+  }
   if (!ok) failures++;
   const cuda::FlashTiles tiles = kernel_tiles();
   if (getenv("EMU_HASH")) {  // a digest of the outputs' bits, to compare two builds of the same case (FNV-1a)
@@ -437,7 +464,9 @@ void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double to
     set_tiles({fwd, dkdv, 0});
     const long bulk0 = emu::g_bulk_copies, loads0 = emu::g_bulk_loads;
     emu::initcheck_reset();
+    g_kv_expect = 1;  // the ws kernels make kv_sums
     const Outs o = run<E>(B, H, T, 64, causal, bthd, true, dt, tol, seed);
+    g_kv_expect = -1;
     // The dQ sums' bulk copies (and a ws forward's O) marked for initcheck, exactly; where T <= 128 there are none
     const bool marked = emu::tma_stores_marked(T <= 128);
     const bool step128 = dkdv % 2 == 1, persistent = dkdv >= 6;
@@ -445,16 +474,16 @@ void run_ws_bwd(int B, int H, int T, bool causal, bool bthd, DType dt, double to
     // its own that way and fetches the finished sums back at 128-query steps only (kBulkSum).
     const bool bulk_ok = (emu::g_bulk_copies > bulk0) == (T > 128) &&
                          (emu::g_bulk_loads > loads0) == (T > 128 && step128);
-    // emu::g_grid is the last launch's: the backward kernel's
+    // the backward kernel's grid (kv_sums' reduction is launched after it)
     const long tiles = (long)B * H * ((T + 127) / 128);
-    const bool grid = emu::g_grid.x == (persistent ? std::min<long>(tiles, emu::g_sm_count) : tiles);
+    const bool grid = emu::g_grid_big_smem.x == (persistent ? std::min<long>(tiles, emu::g_sm_count) : tiles);
     const bool same = o.out == fused.out && o.lse == fused.lse && o.dq == fused.dq && o.dk == fused.dk &&
                       o.dv == fused.dv;
     const bool ok = same && bulk_ok && grid && marked;
     if (!ok) failures++;
     printf("%s sm90 ws fused, %d-query steps%s: dq, dk, dv are sm90 fused's bits %d, bulk dQ copies where T > 128 "
            "%d, %u CTAs for %ld tiles, the copies' bytes marked for initcheck %d\n", ok ? "ok  " : "FAIL",
-           step128 ? 128 : 64, persistent ? ", persistent" : "", same, bulk_ok, emu::g_grid.x, tiles, marked);
+           step128 ? 128 : 64, persistent ? ", persistent" : "", same, bulk_ok, emu::g_grid_big_smem.x, tiles, marked);
   }
   set_tiles({0, 0, 0});
   fflush(stdout);
@@ -478,7 +507,9 @@ void run_fused_sm90(int B, int H, int T, int d, bool causal, bool bthd, DType dt
   Outs fused;
   for (bool det : {true, false}) {
     set_tiles({fwd, 3, 0});
+    g_kv_expect = 0;  // the plain fused kernel does not (the caller sums dk, dv)
     const Outs o = run<E>(B, H, T, d, causal, bthd, det, dt, tol, seed);
+    g_kv_expect = -1;
     const bool same = o.out == two.out && o.lse == two.lse && o.dk == two.dk && o.dv == two.dv;
     if (!same) failures++;
     printf("%s sm90 fused det=%d: dk, dv (and out, lse) are the two-pass sm90 dkdv's bits\n", same ? "ok  " : "FAIL",
@@ -1318,12 +1349,14 @@ void run_encoder_cases(unsigned& seed) {
 // The bias gradient's column sums (matmul_bias.cu): dbias += the sums over rows of dout, whose order the kernels
 // fix (a 512-row chunk's row lane y sums rows y, y + 8, ... in order, the lanes added in order from 0.f; the chunks'
 // sums likewise in 8 lanes), replayed here in float for their bits, and within 1e-6 of float64; bias_add adds sums
-// as they are. offset: dout starts that many values past an aligned address (the one-value-a-load form).
+// as they are. offset: dout starts that many values past an aligned address (the one-value-a-load form). ld: the
+// rows' stride (0: OC), the engine's Q third of dqkv (attention.cu); the values past OC in a row must not count.
 template <typename S>
-void run_bias(int64_t N, int OC, int offset, unsigned seed) {
+void run_bias(int64_t N, int OC, int offset, unsigned seed, int64_t ld = 0) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
-  std::vector<S> buf((size_t)(N * OC + offset));
+  const int64_t stride = ld ? ld : OC;
+  std::vector<S> buf((size_t)(N * stride + offset));
   for (auto& x : buf) x = from_float<S>(nd(rng));
   const S* dout = buf.data() + offset;
   // offset 0 must be the 16-byte path: an unaligned buffer would quietly take the other one and still pass
@@ -1343,8 +1376,8 @@ void run_bias(int64_t N, int OC, int offset, unsigned seed) {
     for (int64_t k = 0; k < nchunks; k++) {
       float s[8] = {};
       for (int64_t r = k * 512; r < std::min<int64_t>(N, (k + 1) * 512); r++) {
-        s[(r - k * 512) % 8] += to_float(dout[r * OC + c]);
-        exact[c] += to_float(dout[r * OC + c]);
+        s[(r - k * 512) % 8] += to_float(dout[r * stride + c]);
+        exact[c] += to_float(dout[r * stride + c]);
       }
       part[k] = lanes(s);
     }
@@ -1357,7 +1390,7 @@ void run_bias(int64_t N, int OC, int offset, unsigned seed) {
     want[c] += t;
   }
   std::vector<float> got = dbias0;
-  cuda::bias_backward<S>(got.data(), dout, N, OC, nullptr);
+  cuda::bias_backward<S>(got.data(), dout, N, OC, nullptr, ld);
   double err2 = 0, ref2 = 0;
   for (int c = 0; c < OC; c++) {
     const double e = ((double)got[c] - dbias0[c]) - exact[c];
@@ -1372,8 +1405,8 @@ void run_bias(int64_t N, int OC, int offset, unsigned seed) {
   const bool ok = got == want && rel <= 1e-6 && add_ok && aligned;
   if (!ok) failures++;
   const char* type = std::is_same_v<S, float> ? "fp32" : std::is_same_v<S, bf16> ? "bf16" : "fp16";
-  printf("%s bias_backward %s N=%ld OC=%d offset=%d: %s, %.2e from float64; bias_add %s%s\n", ok ? "ok  " : "FAIL",
-         type, (long)N, OC, offset, got == want ? "the order's bits" : "DIFFERS from the order's bits", rel,
+  printf("%s bias_backward %s N=%ld OC=%d ld=%ld offset=%d: %s, %.2e from float64; bias_add %s%s\n",
+         ok ? "ok  " : "FAIL", type, (long)N, OC, (long)stride, offset, got == want ? "the order's bits" : "DIFFERS from the order's bits", rel,
          add_ok ? "exact" : "WRONG", aligned ? "" : " (the buffer is NOT 16-byte aligned)");
   fflush(stdout);
 }
@@ -1494,6 +1527,8 @@ void run_bias_cases(unsigned& seed) {
   run_bias<bf16>(900, 64, 1, seed++);    // rows off 16-byte alignment: one value a load
   run_bias<float>(1100, 64, 2, seed++);  // the same in float
   run_bias<f16>(5, 304, 0, seed++);      // fewer rows than lanes; 304 columns: a second, part-filled block
+  run_bias<bf16>(1300, 768, 0, seed++, 2304);  // the Q third of GPT-2's dqkv: rows 2304 apart, 16 bytes a load
+  run_bias<f16>(700, 40, 0, seed++, 44);       // rows not whole packs apart: one value a load
 }
 
 // The optimizer step's kernels (adamw.cu) against the CPU reference (cpu/adamw.cpp, compiled in beside them): the
