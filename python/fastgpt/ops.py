@@ -290,7 +290,8 @@ def matmul_backward(dout, x, weight, bias=True):
 
 
 def matmul_bias_grad_epilogue(enabled=None):
-    """How matmul_backward (and the engine's linear layers) make the bias gradient on a GPU in bfloat16/float16:
+    """How matmul_backward (and the engine's linear layers, but the fused model's qkv, whose bias gradient comes with
+    the attention backward: attention_backward's bias_grad) make the bias gradient on a GPU in bfloat16/float16:
     False (the default) in a column-sum kernel (a second pass over dout, 16 bytes a load, every sum in an order
     that depends on the row count alone; float32 always takes it), True in cuBLASLt's epilogue of the weight
     gradient's product (BGRADB, in fp32), which on an H200 ran as a second pass of its own and slowed the product.
