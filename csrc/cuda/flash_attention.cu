@@ -586,10 +586,11 @@ bool flash_attention_backward(void* dq, void* dk, void* dv, const HeadStrides& i
   p.delta = delta.ptr;
   p.dq_accum = accum.ptr;
   if (fused) p.dq_turn = reinterpret_cast<int*>(accum.ptr + padded * shape.d), p.next_tile = p.dq_turn + turns;
-  // kv_sums: the warp-specialised backward (head dim 64) writes each (b, key block, consumer)'s column sums of dK
-  // and dV (Params::kv_part), added up here; the other kernels have no such rows, and the caller sums dk, dv itself.
+  // kv_sums: the warp-specialised backward (head dim 64) writes each (b, key block)'s column sums of dK and dV
+  // (Params::kv_part), added up here (GPT-2 at B 64, T 1024: 512 rows, one pass); the other kernels have no such
+  // rows, and the caller sums dk, dv itself.
   const bool ws = kv_sums && flash::ws_fused_sm90(p.tiles.dkdv) && shape.d == 64;
-  const int64_t kv_rows = (int64_t)shape.B * ((shape.T + 127) / 128) * 2, kv_cols = 2 * (int64_t)shape.H * shape.d;
+  const int64_t kv_rows = (int64_t)shape.B * ((shape.T + 127) / 128), kv_cols = 2 * (int64_t)shape.H * shape.d;
   Scratch kv_part(ws ? kv_rows * kv_cols : 0, stream);
   p.kv_part = kv_part.ptr;
   bool ws_ran = false;

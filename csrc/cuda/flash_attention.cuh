@@ -42,8 +42,8 @@ struct Params {
                            // fused sm90 backwards, else nullptr
   int* dq_turn;            // (B, H, ceil(T / 64)): the fused sm90 backward's turn counters, else nullptr
   int* next_tile;          // the persistent ws backward's tile counter (after dq_turn, zeroed with it), else nullptr
-  float* kv_part;          // (B ceil(T / 128) 2, 2, H, d) or nullptr: the ws backward's column sums of dK | dV per
-                           // (b, key block, consumer), (h, column) (kv_sums: flash_attention.cu)
+  float* kv_part;          // (B ceil(T / 128), 2, H, d) or nullptr: the ws backward's column sums of dK | dV per
+                           // (b, key block), (h, column) (kv_sums: flash_attention.cu)
   HeadStrides is, os;
   int B, H, T, d;
   bool causal;

@@ -15,8 +15,8 @@
 //   the buffer back, meets the other warpgroup at one named barrier (dS^T of all 128 keys is in shared memory; two
 //   dS^T tiles alternate, so one barrier per step is enough), multiplies its half of the step's dQ part and leaves
 //   it in the ring. They never wait for another CTA unless the ring is full. Where the caller asks (Params::kv_part:
-//   the engine's qkv bias gradient), each then sums its 64 keys of dK and dV by column (warp_column_sums) into one
-//   row of partial sums, so that no pass over dK and dV has to.
+//   the engine's qkv bias gradient), they then sum the tile's 128 keys of dK and dV by column (warp_column_sums,
+//   then their eight warps' sums in order) into one row of partial sums, so that no pass over dK and dV has to.
 // The sums, their order (highest key block first; key block 0 writes dq) and therefore dq, dk and dv are the "sm90
 // fused" kernel's bits. Head dim 64 only (the dkdv options "sm90 ws fused" and "sm90 ws fused 128x128"; at 128
 // they run "sm90 fused": the kernel there needs all 255 registers). Two step sizes (BR queries per step, Step<BR>):
@@ -54,7 +54,7 @@ constexpr int KB = 128;                        // keys per CTA
 constexpr int kStages = 2;                     // Q/dO/lse/delta buffers
 constexpr int kNT = 384, kWriters = 96;        // threads: warpgroup 0 (loader warp, writer warps), two consumers
 constexpr int kConsumerBar = 1, kWriterBar = 2;  // named barriers (0 is __syncthreads)
-constexpr int kSumsBar = 3;                      // 3 + consumer: its four warps' column sums (kv_sums)
+constexpr int kSumsBar = 3;                      // the consumers' eight warps' column sums (kv_sums)
 
 // Per step size (BR queries): dQ part buffers, the registers of warpgroup 0 and of the consumers, how many chunks
 // dq_writer loads from L2 at once (4: no spills at 80 registers, 5 spilled 28 bytes), and whether key block 0 has the
@@ -114,7 +114,7 @@ struct Layout {
   static constexpr int kS = kdO + kStages * kQBytes;              // 2 x (KB, BR) dS^T
   static constexpr int kDq = kS + 2 * kSBytes;                    // kDqStages x (BR, D) fp32, in fragment order
   static constexpr int kLd = kDq + kDqStages * kDqBytes;          // kStages x (lse in log2 units, delta) x BR
-  static constexpr int kSums = kLd + kStages * kLdBytes;          // 2 consumers x 4 warps x (dK | dV) x D fp32
+  static constexpr int kSums = kLd + kStages * kLdBytes;          // 8 consumer warps x (dK | dV) x D fp32
   static constexpr int kBars = kSums + 2 * 4 * 2 * D * 4;
   static constexpr int kTiles = kBars + 8 * Bars<BR>::kCount;     // kTileSlots tile numbers, 16 bytes apart
   static constexpr int kBytes = kTiles + 16 * kTileSlots + 1024;  // and room to align
@@ -512,25 +512,23 @@ __global__ void __launch_bounds__(kNT, 1) backward_ws_kernel(Params p, const __g
     const int64_t in_off = in_offset(p, x.bh);
     store_tile_rows(dk, kw0, g, c, p.T, static_cast<E*>(p.dk) + in_off, p.is.st, p.scale);
     store_tile_rows(dv, kw0, g, c, p.T, static_cast<E*>(p.dv) + in_off, p.is.st, 1.f);
-    if (p.kv_part) {  // this consumer's 64 keys' column sums of dK and dV: its row of kv_part
+    if (p.kv_part) {  // the tile's 128 keys' column sums of dK and dV: its row of kv_part
       static_assert(D == 64, "warp_column_sums: eight 8-column tiles");
-      float* sums = reinterpret_cast<float*>(sm + L::kSums) + ci * 4 * 2 * D;  // (4 warps, dK | dV, D)
+      float* sums = reinterpret_cast<float*>(sm + L::kSums);  // (8 warps: consumer 0's, then 1's; dK | dV; D)
       const float2 sk = warp_column_sums<E>(dk, kw0, g, lane, p.T, p.scale);
       const float2 sv = warp_column_sums<E>(dv, kw0, g, lane, p.T, 1.f);
-      float* mine = sums + warp * 2 * D + 8 * g + 2 * c;
+      float* mine = sums + (ci * 4 + warp) * 2 * D + 8 * g + 2 * c;
       wgmma::st_shared_f32(mine, sk.x), wgmma::st_shared_f32(mine + 1, sk.y);
       wgmma::st_shared_f32(mine + D, sv.x), wgmma::st_shared_f32(mine + D + 1, sv.y);
-      // (ids fixed at compile time: with kSumsBar + ci, ptxas reserved all 16 barriers.) sums is written again only
-      // after the next step's consumer barrier, which this thread passes after its reads below.
-      if (ci == 0)
-        wgmma::bar_sync(kSumsBar, 128);
-      else
-        wgmma::bar_sync(kSumsBar + 1, 128);
-      const int i = ct % 128, b = x.bh / p.H, h = x.bh % p.H;  // i: (dK | dV, column)
-      float total = 0.f;
+      // sums is written again only after the next step's consumer barrier, which every thread passes after its reads
+      wgmma::bar_sync(kSumsBar, 256);
+      if (ct < 2 * D) {  // ct: (dK | dV, column)
+        const int b = x.bh / p.H, h = x.bh % p.H;
+        float total = 0.f;
 #pragma unroll
-      for (int w = 0; w < 4; w++) total += wgmma::ld_shared_f32(sums + w * 2 * D + i);
-      p.kv_part[((int64_t)(b * n_kb + j) * 2 + ci) * 2 * p.H * D + (i / D) * p.H * D + h * D + i % D] = total;
+        for (int w = 0; w < 8; w++) total += wgmma::ld_shared_f32(sums + w * 2 * D + ct);
+        p.kv_part[(int64_t)(b * n_kb + j) * 2 * p.H * D + (ct / D) * p.H * D + h * D + ct % D] = total;
+      }
     }
   }
 }
