@@ -576,16 +576,8 @@ void bind_ops(py::module_& m) {
     Ctx c = context({&dqkv, &dout, &qkv, &out, &lse, &dbias}, stream);
     float* dbp = dbias_ ? dbias.f() : nullptr;
     py::gil_scoped_release nogil;
-#ifdef FASTGPT_WITH_CUDA
-    if (c.cuda) {  // (FASTGPT_DISPATCH puts the stream last; dbias comes after it here)
-      TYPED(qkv, cuda::attention_backward<S>(dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(), lse.f(), B, T, C,
-                                             n_head, causal, c.stream, cuda::F32Math::tf32x3, dbp));
-      return;
-    }
-#endif
-    TYPED(qkv, cpu::attention_backward<S>(dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(), lse.f(), B, T, C,
-                                          n_head, causal));
-    if (dbp) TYPED(qkv, cpu::bias_backward<S>(dbp, dqkv.as<S>(), (int64_t)B * T, 3 * C));
+    TYPED(qkv, FASTGPT_DISPATCH(c, attention_backward<S>, dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(),
+                                lse.f(), B, T, C, n_head, causal, dbp));
   });
   // Attention against a KV cache (generation): caches (B, NH, Tmax, hs), new positions [pos, pos + T) of qkv.
   auto decode_dims = [](const View& kc, const View& vc, const View& qkv, int pos) {

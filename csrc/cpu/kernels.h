@@ -132,16 +132,18 @@ void attention_forward(S* out,                   // (B, T, C)
                        float* lse,               // (B, NH, T)
                        const S* qkv,             // (B, T, 3C)
                        int B, int T, int C, int NH, bool causal);
+// dbias (3C), or nullptr: += the column sums of dqkv (bias_backward's), the qkv projection's bias gradient as the
+// fused model takes it (the CUDA twin makes part of it in the attention kernel).
 template <typename S>
 void attention_backward(S* dqkv,                 // (B, T, 3C) overwritten
                         const S* dout,           // (B, T, C)
                         const S* qkv, const S* out, const float* lse,
-                        int B, int T, int C, int NH, bool causal);
+                        int B, int T, int C, int NH, bool causal, float* dbias = nullptr);
 template <>
 void attention_forward<float>(float* out, float* lse, const float* qkv, int B, int T, int C, int NH, bool causal);
 template <>
 void attention_backward<float>(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                               int B, int T, int C, int NH, bool causal);
+                               int B, int T, int C, int NH, bool causal, float* dbias);
 
 // ---- attention against a KV cache, for generation (attention_decode.cpp)
 // A layer's cache holds the keys and values of positions [0, Tmax) of each row and head: kcache, vcache

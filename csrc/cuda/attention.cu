@@ -68,7 +68,7 @@ void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, in
 
 template <typename S>
 void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
-                        int NH, bool causal, Stream stream, F32Math f32, float* dbias) {
+                        int NH, bool causal, float* dbias, Stream stream, F32Math f32) {
   const AttentionShape shape{B, NH, T, C / NH, causal};
   const int64_t BT = (int64_t)B * T;
   if (std::is_same_v<S, float> || tensor_core_ok(C, NH, {dqkv, dout, qkv, out})) {
@@ -83,7 +83,7 @@ void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, cons
   }
   Scratch dout32(BT * C, stream), qkv32(BT * 3 * C, stream), out32(BT * C, stream), dqkv32(BT * 3 * C, stream);
   attention_backward<float>(dqkv32.ptr, widened(dout32, dout, BT * C, stream), widened(qkv32, qkv, BT * 3 * C, stream),
-                            widened(out32, out, BT * C, stream), lse, B, T, C, NH, causal, stream);
+                            widened(out32, out, BT * C, stream), lse, B, T, C, NH, causal, nullptr, stream);
   narrow(dqkv, dqkv32.ptr, BT * 3 * C, RoundKey{}, stream);
   if (dbias) bias_backward(dbias, (const S*)dqkv, BT, 3 * C, stream);
 }
@@ -91,7 +91,7 @@ void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, cons
 #define FASTGPT_INSTANTIATE(S)                                                                                 \
   template void attention_forward<S>(S*, float*, const S*, int, int, int, int, bool, Stream, F32Math);        \
   template void attention_backward<S>(S*, const S*, const S*, const S*, const float*, int, int, int, int, bool, \
-                                      Stream, F32Math, float*);
+                                      float*, Stream, F32Math);
 FASTGPT_INSTANTIATE(float)
 FASTGPT_INSTANTIATE(bf16)
 FASTGPT_INSTANTIATE(f16)

@@ -167,7 +167,7 @@ void attention_forward(S* out, float* lse, const S* qkv, int B, int T, int C, in
 // bits matmul_backward's are.
 template <typename S>
 void attention_backward(S* dqkv, const S* dout, const S* qkv, const S* out, const float* lse, int B, int T, int C,
-                        int NH, bool causal, Stream stream, F32Math f32 = F32Math::tf32x3, float* dbias = nullptr);
+                        int NH, bool causal, float* dbias, Stream stream, F32Math f32 = F32Math::tf32x3);
 
 // Generation against a KV cache (attention_decode.cu, the twin of csrc/cpu/attention_decode.cpp): kcache, vcache
 // (B, NH, Tmax, hs); append writes the k/v thirds of qkv (B, T, 3C) at positions [t0, t0 + T); forward attends new

@@ -198,9 +198,8 @@ class CpuBackend final : public Backend {
   }
   void attention_backward_(DType d, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T, int C,
                            int NH, bool causal, float* dbias) override {
-    // dbias: matmul_backward's column sums (the unfused model's bits)
-    FASTGPT_TYPED(d, cpu::attention_backward(P<S>(dqkv), P<S>(dout), P<S>(qkv), P<S>(out), lse, B, T, C, NH, causal);
-                  if (dbias) cpu::bias_backward(dbias, P<S>(dqkv), (int64_t)B * T, 3 * C));
+    FASTGPT_TYPED(d, cpu::attention_backward(P<S>(dqkv), P<S>(dout), P<S>(qkv), P<S>(out), lse, B, T, C, NH, causal,
+                                             dbias));
   }
   void attention_decode_append_(DType d, void* kcache, void* vcache, cv* qkv, int B, int T, int t0, int Tmax, int C,
                                 int NH) override {

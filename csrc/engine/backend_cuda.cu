@@ -258,7 +258,7 @@ class CudaBackend final : public Backend {
   void attention_backward_(DType d, void* dqkv, cv* dout, cv* qkv, cv* out, const float* lse, int B, int T, int C,
                            int NH, bool causal, float* dbias) override {
     FASTGPT_TYPED(d, cuda::attention_backward(P<S>(dqkv), P<S>(dout), P<S>(qkv), P<S>(out), lse, B, T, C, NH, causal,
-                                              stream_, f32_math(), dbias));
+                                              dbias, stream_, f32_math()));
   }
   void attention_decode_append_(DType d, void* kcache, void* vcache, cv* qkv, int B, int T, int t0, int Tmax, int C,
                                 int NH) override {

@@ -571,7 +571,8 @@ void run_fused(int B, int T, int C, int NH, bool causal, unsigned seed) {
     lq[L] = qkv[base]; lk[L] = qkv[base + C]; lv[L] = qkv[base + 2 * C]; ldo[L] = dout[((size_t)b * T + t) * C + h * d + x];
   }
   cuda::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, causal, nullptr);
-  cuda::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, causal, nullptr);
+  cuda::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH, causal, nullptr,
+                           nullptr);
   Ref r = reference(lq, lk, lv, ldo, B, NH, T, d, causal);
   std::vector<double> go(n), gq(n), gk(n), gv(n), gl(lse.begin(), lse.end());
   for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) for (int t = 0; t < T; t++) for (int x = 0; x < d; x++) {
