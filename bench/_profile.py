@@ -5,7 +5,7 @@ Why: a whole-step tok/s says how far fastgpt is from torch compiled, not which k
 torch.profiler, records every kernel of the process, fastgpt's own launches and CUDA-graph replays included, so both
 sides are broken down alike in the same run. The trace's "kernel", "gpu_memcpy" and "gpu_memset" events are used
 (the Chrome trace is the profiler's stable output across torch versions). Kernel time only: the gap to the step's
-wall time is the GPU idling (host work, launches, syncs)."""
+wall time is the GPU idling (host work, launches, syncs), which gaps() finds in the trace by the ops around it."""
 import json
 import os
 import re
@@ -37,6 +37,7 @@ def group_of(name):
 
 
 PRINTED = 15  # kernels a variant's table lists; its JSON `top` keeps 60 (a group's small kernels: a LayerNorm combine)
+GAPS_PRINTED = 10  # pairs of ops around the GPU's idle gaps a variant's table lists; its JSON keeps 20
 
 
 def breakdown(trace_events, steps, top=60):
@@ -55,7 +56,33 @@ def breakdown(trace_events, steps, top=60):
         groups[g] += ms / steps
         rows.append({"name": name, "group": g, "ms": ms / steps, "calls": calls / steps})
     rows.sort(key=lambda r: -r["ms"])
-    return {"kernel_ms": sum(groups.values()), "groups": groups, "top": rows[:top], "kernels": len(rows)}
+    return {"kernel_ms": sum(groups.values()), "groups": groups, "top": rows[:top], "kernels": len(rows),
+            "gaps": gaps(trace_events, steps)}
+
+
+def gaps(trace_events, steps, top=20):
+    """Where the GPU idles: the GPU events ({"ts", "dur"} in us) in time order, each one's gap being how long the
+    GPU had nothing running before it started (after the latest end so far: events that overlap leave none), summed
+    per step by the pair of ops around it -> {"idle_ms": all gaps per step, "events": GPU events per step, "top":
+    [{"before", "after", "ms", "count"} per step, ...] (the `top` largest pairs)}. The gaps between the profiled steps
+    (the host's sync and launch) are in it too, as the pair that ends one step and starts the next. Why: the step's
+    wall time less its kernels' (the table's "idle", 0.4 to 5 ms a graph step in the H100/H200 runs) says how much,
+    not where: launch gaps between a graph's nodes, memsets (130 a step of 0.76 us each in the seventh run) and
+    waits show up here by name."""
+    events = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in trace_events
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e and "ts" in e)
+    pairs, total, end, before = {}, 0.0, None, None
+    for ts, dur, name in events:
+        if end is not None and ts > end:
+            key = (before, name)
+            ms, count = pairs.get(key, (0.0, 0))
+            pairs[key] = (ms + (ts - end) / 1e3, count + 1)
+            total += (ts - end) / 1e3
+        end = ts + dur if end is None else max(end, ts + dur)
+        before = name
+    rows = [{"before": b, "after": a, "ms": ms / steps, "count": n / steps} for (b, a), (ms, n) in pairs.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    return {"idle_ms": total / steps, "events": len(events) / steps, "top": rows[:top]}
 
 
 def profile_steps(step, indices, sync, activity="CUDA", steps=None):
@@ -109,3 +136,9 @@ def print_breakdown(results, names, step_ms):
         print(f"\n{n}: {p['kernels']} distinct kernels; the largest (ms per step, calls per step, group):")
         for r in p["top"][:PRINTED]:
             print(f"  {r['ms']:8.3f} {r['calls']:6.1f}  {r['group']:<13} {short(r['name'])[:90]}")
+        g = p.get("gaps")
+        if g and g["top"]:
+            print(f"{n}: the GPU idle {g['idle_ms']:.2f} ms a step between its {g['events']:.0f} events; the largest "
+                  f"gaps by the ops around them (ms per step, gaps per step):")
+            for r in g["top"][:GAPS_PRINTED]:
+                print(f"  {r['ms']:8.3f} {r['count']:6.1f}  {short(r['before'])[:50]} -> {short(r['after'])[:50]}")

@@ -68,6 +68,34 @@ def test_trace_events_are_summed_per_kernel_and_per_step():
     assert b["top"][0]["calls"] in (0.5, 1.0)
 
 
+def test_gaps_are_the_gpus_idle_time_between_events_by_the_ops_around_them():
+    rng = np.random.default_rng()
+    d = rng.uniform(1, 50, size=6)  # durations, us
+    g = rng.uniform(1, 20, size=3)  # the idle gaps, us
+    a, b, c, m = "nvjet_a", "void fastgpt::cuda::k<float>()", "nvjet_c", "Memset (Unknown)"
+    t_b = d[0] + g[0]
+    t_c = t_b + d[1] / 2  # starts while b runs (another stream): no gap before it
+    end_c = max(t_b + d[1], t_c + d[2])
+    t_a2 = end_c + g[1]
+    t_m = t_a2 + d[3] + g[2]
+    events = [{"cat": "kernel", "name": c, "ts": t_c, "dur": d[2]},  # out of order: sorted by start
+              {"cat": "kernel", "name": a, "ts": 0.0, "dur": d[0]},
+              {"cat": "kernel", "name": b, "ts": t_b, "dur": d[1]},
+              {"cat": "kernel", "name": a, "ts": t_a2, "dur": d[3]},
+              {"cat": "gpu_memset", "name": m, "ts": t_m, "dur": d[4]},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": t_m + 100.0, "dur": d[5]},  # host side: not the GPU's
+              {"cat": "kernel", "name": a, "dur": 1.0}]  # no start time: left out
+    out = _profile.gaps(events, steps=2)
+    assert np.isclose(out["idle_ms"], g.sum() / 2e3)
+    assert out["events"] == 2.5
+    got = {(r["before"], r["after"]): (r["ms"], r["count"]) for r in out["top"]}
+    assert set(got) == {(a, b), (c, a), (a, m)}, got
+    assert np.allclose(got[(a, b)], (g[0] / 2e3, 0.5)) and np.allclose(got[(c, a)], (g[1] / 2e3, 0.5))
+    assert np.allclose(got[(a, m)], (g[2] / 2e3, 0.5))
+    assert [r["ms"] for r in out["top"]] == sorted((r["ms"] for r in out["top"]), reverse=True)
+    assert _profile.breakdown(events, steps=2)["gaps"] == out
+
+
 def test_profile_steps_reads_the_profilers_trace(monkeypatch):
     x = np.random.default_rng().standard_normal((32, 48)).astype(np.float32)
     calls = []

@@ -153,21 +153,31 @@ def test_cuda_layernorm_backward_paths(rng, dtype, tol, shape):
 
 # dweight/dbias on a GPU are the CPU's bits, given the same inputs and the same mean and rstd: both sum the same
 # floats in the same order (64-row chunks of 8-row parts, an fma a row; the chunks in double over 16 lanes of chunks,
-# then the lanes in order). (8, 1024, 768): 128 chunks, one pass; (3, 400, 24): 19; (2, 70, 100): the two passes.
+# then the lanes in order). (8, 1024, 768): 128 chunks, one pass; (3, 400, 24): 19; (2, 70, 100): the two passes;
+# (24, 1024, 768): 384 chunks, more than an H100's or H200's one-pass blocks (two an SM at this width in bf16, one in
+# fp32), so that blocks take several in turn, their rows' ring running on from chunk to chunk. dx within rounding of
+# the CPU's; in bf16 also with dx's column sums (the fused model's call), which change none of the bits.
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", [(8, 1024, 768), (3, 400, 24), (2, 70, 100)])
+@pytest.mark.parametrize("shape", [(8, 1024, 768), (3, 400, 24), (2, 70, 100), (24, 1024, 768)])
 def test_cuda_layernorm_weight_grads_are_the_cpus_bits(rng, dtype, shape):
     C = shape[-1]
     make = lambda s, scale=1.0, shift=0.0: torch.tensor(rng.standard_normal(s) * scale + shift).to(dtype).cuda()
     x, w, b, dout = make(shape, 2.0, 0.5), make(C), make(C), make(shape)
     _, mean, rstd = ops.layernorm_forward(x, w, b)
-    _, dw, db = ops.layernorm_backward(dout, x, w, mean, rstd)
-    _, cpu_dw, cpu_db = ops.layernorm_backward(dout.cpu(), x.cpu(), w.cpu(), host(mean), host(rstd))
+    dx, dw, db = ops.layernorm_backward(dout, x, w, mean, rstd)
+    cpu_dx, cpu_dw, cpu_db = ops.layernorm_backward(dout.cpu(), x.cpu(), w.cpu(), host(mean), host(rstd))
     for got, want, name in ((dw, cpu_dw, "dweight"), (db, cpu_db, "dbias")):
         got, want = host(got), np.asarray(want)
         assert rel_err(got, want) < 1e-6, name  # a gross difference first, then the bits
         assert np.array_equal(bits(got), bits(want)), f"{name}: the GPU's bits are not the CPU's"
+    wide = lambda t: (t.detach().double().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64))
+    assert rel_err(wide(dx), wide(cpu_dx)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    if dtype == torch.bfloat16:
+        *again, ds = ops.layernorm_backward(dout, x, w, mean, rstd, dx_sum=True)
+        for got, want in zip(again, (dx, dw, db)):
+            assert np.array_equal(bits(got), bits(want))
+        assert rel_err(host(ds), wide(dx).reshape(-1, C).sum(0)) < 1e-6
 
 
 # The one-pass backward at GPT-2's width in bf16 (three packs a lane), compiled for sm_90a, in its three forms. The

@@ -341,13 +341,6 @@ int smem_optin() {
   return bytes;
 }
 
-int sm_count() {
-  int device = 0, sms = 0;
-  FASTGPT_CUDA_CHECK(cudaGetDevice(&device));
-  FASTGPT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return std::max(sms, 1);
-}
-
 template <typename E>
 void compute_delta(const Params& p, Stream stream) {
   constexpr int N = cuda::Pack<E>::N, kThreads = 256;

@@ -16,6 +16,7 @@
 #include "cuda/cp_async.cuh"
 #include "cuda/fast_exp.cuh"
 #include "cuda/ops.h"
+#include "cuda/smem.cuh"  // sm_count
 
 namespace fastgpt::cuda::flash {
 
@@ -62,8 +63,6 @@ int tf32_smem(int d);
 // 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/sm_89 (A10, L4, RTX 30xx/40xx), 64 KB on sm_75; a kernel asking
 // for more fails in cudaFuncSetAttribute (flash_attention.cu).
 int smem_optin();
-// The current device's SMs (at least 1): the persistent kernels' grid, the delta pass's cap (flash_attention.cu).
-int sm_count();
 // Tensor-core launchers (one per file), instantiated for __nv_bfloat16 and __half; sm_80 and newer only.
 template <typename E>
 void forward_tc(const Params& p, Stream stream);

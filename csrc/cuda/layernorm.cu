@@ -10,16 +10,15 @@
 // y, y + kCombineLanes, ... in order, then the lanes in order. A chunk's partial is the CPU's: the in-order float sum
 // of its parts' sums, a part being kRowsPerPart rows summed in order. The result never depends on launch
 // configuration or timing.
-// The backward reads each row once (llm.c's layernorm_backward does the same): a block takes a chunk, each of its
-// warps one part, and a lane keeps its columns of the row (16-byte packs) in registers from the row's two sums to
-// its dinp, and its columns' part sums beside them; the warps then add their part sums into the chunk's partial in
-// turn, through shared memory. A row's dinp is loaded with it, before the row's sums, so that a warp waits on
-// memory once a row; on sm_80 and newer, where the shared memory allows, not even that: the rows come through a
-// ring in shared memory by cp.async, the next one landing while the warp works on the one before. The two-pass
-// form it replaces (one kernel for dinp, a second that reads dout and inp again for the partials: half as much
-// traffic again) is kept for rows it cannot take (C not a whole number of packs, over kMaxCols, unaligned views)
-// and, by set_layernorm_one_pass(false), for benchmarks and tests; both give the same dweight/dbias bits (fmaf in
-// both).
+// The backward reads each row once (llm.c's layernorm_backward does the same): a block takes chunks in turn, each of
+// its warps one part of each, and a lane keeps its columns of the row (16-byte packs) in registers from the row's two
+// sums to its dinp, and its columns' part sums beside them; the warps then add their part sums into the chunk's partial
+// in turn, through shared memory. A row's dinp is loaded with it, before the row's sums, so that a warp waits on memory
+// once a row; on sm_80 and newer, where the shared memory allows, not even that: the rows come through a ring in shared
+// memory by cp.async, the next one landing while the warp works on the one before. The two-pass form it replaces (one
+// kernel for dinp, a second that reads dout and inp again for the partials: half as much traffic again) is kept for
+// rows it cannot take (C not a whole number of packs, over kMaxCols, unaligned views) and, by
+// set_layernorm_one_pass(false), for benchmarks and tests; both give the same dweight/dbias bits (fmaf in both).
 // dinp_sum (the column sums of dinp after the update: the fused model's residual projections' bias gradients): the
 // 16-bit ring kernel's kSum form adds each pack of dinp it stores into its warp's sums in shared memory, which go
 // into the chunk's partial as a third row beside dweight/dbias; elsewhere bias_backward (matmul_bias.cu) reads dinp
@@ -183,9 +182,10 @@ __host__ __device__ constexpr int sum_slot(int k, int h, int lane) {
   return (k * (Pack<S>::N / 4) + h) * 32 + lane;
 }
 
-// One block per chunk, one warp per part (grid: nchunks; kParts warps). Lane l's columns are the K packs
-// (32 k + l) * P .. + P - 1 (P = Pack<S>::N): each warp-wide load is 512 contiguous bytes. Needs C a multiple of P
-// (a pack is in the row or out of it), C <= 32 K P <= kMaxCols and 16-byte aligned rows (one_pass_fits).
+// As many blocks as the SMs hold at once (kOnePassBlocks an SM, launch_one_pass), each taking chunks blockIdx.x,
+// blockIdx.x + gridDim.x, ... in turn; in each chunk one warp per part (kParts warps). Lane l's columns are the K
+// packs (32 k + l) * P .. + P - 1 (P = Pack<S>::N): each warp-wide load is 512 contiguous bytes. Needs C a multiple
+// of P (a pack is in the row or out of it), C <= 32 K P <= kMaxCols and 16-byte aligned rows (one_pass_fits).
 // kRing (sm_80 and newer, where ring_bytes fit; layernorm_backward chooses): a lane's packs of a row come by
 // cp.async into the warp's ring in shared memory, next row first, so that a row is on its way while the warp works
 // on the one before; else they are loaded into registers when the warp reaches the row, and a warp has rows in
@@ -193,6 +193,11 @@ __host__ __device__ constexpr int sum_slot(int k, int h, int lane) {
 // (The registers hold the part sums, 48 at GPT-2's width, so a second row's packs do not fit beside them: 128 a
 // thread at two blocks an SM. The third H200 run's 0.157 ms a call, 2.5 TB/s, where the residual LayerNorm's
 // forward, which moves as many bytes, ran at 3.6, came from the wait on each row.)
+// Why a block keeps going from chunk to chunk (the seventh H200 run's 0.164 ms a call, 2.44 TB/s, when each chunk
+// was a block of its own): a warp's ring runs on across the chunks, the next chunk's first rows on their way while
+// the block adds its parts' sums, and a block's fixed costs (the weight's copy, the first rows' wait with nothing
+// else in flight, the means' loads) are paid once, not 1024 times a call at B 64. The chunks, their parts and every
+// sum are the same: the same bits.
 template <typename S, int K, bool kRing, bool kSum>
 __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     layernorm_backward_one_pass_kernel(S* __restrict__ dinp, float* __restrict__ partial, const S* __restrict__ dout,
@@ -203,6 +208,7 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   static_assert(!kSum || (kRing && P % 4 == 0), "layernorm_backward_one_pass_kernel: kSum is the ring's, in quarters");
   extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: ring_bytes(C, kSum)
   __shared__ float static_sums[kRing ? 1 : 2 * kMaxCols];
+  static_assert(kRowsPerPart % kRingSlots == 0, "a part's rows start at ring slot 0");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // kRing: this warp's slots (kRingSlots, 3, C): inp | dout | dinp of a row
   S* ring = reinterpret_cast<S*>(smem_raw) + (int64_t)warp * kRingSlots * 3 * C;
@@ -219,12 +225,14 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   const auto wsum = [&](int k, int h) -> float4& {
     return wsums()[warp * (sum_stripe_cols<S>(C) / 4) + sum_slot<S>(k, h, lane)];
   };
-  const int64_t p0 = (int64_t)blockIdx.x * kRowsPerChunk + warp * kRowsPerPart;
-  const int64_t p1 = p0 + kRowsPerPart < N ? p0 + kRowsPerPart : N;
-  // Row n (if in the part) into ring slot s: this lane's packs, which only it reads back, so its own wait orders
-  // them. Every call commits a group, empty past the part, so that each row's wait is the same.
+  // The step from this warp's part of one of the block's chunks to its part of the next: the launch's constant,
+  // read at each use (no register held through the row loop, where the part sums leave none at GPT-2's width).
+  const auto step = [] { return (int64_t)gridDim.x * kRowsPerChunk; };
+  const int64_t first = (int64_t)blockIdx.x * kRowsPerChunk + warp * kRowsPerPart;  // the first chunk's part
+  // Row n (if below N) into ring slot s: this lane's packs, which only it reads back, so its own wait orders them.
+  // Every call commits a group, empty past the warp's last row, so that each row's wait is the same.
   const auto fetch = [&](int64_t n, int s) {
-    if (n < p1) {
+    if (n < N) {
       S* b = ring + s * 3 * C;
 #pragma unroll
       for (int k = 0; k < K; k++) {
@@ -238,125 +246,148 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     }
     cp_async_commit();
   };
-  float pw[K][P], pb[K][P];  // this part's sums, by column
+  // The ring kernel's means and rstds: lane i < kRowsPerPart holds row p0 + i's, so that a row takes its pair from
+  // a shuffle, not from a load (a wait on memory a row, where its packs are already in shared memory), and lane
+  // kRowsPerPart + i the next chunk's row p0 + step + i's, loaded a chunk ahead of its use (no registers more: the
+  // part sums fill them at GPT-2's width). Lanes from 2 kRowsPerPart on load nothing.
+  const auto stats_ahead = [&](int64_t p0, float& m, float& r) {  // lanes kRowsPerPart.. 2 kRowsPerPart - 1
+    const int64_t n = p0 + step() + lane - kRowsPerPart;
+    if (lane >= kRowsPerPart && lane < 2 * kRowsPerPart && n < N) m = mean[n], r = rstd[n];
+  };
   // The weight: in registers, or (kRing) in shared memory, read with each row's packs. Kept in registers beside
   // the ring's addressing, it made the fp16 ring kernel spill at GPT-2's width (20 bytes at 128 registers).
   Pack<S> w[K];
-#pragma unroll
-  for (int k = 0; k < K; k++) {
-    const int c = (32 * k + lane) * P;
-#pragma unroll
-    for (int e = 0; e < P; e++) pw[k][e] = pb[k][e] = 0.f;
-    if (!kRing && c < C) w[k] = load_pack(weight + c);
-  }
-  // The ring kernel: the part's first rows on their way; its means and rstds, lane i holding row p0 + i's, so that
-  // a row takes its pair from a shuffle, not from a load (a wait on memory a row, where its packs are already in
-  // shared memory); the block's copy of the weight.
   float part_mean = 0.f, part_rstd = 0.f;
   if constexpr (kRing) {
-    for (int s = 0; s < kRingSlots; s++) fetch(p0 + s, s);
-    if (lane < kRowsPerPart && p0 + lane < p1) part_mean = mean[p0 + lane], part_rstd = rstd[p0 + lane];
+    // The first rows on their way, the first two chunks' means and rstds, the block's copy of the weight.
+    for (int s = 0; s < kRingSlots; s++) fetch(first + s, s);
+    if (lane < kRowsPerPart && first + lane < N) part_mean = mean[first + lane], part_rstd = rstd[first + lane];
+    stats_ahead(first, part_mean, part_rstd);
     for (int c = threadIdx.x * P; c < C; c += blockDim.x * P) store_pack(sweight + c, load_pack(weight + c));
-    if constexpr (kSum) {  // this lane's slots only, which only it touches until the end: no barrier needed
+    __syncthreads();
+  } else {
 #pragma unroll
-      for (int k = 0; k < K; k++)
+    for (int k = 0; k < K; k++) {
+      const int c = (32 * k + lane) * P;
+      if (c < C) w[k] = load_pack(weight + c);
+    }
+  }
+  // p0: this warp's part of the chunk (p0 - warp * kRowsPerPart) / kRowsPerChunk, which is in the batch while its
+  // first row is.
+  for (int64_t p0 = first; p0 - warp * kRowsPerPart < N; p0 += step()) {
+    const int64_t p1 = p0 + kRowsPerPart < N ? p0 + kRowsPerPart : N;
+    float pw[K][P], pb[K][P];  // this part's sums, by column
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+#pragma unroll
+      for (int e = 0; e < P; e++) pw[k][e] = pb[k][e] = 0.f;
+      if constexpr (kSum) {  // this lane's slots only, which only it touches until the chunk's end
         if ((32 * k + lane) * P < C)
 #pragma unroll
           for (int h = 0; h < P / 4; h++) wsum(k, h) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    __syncthreads();
-  }
-  for (int i = 0; p0 + i < p1; i++) {  // a warp past N has no rows: it only takes its turns below
-    const int64_t n = p0 + i;
-    const int slot = i % kRingSlots;
-    S* dx = dinp + n * C;
-    // The row and its dinp so far, all before the row's sums: one wait on memory a row, not two.
-    Pack<S> xv[K], gv[K], dv[K];
-    if constexpr (kRing) cp_async_wait<kRingSlots - 1>();  // row n's group; the newer ones may still be on their way
-#pragma unroll
-    for (int k = 0; k < K; k++) {
-      const int c = (32 * k + lane) * P;
-      if (c < C) {
-        const S* b = kRing ? ring + slot * 3 * C : nullptr;
-        xv[k] = load_pack(kRing ? b + c : inp + n * C + c);
-        gv[k] = load_pack(kRing ? b + C + c : dout + n * C + c);
-        dv[k] = load_pack(kRing ? b + 2 * C + c : dx + c);
-        if constexpr (kRing) w[k] = load_pack(sweight + c);
       }
     }
-    const float m = kRing ? __shfl_sync(0xffffffffu, part_mean, i) : mean[n];
-    const float r = kRing ? __shfl_sync(0xffffffffu, part_rstd, i) : rstd[n];
-    float sd = 0.f, sdn = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; k++)
-      if ((32 * k + lane) * P < C) {
-#pragma unroll
-        for (int e = 0; e < P; e++) {
-          const float norm = (to_float(xv[k].v[e]) - m) * r;
-          const float dn = to_float(gv[k].v[e]) * to_float(w[k].v[e]);
-          sd += dn;
-          sdn += dn * norm;
-        }
-      }
-    const float md = warp_sum(sd) / C, mdn = warp_sum(sdn) / C;
-#pragma unroll
-    for (int k = 0; k < K; k++) {
-      const int c = (32 * k + lane) * P;
-      if (c < C) {
-        Pack<S>& d = dv[k];
-#pragma unroll
-        for (int e = 0; e < P; e++) {
-          const float norm = (to_float(xv[k].v[e]) - m) * r, g = to_float(gv[k].v[e]);
-          d.v[e] = dinp_add(d.v[e], g, to_float(w[k].v[e]), norm, md, mdn, r);
-          pw[k][e] = fmaf(g, norm, pw[k][e]);
-          pb[k][e] += g;
-        }
-        store_pack(dx + c, d);
-        if constexpr (kSum) {  // the dinp just stored, as stored (rounded to S), into the part's column sums
-#pragma unroll
-          for (int h = 0; h < P / 4; h++) {
-            float4 a = wsum(k, h);
-            a.x += to_float(d.v[4 * h]), a.y += to_float(d.v[4 * h + 1]);
-            a.z += to_float(d.v[4 * h + 2]), a.w += to_float(d.v[4 * h + 3]);
-            wsum(k, h) = a;
-          }
-        }
-      }
-    }
-    // The slot's reads are behind the stores that use their values; the compiler may not sink them below the refill.
-    if constexpr (kRing) {
-      compiler_fence();
-      fetch(n + kRingSlots, slot);
-    }
-  }
-  // The parts' sums into the chunk's, part 0 first: the partial kernel's order, one warp at a time.
-  for (int t = 0; t < kParts; t++) {
-    if (warp == t && p0 < N) {
+    for (int i = 0; p0 + i < p1; i++) {  // a warp past N has no rows: it only takes its turns below
+      const int64_t n = p0 + i;
+      const int slot = i % kRingSlots;
+      S* dx = dinp + n * C;
+      // The row and its dinp so far, all before the row's sums: one wait on memory a row, not two.
+      Pack<S> xv[K], gv[K], dv[K];
+      if constexpr (kRing) cp_async_wait<kRingSlots - 1>();  // row n's group; the newer ones may still be on their way
 #pragma unroll
       for (int k = 0; k < K; k++) {
         const int c = (32 * k + lane) * P;
         if (c < C) {
+          const S* b = kRing ? ring + slot * 3 * C : nullptr;
+          xv[k] = load_pack(kRing ? b + c : inp + n * C + c);
+          gv[k] = load_pack(kRing ? b + C + c : dout + n * C + c);
+          dv[k] = load_pack(kRing ? b + 2 * C + c : dx + c);
+          if constexpr (kRing) w[k] = load_pack(sweight + c);
+        }
+      }
+      const float m = kRing ? __shfl_sync(0xffffffffu, part_mean, i) : mean[n];
+      const float r = kRing ? __shfl_sync(0xffffffffu, part_rstd, i) : rstd[n];
+      float sd = 0.f, sdn = 0.f;
+#pragma unroll
+      for (int k = 0; k < K; k++)
+        if ((32 * k + lane) * P < C) {
 #pragma unroll
           for (int e = 0; e < P; e++) {
-            sums[c + e] = t == 0 ? pw[k][e] : sums[c + e] + pw[k][e];
-            sums[C + c + e] = t == 0 ? pb[k][e] : sums[C + c + e] + pb[k][e];
+            const float norm = (to_float(xv[k].v[e]) - m) * r;
+            const float dn = to_float(gv[k].v[e]) * to_float(w[k].v[e]);
+            sd += dn;
+            sdn += dn * norm;
+          }
+        }
+      const float md = warp_sum(sd) / C, mdn = warp_sum(sdn) / C;
+#pragma unroll
+      for (int k = 0; k < K; k++) {
+        const int c = (32 * k + lane) * P;
+        if (c < C) {
+          Pack<S>& d = dv[k];
+#pragma unroll
+          for (int e = 0; e < P; e++) {
+            const float norm = (to_float(xv[k].v[e]) - m) * r, g = to_float(gv[k].v[e]);
+            d.v[e] = dinp_add(d.v[e], g, to_float(w[k].v[e]), norm, md, mdn, r);
+            pw[k][e] = fmaf(g, norm, pw[k][e]);
+            pb[k][e] += g;
+          }
+          store_pack(dx + c, d);
+          if constexpr (kSum) {  // the dinp just stored, as stored (rounded to S), into the part's column sums
+#pragma unroll
+            for (int h = 0; h < P / 4; h++) {
+              float4 a = wsum(k, h);
+              a.x += to_float(d.v[4 * h]), a.y += to_float(d.v[4 * h + 1]);
+              a.z += to_float(d.v[4 * h + 2]), a.w += to_float(d.v[4 * h + 3]);
+              wsum(k, h) = a;
+            }
           }
         }
       }
+      // The slot's reads are behind the stores that use their values; the compiler may not sink them below the
+      // refill: the row kRingSlots on in the part, or past its end the next chunk's (only the last chunk, its
+      // block's last, can be short, so this warp has no rows between).
+      if constexpr (kRing) {
+        compiler_fence();
+        const int ahead = i + kRingSlots;
+        fetch(ahead < kRowsPerPart ? n + kRingSlots : p0 + step() + ahead - kRowsPerPart, slot);
+      }
     }
-    __syncthreads();
-  }
-  float* out = partial + (int64_t)blockIdx.x * sums_of(kSum) * C;
-  for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) out[i] = sums[i];
-  if constexpr (kSum) {  // the parts' dinp sums in the same order (the last barrier above made every warp's visible)
-    const int64_t c0 = (int64_t)blockIdx.x * kRowsPerChunk;
-    const float* ws = reinterpret_cast<const float*>(wsums());
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-      const int k = c / (32 * P), l = c % (32 * P) / P, e = c % P;
-      const int at = sum_slot<S>(k, e / 4, l) * 4 + e % 4;
-      float t = ws[at];
-      for (int w = 1; w < kParts && c0 + w * kRowsPerPart < N; w++) t += ws[w * sum_stripe_cols<S>(C) + at];
-      out[2 * C + c] = t;
+    // The parts' sums into the chunk's, part 0 first: the partial kernel's order, one warp at a time.
+    for (int t = 0; t < kParts; t++) {
+      if (warp == t && p0 < N) {
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+          const int c = (32 * k + lane) * P;
+          if (c < C) {
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+              sums[c + e] = t == 0 ? pw[k][e] : sums[c + e] + pw[k][e];
+              sums[C + c + e] = t == 0 ? pb[k][e] : sums[C + c + e] + pb[k][e];
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    const int64_t c0 = p0 - warp * kRowsPerPart;  // the chunk's first row
+    float* out = partial + c0 / kRowsPerChunk * sums_of(kSum) * C;
+    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) out[i] = sums[i];
+    if constexpr (kSum) {  // the parts' dinp sums in the same order (the last barrier above made every warp's visible)
+      const float* ws = reinterpret_cast<const float*>(wsums());
+      for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const int k = c / (32 * P), l = c % (32 * P) / P, e = c % P;
+        const int at = sum_slot<S>(k, e / 4, l) * 4 + e % 4;
+        float t = ws[at];
+        for (int w = 1; w < kParts && c0 + w * kRowsPerPart < N; w++) t += ws[w * sum_stripe_cols<S>(C) + at];
+        out[2 * C + c] = t;
+      }
+    }
+    __syncthreads();  // every thread's reads of the sums above before the next chunk writes them
+    if constexpr (kRing) {  // the next chunk's pairs down to lanes 0.., the one after's into the lanes above
+      part_mean = __shfl_down_sync(0xffffffffu, part_mean, kRowsPerPart);
+      part_rstd = __shfl_down_sync(0xffffffffu, part_rstd, kRowsPerPart);
+      stats_ahead(p0 + step(), part_mean, part_rstd);
     }
   }
 }
@@ -439,13 +470,15 @@ template <typename S, int K>
 bool launch_one_pass(S* dinp, float* partial, const S* dout, const S* inp, const S* weight, const float* mean,
                      const float* rstd, int64_t N, int C, int64_t nchunks, bool sum, Stream stream) {
   // One launch a form (the ring kernels' caps are their own: the same on every call, so that no call lowers one
-  // under another's launch, another thread's or one a graph recorded).
+  // under another's launch, another thread's or one a graph recorded). As many blocks as the SMs hold at once, each
+  // taking every grid-th chunk.
+  const unsigned grid = (unsigned)std::min<int64_t>(nchunks, (int64_t)sm_count() * kOnePassBlocks<S, K>);
   const auto ring = [&](auto* kernel, bool with_sum) {
     const int64_t bytes = ring_bytes<S>(C, with_sum), cap = ring_cap<S, K>(with_sum);
     if (bytes > cap) return false;
     FASTGPT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cap));
     const size_t smem = (size_t)bytes;  // (one-line launches: the warp emulator rewrites them)
-    kernel<<<(unsigned)nchunks, 32 * kParts, smem, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
+    kernel<<<grid, 32 * kParts, smem, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
     FASTGPT_CUDA_CHECK_LAUNCH();
     return true;
   };
@@ -454,7 +487,7 @@ bool launch_one_pass(S* dinp, float* partial, const S* dout, const S* inp, const
   }
   if (ring(layernorm_backward_one_pass_kernel<S, K, true, false>, false)) return false;
   auto* kernel = layernorm_backward_one_pass_kernel<S, K, false, false>;
-  kernel<<<(unsigned)nchunks, 32 * kParts, 0, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
+  kernel<<<grid, 32 * kParts, 0, stream>>>(dinp, partial, dout, inp, weight, mean, rstd, N, C);
   FASTGPT_CUDA_CHECK_LAUNCH();
   return false;
 }

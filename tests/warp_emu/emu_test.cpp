@@ -1267,6 +1267,21 @@ void run_layernorm_cases(unsigned& seed) {
   emu::g_cc_major = 7;
   run_layernorm_sum<bf16>(70, 768, 0, false, seed++);
   emu::g_cc_major = 9;
+  // A block taking several chunks in turn (one SM: kOnePassBlocks blocks, 2 at GPT-2's width, 1 for fp32's), its
+  // rows' ring and its means running on from chunk to chunk, the last chunk short (a part cut short, warps with no
+  // rows), for each form: the ring with dinp's sums (14 chunks on 2 blocks), the ring, fp32's ring, the register
+  // kernel.
+  const int sms = emu::g_sm_count;
+  emu::g_sm_count = 1;
+  run_layernorm_sum<bf16>(64 * 13 + 21, 768, 0, true, seed++);
+  run_layernorm_paths<bf16>(64 * 9 + 13, 768, 0, true, 1e-2, seed++);
+  run_layernorm_paths<float>(64 * 4 + 9, 768, 0, true, 1e-5, seed++);
+  g_ln_ring = false;
+  emu::g_cc_major = 7;
+  run_layernorm_paths<bf16>(64 * 5 + 3, 768, 0, true, 1e-2, seed++);
+  emu::g_cc_major = 9;
+  g_ln_ring = true;
+  emu::g_sm_count = sms;
 }
 
 // The embedding's kernels (encoder.cu) against the CPU reference (cpu/encoder.cpp, compiled in beside them): the
