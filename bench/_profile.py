@@ -63,12 +63,12 @@ def breakdown(trace_events, steps, top=60):
 def gaps(trace_events, steps, top=20):
     """Where the GPU idles: the GPU events ({"ts", "dur"} in us) in time order, each one's gap being how long the
     GPU had nothing running before it started (after the latest end so far: events that overlap leave none), summed
-    per step by the pair of ops around it -> {"idle_ms": all gaps per step, "events": GPU events per step, "top":
-    [{"before", "after", "ms", "count"} per step, ...] (the `top` largest pairs)}. The gaps between the profiled steps
-    (the host's sync and launch) are in it too, as the pair that ends one step and starts the next. Why: the step's
-    wall time less its kernels' (the table's "idle", 0.4 to 5 ms a graph step in the H100/H200 runs) says how much,
-    not where: launch gaps between a graph's nodes, memsets (130 a step of 0.76 us each in the seventh run) and
-    waits show up here by name."""
+    per step by the pair of ops around it (the one whose end opened the gap, the one that closed it) ->
+    {"idle_ms": all gaps per step, "events": GPU events per step, "top": [{"before", "after", "ms", "count"} per
+    step, ...] (the `top` largest pairs)}. The gaps between the profiled steps (the host's sync and launch) are in it
+    too, as the pair that ends one step and starts the next. Why: the step's wall time less its kernels' (the table's
+    "idle", 0.4 to 5 ms a graph step in the H100/H200 runs) says how much, not where: launch gaps between a graph's
+    nodes, memsets (130 a step of 0.76 us each in the seventh run) and waits show up here by name."""
     events = sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in trace_events
                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e and "ts" in e)
     pairs, total, end, before = {}, 0.0, None, None
@@ -78,8 +78,8 @@ def gaps(trace_events, steps, top=20):
             ms, count = pairs.get(key, (0.0, 0))
             pairs[key] = (ms + (ts - end) / 1e3, count + 1)
             total += (ts - end) / 1e3
-        end = ts + dur if end is None else max(end, ts + dur)
-        before = name
+        if end is None or ts + dur >= end:
+            end, before = ts + dur, name
     rows = [{"before": b, "after": a, "ms": ms / steps, "count": n / steps} for (b, a), (ms, n) in pairs.items()]
     rows.sort(key=lambda r: -r["ms"])
     return {"idle_ms": total / steps, "events": len(events) / steps, "top": rows[:top]}

@@ -147,7 +147,10 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
 
 // Blocks an SM must hold at once (ptxas keeps registers to 65536 / (256 * this)), by a lane's columns (K packs of
 // P): as many as each instance held before a row's dinp was loaded with it (ptxas sm_90), so that no instance holds
-// fewer; 16-bit rows up to 768 columns (GPT-2 124M's) two, at 128 registers without spilling (fp16 took 170 unbound).
+// fewer; 16-bit rows up to 768 columns (GPT-2 124M's) two, at 128 registers (fp16 took 170 unbound). Spills since
+// the blocks take chunks in turn (ptxas 13.0, sm_90a; sm_86 alike or less): bf16 at GPT-2's width none in the
+// register and ring forms, 20 bytes stored and 32 loaded with dinp's sums (one load a row in the row loop: the
+// row's mean, an L1 hit); fp16's ring forms 8 to 32 bytes (up to 52 loaded); the register forms none.
 template <typename S, int K>
 constexpr int kOnePassBlocks = sizeof(S) == 2 ? (K == 1 ? 4 : K <= 3 ? 2 : 1) : (K <= 2 ? 3 : K <= 4 ? 2 : 1);
 
@@ -196,8 +199,8 @@ __host__ __device__ constexpr int sum_slot(int k, int h, int lane) {
 // Why a block keeps going from chunk to chunk (the seventh H200 run's 0.164 ms a call, 2.44 TB/s, when each chunk
 // was a block of its own): a warp's ring runs on across the chunks, the next chunk's first rows on their way while
 // the block adds its parts' sums, and a block's fixed costs (the weight's copy, the first rows' wait with nothing
-// else in flight, the means' loads) are paid once, not 1024 times a call at B 64. The chunks, their parts and every
-// sum are the same: the same bits.
+// else in flight, the means' loads) are paid once a block (264 times a call at B 64 on a 132-SM H100 or H200), not
+// once a chunk (1024 times). The chunks, their parts and every sum are the same: the same bits.
 template <typename S, int K, bool kRing, bool kSum>
 __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     layernorm_backward_one_pass_kernel(S* __restrict__ dinp, float* __restrict__ partial, const S* __restrict__ dout,
@@ -219,8 +222,8 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   // kSum: (kParts, sum_stripe_cols / 4) float4, each warp's dinp sums over its part's rows, by sum_slot. In shared
   // memory, not registers: beside the part sums they made ptxas spill (152 bytes at GPT-2's width, 128 registers).
   // They start where the ring kernel's memory without them ends. Addressed from the shared memory's base at each
-  // use: a pointer of its own, kept through the row loop, spilled at GPT-2's width (bf16 now has none; fp16 4-8
-  // bytes on sm_90a and sm_80).
+  // use: a pointer of its own, kept through the row loop, spilled at GPT-2's width (kOnePassBlocks: what spills
+  // now).
   const auto wsums = [&] { return reinterpret_cast<float4*>(smem_raw + ring_bytes<S>(C)); };
   const auto wsum = [&](int k, int h) -> float4& {
     return wsums()[warp * (sum_stripe_cols<S>(C) / 4) + sum_slot<S>(k, h, lane)];
@@ -254,8 +257,9 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     const int64_t n = p0 + step() + lane - kRowsPerPart;
     if (lane >= kRowsPerPart && lane < 2 * kRowsPerPart && n < N) m = mean[n], r = rstd[n];
   };
-  // The weight: in registers, or (kRing) in shared memory, read with each row's packs. Kept in registers beside
-  // the ring's addressing, it made the fp16 ring kernel spill at GPT-2's width (20 bytes at 128 registers).
+  // The weight: in registers, loaded at each chunk's start (kept through the parts' sums, it made the register
+  // kernel spill at GPT-2's width), or (kRing) in shared memory, read with each row's packs (kept in registers beside
+  // the ring's addressing, it made the fp16 ring kernel spill there: 20 bytes at 128 registers).
   Pack<S> w[K];
   float part_mean = 0.f, part_rstd = 0.f;
   if constexpr (kRing) {
@@ -265,12 +269,6 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     stats_ahead(first, part_mean, part_rstd);
     for (int c = threadIdx.x * P; c < C; c += blockDim.x * P) store_pack(sweight + c, load_pack(weight + c));
     __syncthreads();
-  } else {
-#pragma unroll
-    for (int k = 0; k < K; k++) {
-      const int c = (32 * k + lane) * P;
-      if (c < C) w[k] = load_pack(weight + c);
-    }
   }
   // p0: this warp's part of the chunk (p0 - warp * kRowsPerPart) / kRowsPerChunk, which is in the batch while its
   // first row is.
@@ -279,6 +277,7 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     float pw[K][P], pb[K][P];  // this part's sums, by column
 #pragma unroll
     for (int k = 0; k < K; k++) {
+      if (!kRing && (32 * k + lane) * P < C) w[k] = load_pack(weight + (32 * k + lane) * P);
 #pragma unroll
       for (int e = 0; e < P; e++) pw[k][e] = pb[k][e] = 0.f;
       if constexpr (kSum) {  // this lane's slots only, which only it touches until the chunk's end
