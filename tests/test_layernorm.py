@@ -15,6 +15,11 @@ from reference_gpt import rel_err
 TOL = 1e-5
 
 
+def wide(a):
+    """A result (NumPy array, or torch tensor of any dtype on any device, bfloat16 included) as float64 NumPy."""
+    return a.detach().double().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, np.float64)
+
+
 # (3, 400, 24): 19 chunks of 64 rows for dweight/dbias, more than the 16 lanes their chunks are added in.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(4, 32, 64), (3, 17, 48), (1, 1, 7), (2, 5, 768), (3, 400, 24)])
@@ -72,8 +77,7 @@ def test_layernorm_backward_dx_sum(rng, device, dtype, shape):
         assert np.array_equal(bits(got), bits(want))
     ds = host(ds)
     assert ds.shape == (C,) and ds.dtype == np.float32
-    wide = dx.detach().double().cpu().numpy() if isinstance(dx, torch.Tensor) else np.asarray(dx, np.float64)
-    exact = wide.reshape(-1, C).sum(0)
+    exact = wide(dx).reshape(-1, C).sum(0)
     assert rel_err(ds, exact) < 1e-6
     inp = make((*shape[:-1], 5))
     _, _, want = ops.matmul_backward(dx, inp, make((C, 5)))
@@ -171,7 +175,6 @@ def test_cuda_layernorm_weight_grads_are_the_cpus_bits(rng, dtype, shape):
         got, want = host(got), np.asarray(want)
         assert rel_err(got, want) < 1e-6, name  # a gross difference first, then the bits
         assert np.array_equal(bits(got), bits(want)), f"{name}: the GPU's bits are not the CPU's"
-    wide = lambda t: (t.detach().double().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64))
     assert rel_err(wide(dx), wide(cpu_dx)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
     if dtype == torch.bfloat16:
         *again, ds = ops.layernorm_backward(dout, x, w, mean, rstd, dx_sum=True)

@@ -251,8 +251,10 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   };
   // The ring kernel's means and rstds: lane i < kRowsPerPart holds row p0 + i's, so that a row takes its pair from
   // a shuffle, not from a load (a wait on memory a row, where its packs are already in shared memory), and lane
-  // kRowsPerPart + i the next chunk's row p0 + step + i's, loaded a chunk ahead of its use (no registers more: the
-  // part sums fill them at GPT-2's width). Lanes from 2 kRowsPerPart on load nothing.
+  // kRowsPerPart + i the next chunk's row p0 + step + i's, loaded a chunk ahead of its use (in the same two
+  // registers, whose lanes from kRowsPerPart on held nothing). Lanes from 2 kRowsPerPart on load nothing. (The first
+  // chunk's pairs are loaded apart, not by this with an offset: written that way, ptxas spilled the rstd too, a
+  // second spill load a row, sm_90a.)
   const auto stats_ahead = [&](int64_t p0, float& m, float& r) {  // lanes kRowsPerPart.. 2 kRowsPerPart - 1
     const int64_t n = p0 + step() + lane - kRowsPerPart;
     if (lane >= kRowsPerPart && lane < 2 * kRowsPerPart && n < N) m = mean[n], r = rstd[n];
