@@ -142,3 +142,105 @@ def print_breakdown(results, names, step_ms):
                   f"gaps by the ops around them (ms per step, gaps per step):")
             for r in g["top"][:GAPS_PRINTED]:
                 print(f"  {r['ms']:8.3f} {r['count']:6.1f}  {short(r['before'])[:50]} -> {short(r['after'])[:50]}")
+
+
+# --- Against an earlier run (bench_gpu_train.py --baseline): what each kernel gained or lost since.
+# Why: every GPU session first asks "did the kernels changed since the last run get faster?", and the answer was
+# read by hand from two tables of 60 names each.
+CHANGES_PRINTED = 15  # kernels the comparison lists per variant (the JSON keeps all it matched)
+
+
+def kernel_key(name):
+    """A kernel's name for matching across runs: short(name) without its parameter list (its template arguments
+    kept), so that a kernel whose parameters changed is still the same kernel. Names of copies and memsets
+    ("Memset (Unknown)": a space before the parenthesis) stay whole."""
+    s, depth = short(name), 0
+    for i, ch in enumerate(s):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(depth - 1, 0)
+        elif ch == "(" and i > 0 and s[i - 1] != " " and depth == 0:
+            return s[:i]
+    return s
+
+
+def compare(old, new):
+    """Two breakdowns of one variant (an earlier run's, this run's) -> {"kernel_ms": [old, new], "groups": {group:
+    [old, new]} (those above 0.005 ms in either), "kernels": [{"name", "old_ms", "new_ms", "old_calls",
+    "new_calls"}, ...] by the size of the change, largest first}. A kernel missing from one side's `top` list (60
+    kept) is None there: new, gone, renamed, or below that side's cut."""
+    def by_key(profile):
+        rows = {}
+        for r in profile.get("top", []):
+            k = kernel_key(r["name"])
+            ms, calls = rows.get(k, (0.0, 0.0))
+            rows[k] = (ms + r["ms"], calls + r["calls"])  # template instances that differ only in their parameters
+        return rows
+
+    o, n = by_key(old), by_key(new)
+    kernels = [{"name": k, "old_ms": o[k][0] if k in o else None, "new_ms": n[k][0] if k in n else None,
+                "old_calls": o[k][1] if k in o else None, "new_calls": n[k][1] if k in n else None}
+               for k in list(o) + [k for k in n if k not in o]]
+    kernels.sort(key=lambda r: -abs((r["new_ms"] or 0.0) - (r["old_ms"] or 0.0)))
+    groups = {g: [old.get("groups", {}).get(g, 0.0), new.get("groups", {}).get(g, 0.0)] for g in GROUP_NAMES}
+    return {"kernel_ms": [old.get("kernel_ms", 0.0), new.get("kernel_ms", 0.0)],
+            "groups": {g: v for g, v in groups.items() if max(v) >= 0.005}, "kernels": kernels}
+
+
+def find_baseline(paths, gpu, config, names):
+    """The newest (by its env's date) of the bench_gpu_train JSON files `paths` that ran on the GPU named `gpu`
+    with the same model and sequence (config: n_layer, n_head, n_embd, T, vocab) and holds a profile of one of
+    `names`; None if none does. Files that cannot be read, or partial ones, are passed over."""
+    keys = ("n_layer", "n_head", "n_embd", "T", "vocab")
+    best = None
+    for p in paths:
+        try:
+            with open(p) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(d, dict) or d.get("benchmark") != "bench_gpu_train" or d.get("partial"):
+            continue
+        env, cfg, res = d.get("env") or {}, d.get("config") or {}, d.get("results") or {}
+        if env.get("gpu") != gpu or any(cfg.get(k) != config.get(k) for k in keys):
+            continue
+        if not any("profile" in (res.get(v) or {}) for v in names):
+            continue
+        date = str(env.get("date", ""))
+        if best is None or date > best[0]:
+            best = (date, str(p), d)
+    return None if best is None else {"path": best[1], "json": best[2]}
+
+
+def print_comparison(baseline, results, names):
+    """For each of `names` profiled both now (results) and in the baseline run ({"path", "json"}, find_baseline's) at
+    the same B: the step, the groups and the kernels that changed most, earlier -> now. -> {name: compare(...)} of
+    the variants compared (for the JSON)."""
+    old_res, env = baseline["json"].get("results", {}), baseline["json"].get("env", {})
+    out = {}
+    for n in names:
+        new, old = results.get(n, {}), old_res.get(n, {})
+        if "profile" not in new or "profile" not in old:
+            continue
+        if new.get("B") != old.get("B"):
+            print(f"\n{n}: not compared with {baseline['path']}: B {old.get('B')} there, {new.get('B')} here")
+            continue
+        c = compare(old["profile"], new["profile"])
+        c["step_ms"] = [old.get("step_ms_median"), new.get("step_ms_median")]
+        out[n] = c
+        print(f"\n{n} against {baseline['path']} ({env.get('fastgpt_commit') or '?'}, {env.get('date', '?')}), "
+              f"ms per step, earlier -> now (change):")
+        rows = [("step (wall)", *c["step_ms"]), ("kernels", *c["kernel_ms"])]
+        rows += [(g, *v) for g, v in c["groups"].items()]
+        for label, a, b in rows:
+            if a is not None and b is not None:
+                print(f"  {label:<14} {a:9.2f} -> {b:9.2f} ({b - a:+.2f})")
+        print(f"  the {CHANGES_PRINTED} kernels that changed most (ms per step, calls per step; '-': not in that "
+              f"run's list):")
+        for r in c["kernels"][:CHANGES_PRINTED]:
+            a, b = r["old_ms"], r["new_ms"]
+            calls = r["new_calls"] if r["new_calls"] is not None else r["old_calls"]
+            print(f"  {'-' if a is None else f'{a:.3f}':>9} -> {'-' if b is None else f'{b:.3f}':>9} "
+                  f"({(b or 0.0) - (a or 0.0):+.3f}) {calls:6.1f}  {r['name'][:80]}")
+    return out

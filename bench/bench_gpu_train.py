@@ -39,6 +39,7 @@ tokens (no --data) a model learns nothing to speak of, and the last loss stays n
 import argparse
 import contextlib
 import gc
+import json
 import math
 import os
 import pathlib
@@ -51,7 +52,7 @@ import numpy as np
 from fastgpt.tokenizer import N_VOCAB
 
 from _common import autotune_summary, environment, text_batches, write_json
-from _profile import print_breakdown, profile_steps
+from _profile import find_baseline, print_breakdown, print_comparison, profile_steps
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
@@ -138,6 +139,10 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="the GPU's peak for MFU, in TFLOPS (default 989: H100 SXM bf16 dense; H200 is the same).\n"
                         "Every variant, fp32 ones included, is judged against this one peak, as nanoGPT does")
+    p.add_argument("--baseline", metavar="PATH|auto",
+                   help="with --profile: compare each profiled variant with an earlier run's JSON (its step, groups\n"
+                        "and the kernels that changed most); 'auto': the newest under bench/results/ from this GPU\n"
+                        "with the same model and a profile of one of these variants")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     if args.B != "max" and not (args.B.isdigit() and int(args.B) >= 1):
@@ -492,9 +497,41 @@ def main(argv=None):
             if "profile_error" in res.get(k, {}):
                 print(f"{k}: the profile failed: {res[k]['profile_error'][:200]}")
 
+    versus = {}
+    if args.profile and args.baseline:
+        versus = against_baseline(args, env, res)
+
     if args.json:
-        write_json(args.json, payload(res, base=base, loss_reference=ref, sanity=sanity))
+        write_json(args.json, payload(res, base=base, loss_reference=ref, sanity=sanity, **versus))
     return 0
+
+
+def against_baseline(args, env, res):
+    """--baseline: prints the profiled variants against an earlier run's and returns {"baseline": {"path",
+    "variants": {name: comparison}}} for the JSON ({} where there is nothing to compare with)."""
+    if args.baseline == "auto":
+        mine = pathlib.Path(args.json).resolve() if args.json else None
+        paths = [p for p in sorted((REPO / "bench" / "results").glob("*/bench_gpu_train.json")) if p.resolve() != mine]
+        cfg = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "T": args.T, "vocab": args.vocab}
+        found = find_baseline(paths, env.get("gpu"), cfg, PROFILED)
+        if found is None:
+            print(f"\n--baseline auto: no earlier run of this model on {env.get('gpu')} with a profile under "
+                  f"{REPO / 'bench' / 'results'}")
+            return {}
+    else:
+        try:
+            with open(args.baseline) as f:
+                found = {"path": args.baseline, "json": json.load(f)}
+        except (OSError, ValueError) as e:
+            print(f"\n--baseline: cannot read {args.baseline}: {e}")
+            return {}
+        there = (found["json"].get("env") or {}).get("gpu") if isinstance(found["json"], dict) else None
+        if not isinstance(found["json"], dict) or not isinstance(found["json"].get("results"), dict):
+            print(f"\n--baseline: {args.baseline} is not a bench_gpu_train JSON (no results)")
+            return {}
+        if there != env.get("gpu"):
+            print(f"\n--baseline: {args.baseline} ran on {there}, this run on {env.get('gpu')}: not like for like")
+    return {"baseline": {"path": found["path"], "variants": print_comparison(found, res, PROFILED)}}
 
 
 if __name__ == "__main__":

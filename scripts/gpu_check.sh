@@ -256,8 +256,10 @@ if [ $build = ok ] && has bench; then
   text=$FASTGPT_SHARED/data/tinyshakespeare.txt enc=$FASTGPT_SHARED/data/gpt2/encoder.json data=()
   [ -f "$text" ] && [ -f "$enc" ] && data=(--data "$text" --encoder "$enc")
   loss_steps=${BENCH_LOSS_STEPS:-$([ -n "${BENCH_VARIANTS:-}" ] && echo 50 || echo 13)}
+  # --baseline auto: each profiled variant against the newest earlier run of this GPU in bench/results (the
+  # kernels that changed most since; BENCH_BASELINE=PATH names another run's JSON).
   b=FAIL; timeout $(tmo 300) python3 bench/bench_gpu_train.py --B ${BENCH_B:-max} --profile ${data[@]+"${data[@]}"} \
-    --loss-steps "$loss_steps" \
+    --loss-steps "$loss_steps" --baseline "${BENCH_BASELINE:-auto}" \
     ${BENCH_VARIANTS:+--variants "$BENCH_VARIANTS"} --json "$out/bench_gpu_train.json" >> "$out/bench.log" 2>&1 && b=ok
   res[bench_gpu_train]=$b
   fi
@@ -348,6 +350,7 @@ if has ncu && [ -f "$out/ncu.log" ]; then cut -c1-230 "$out/ncu.log"; fi
 if has diagnose && [ -f "$out/diagnose.log" ]; then grep "^== " "$out/diagnose.log"; fi
 if has bench && [ -f "$out/bench.log" ]; then
   grep -E -A15 "^variant " "$out/bench.log"  # bench_gpu_train's variants (14) and its base line
+  grep -E -A2 " against .*earlier -> now" "$out/bench.log" | cut -c1-200  # --baseline: step and kernels, then and now
   grep -E -A5 "^precision " "$out/bench.log"
   grep -E "vs fastest torch|^  tiles:|^adamw|^fastgpt adamw|copy|AdamW" "$out/bench.log" | cut -c1-200
   grep -E "^(residual_)?layernorm |^matmul |^cross_entropy " "$out/bench.log"

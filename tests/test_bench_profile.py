@@ -163,3 +163,128 @@ def test_generate_profile_is_per_new_token(tmp_path, monkeypatch):
     assert [r["variant"] for r in rows] == ["fastgpt, KV cache", "fastgpt, full recompute"]
     assert all(set(r["profile"]["groups"]) == set(_profile.GROUP_NAMES) for r in rows)
     assert steps == [3, 3]  # one generation each, shared out among its 3 new tokens
+
+
+def _profile_of(rows, groups=None):
+    """A breakdown as bench_gpu_train's JSON keeps it: rows of (name, ms, calls)."""
+    top = [{"name": n, "group": _profile.group_of(n), "ms": ms, "calls": c} for n, ms, c in rows]
+    g = dict.fromkeys(_profile.GROUP_NAMES, 0.0)
+    for r in top:
+        g[r["group"]] += r["ms"]
+    return {"kernel_ms": sum(g.values()), "groups": groups or g, "top": top, "kernels": len(top)}
+
+
+def test_kernel_keys_drop_parameters_and_keep_template_arguments():
+    ws = ("void fastgpt::cuda::flash::(anonymous namespace)::forward_ws_kernel<__nv_bfloat16, 64, 2, 128>(fastgpt::"
+          "cuda::flash::Params, fastgpt::cuda::flash::(anonymous namespace)::Maps)")
+    assert _profile.kernel_key(ws) == "flash::forward_ws_kernel<__nv_bfloat16, 64, 2, 128>"
+    assert _profile.kernel_key(ws.replace("Maps)", "Maps, fastgpt::cuda::flash::Tiles)")) == _profile.kernel_key(ws)
+    assert _profile.kernel_key(ws.replace("2, 128", "3, 128")) != _profile.kernel_key(ws)
+    for whole in ("Memset (Unknown)", "Memcpy HtoD (Pinned -> Device)", "memset32", "nvjet_sm90_tst_256x128_NNT"):
+        assert _profile.kernel_key(whole) == whole
+    # a parenthesis inside the template arguments (a cast) is not the parameter list
+    cub = "void cub::Onesweep<Policy,(cub::SortOrder)0, unsigned int>(int*, int const*)"
+    assert _profile.kernel_key(cub) == "cub::Onesweep<Policy,(cub::SortOrder)0, unsigned int>"
+
+
+def test_compare_lists_the_kernels_by_how_much_they_changed():
+    rng = np.random.default_rng()
+    ms = rng.uniform(0.5, 5.0, size=5)
+    d = rng.uniform(0.01, 0.4, size=3) * rng.choice([-1, 1], size=3)
+    e = rng.uniform(0.01, 0.1)
+    ln, ln_args = "void fastgpt::cuda::(anonymous namespace)::layernorm_backward_kernel<fastgpt::bf16, 3>", "(float*)"
+    old = _profile_of([("nvjet_a_NNT", ms[0], 36.0), (ln + ln_args, ms[1], 24.0), ("gone_kernel", ms[2], 1.0),
+                       ("Memset (Unknown)", ms[3], 130.0)])
+    new = _profile_of([("nvjet_a_NNT", ms[0] + d[0], 36.0), (ln + "(float*, int)", ms[1] + d[1], 24.0),
+                       ("fresh_kernel", ms[4], 12.0), ("Memset (Unknown)", ms[3] + d[2], 130.0),
+                       (ln + "(double*)", e, 2.0)])  # an overload: the same key, its time and calls added
+    c = _profile.compare(old, new)
+    got = {r["name"]: r for r in c["kernels"]}
+    key = "layernorm_backward_kernel<fastgpt::bf16, 3>"
+    assert set(got) == {"nvjet_a_NNT", key, "gone_kernel", "fresh_kernel", "Memset (Unknown)"}
+    assert np.isclose(got[key]["new_ms"] - got[key]["old_ms"], d[1] + e) and got[key]["new_calls"] == 26.0
+    assert got["gone_kernel"]["new_ms"] is None and got["fresh_kernel"]["old_ms"] is None
+    change = [abs((r["new_ms"] or 0.0) - (r["old_ms"] or 0.0)) for r in c["kernels"]]
+    assert change == sorted(change, reverse=True)
+    assert np.allclose(c["kernel_ms"], [old["kernel_ms"], new["kernel_ms"]])
+    assert set(c["groups"]) == {g for g in _profile.GROUP_NAMES if max(old["groups"][g], new["groups"][g]) >= 0.005}
+    assert np.allclose(c["groups"]["matmul"], [ms[0], ms[0] + d[0]])
+
+
+def _run_json(path, gpu, date, names=("fastgpt bf16 graph",), partial=False, n_layer=12, B=64, profile=None):
+    import json
+    res = {n: {"B": B, "step_ms_median": 100.0, **({"profile": profile} if profile else {})} for n in names}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": "bench_gpu_train", "partial": partial, "env": {"gpu": gpu, "date": date},
+                                "config": {"n_layer": n_layer, "n_head": 12, "n_embd": 768, "T": 1024,
+                                           "vocab": 50304}, "results": res}))
+    return path
+
+
+def test_the_baseline_is_the_newest_earlier_run_of_the_same_gpu_and_model(tmp_path):
+    p = _profile_of([("nvjet_a_NNT", 1.0, 1.0)])
+    cfg = {"n_layer": 12, "n_head": 12, "n_embd": 768, "T": 1024, "vocab": 50304}
+    want = _run_json(tmp_path / "a" / "x.json", "NVIDIA H200", "2026-11-26T10:00:00", profile=p)
+    others = [_run_json(tmp_path / "b" / "x.json", "NVIDIA H200", "2026-11-25T10:00:00", profile=p),  # older
+              _run_json(tmp_path / "c" / "x.json", "NVIDIA H100 80GB HBM3", "2026-11-27T10:00:00", profile=p),
+              _run_json(tmp_path / "d" / "x.json", "NVIDIA H200", "2026-11-27T10:00:00", profile=p, partial=True),
+              _run_json(tmp_path / "e" / "x.json", "NVIDIA H200", "2026-11-27T10:00:00", profile=p, n_layer=2),
+              _run_json(tmp_path / "f" / "x.json", "NVIDIA H200", "2026-11-27T10:00:00"),  # no profile
+              _run_json(tmp_path / "g" / "x.json", "NVIDIA H200", "2026-11-27T10:00:00", names=("torch eager fp32",),
+                        profile=p)]
+    bad = tmp_path / "h" / "x.json"
+    bad.parent.mkdir()
+    bad.write_text("{not json")
+    paths = [*others, bad, want]
+    found = _profile.find_baseline(paths, "NVIDIA H200", cfg, ("fastgpt bf16 graph", "torch compiled bf16"))
+    assert found["path"] == str(want) and found["json"]["env"]["date"] == "2026-11-26T10:00:00"
+    assert _profile.find_baseline(paths, "NVIDIA A100", cfg, ("fastgpt bf16 graph",)) is None
+
+
+def test_the_comparison_prints_each_variant_then_and_now(capsys):
+    import json
+    rng = np.random.default_rng()
+    a, b = rng.uniform(1, 5, size=2)
+    old = {"fastgpt bf16 graph": {"B": 64, "step_ms_median": 110.0, "profile": _profile_of([("nvjet_a_NNT", a, 36)])},
+           "torch compiled bf16": {"B": 32, "step_ms_median": 120.0, "profile": _profile_of([("triton_x", 1.0, 1)])}}
+    new = {"fastgpt bf16 graph": {"B": 64, "step_ms_median": 105.0, "profile": _profile_of([("nvjet_a_NNT", b, 36)])},
+           "torch compiled bf16": {"B": 64, "step_ms_median": 119.0, "profile": _profile_of([("triton_x", 1.0, 1)])},
+           "fastgpt bf16 fused": {"B": 64, "step_ms_median": 107.0, "profile": _profile_of([("k", 1.0, 1)])}}
+    base = {"path": "old.json", "json": json.loads(json.dumps({"env": {"fastgpt_commit": "abc1234"},
+                                                               "results": old}))}
+    out = _profile.print_comparison(base, new, ("fastgpt bf16 fused", "fastgpt bf16 graph", "torch compiled bf16"))
+    text = capsys.readouterr().out
+    assert set(out) == {"fastgpt bf16 graph"}  # fused: not in the old run; torch: another B
+    assert out["fastgpt bf16 graph"]["step_ms"] == [110.0, 105.0]
+    assert "fastgpt bf16 graph against old.json (abc1234" in text and "B 32 there, 64 here" in text
+    step = next(line for line in text.splitlines() if "step (wall)" in line)
+    assert "(-5.00)" in step
+    row = next(line for line in text.splitlines() if line.endswith("nvjet_a_NNT"))
+    assert f"({b - a:+.3f})" in row
+
+
+def test_bench_gpu_train_compares_with_the_newest_run_it_finds_or_the_one_named(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    import bench_gpu_train
+    p_old = _profile_of([("nvjet_a_NNT", 2.0, 36.0)])
+    results = tmp_path / "bench" / "results"
+    _run_json(results / "2026-11-26-h200" / "bench_gpu_train.json", "NVIDIA H200", "2026-11-26T10:00:00", profile=p_old)
+    mine = _run_json(results / "2026-11-28-h200" / "bench_gpu_train.json", "NVIDIA H200", "2026-11-28T10:00:00",
+                     profile=p_old)  # the file this run writes (--json): never its own baseline
+    monkeypatch.setattr(bench_gpu_train, "REPO", tmp_path)
+    res = {"fastgpt bf16 graph": {"B": 64, "step_ms_median": 99.0, "profile": _profile_of([("nvjet_a_NNT", 1.5, 36)])}}
+    args = argparse.Namespace(baseline="auto", json=str(mine), n_layer=12, n_head=12, n_embd=768, T=1024, vocab=50304)
+    got = bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res)
+    assert got["baseline"]["path"].endswith("2026-11-26-h200/bench_gpu_train.json")
+    assert got["baseline"]["variants"]["fastgpt bf16 graph"]["step_ms"] == [100.0, 99.0]
+    assert "(-0.500)" in capsys.readouterr().out
+    assert bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H100 80GB HBM3"}, res) == {}
+    assert "no earlier run of this model on NVIDIA H100" in capsys.readouterr().out
+    args.baseline = str(mine)  # named: taken as it is, saying when it ran on another GPU
+    got = bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H100 80GB HBM3"}, res)
+    assert got["baseline"]["path"] == str(mine) and "not like for like" in capsys.readouterr().out
+    args.baseline = str(tmp_path / "missing.json")
+    assert bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res) == {}
+    assert "cannot read" in capsys.readouterr().out
+    assert bench_gpu_train.parse_args(["--baseline", "auto"]).baseline == "auto"
