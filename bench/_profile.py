@@ -165,34 +165,48 @@ def kernel_key(name):
     return s
 
 
+def _dict(x):
+    return x if isinstance(x, dict) else {}
+
+
 def compare(old, new):
     """Two breakdowns of one variant (an earlier run's, this run's) -> {"kernel_ms": [old, new], "groups": {group:
     [old, new]} (those above 0.005 ms in either), "kernels": [{"name", "old_ms", "new_ms", "old_calls",
-    "new_calls"}, ...] by the size of the change, largest first}. A kernel missing from one side's `top` list (60
-    kept) is None there: new, gone, renamed, or below that side's cut."""
+    "new_calls"}, ...]}: first the kernels in both lists by the size of their change, largest first, then those in
+    one list only (None on the other side: new, gone, renamed, or below that side's cut: `top` keeps 60, the first
+    H200 run's 15), largest first; "cut": [old, new], whether each side's list left kernels out."""
     def by_key(profile):
         rows = {}
-        for r in profile.get("top", []):
-            k = kernel_key(r["name"])
+        for r in profile.get("top") or []:
+            if not isinstance(r, dict) or "name" not in r:
+                continue
+            k = kernel_key(str(r["name"]))
             ms, calls = rows.get(k, (0.0, 0.0))
-            rows[k] = (ms + r["ms"], calls + r["calls"])  # template instances that differ only in their parameters
+            # template instances that differ only in their parameters (overloads) are added
+            rows[k] = (ms + float(r.get("ms") or 0.0), calls + float(r.get("calls") or 0.0))
         return rows
 
+    old, new = _dict(old), _dict(new)
     o, n = by_key(old), by_key(new)
     kernels = [{"name": k, "old_ms": o[k][0] if k in o else None, "new_ms": n[k][0] if k in n else None,
                 "old_calls": o[k][1] if k in o else None, "new_calls": n[k][1] if k in n else None}
                for k in list(o) + [k for k in n if k not in o]]
-    kernels.sort(key=lambda r: -abs((r["new_ms"] or 0.0) - (r["old_ms"] or 0.0)))
-    groups = {g: [old.get("groups", {}).get(g, 0.0), new.get("groups", {}).get(g, 0.0)] for g in GROUP_NAMES}
-    return {"kernel_ms": [old.get("kernel_ms", 0.0), new.get("kernel_ms", 0.0)],
-            "groups": {g: v for g, v in groups.items() if max(v) >= 0.005}, "kernels": kernels}
+    kernels.sort(key=lambda r: (r["old_ms"] is None or r["new_ms"] is None,
+                                -abs((r["new_ms"] or 0.0) - (r["old_ms"] or 0.0))))
+    groups = {g: [float(_dict(old.get("groups")).get(g) or 0.0), float(_dict(new.get("groups")).get(g) or 0.0)]
+              for g in GROUP_NAMES}
+    cut = [len(p.get("top") or []) < (p.get("kernels") or 0) for p in (old, new)]
+    return {"kernel_ms": [old.get("kernel_ms"), new.get("kernel_ms")],
+            "groups": {g: v for g, v in groups.items() if max(v) >= 0.005}, "kernels": kernels, "cut": cut}
+
+
+CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "T", "vocab")  # a run's model and sequence: what must match
 
 
 def find_baseline(paths, gpu, config, names):
     """The newest (by its env's date) of the bench_gpu_train JSON files `paths` that ran on the GPU named `gpu`
-    with the same model and sequence (config: n_layer, n_head, n_embd, T, vocab) and holds a profile of one of
-    `names`; None if none does. Files that cannot be read, or partial ones, are passed over."""
-    keys = ("n_layer", "n_head", "n_embd", "T", "vocab")
+    with the same model and sequence (config: CONFIG_KEYS) and holds a profile of one of `names`; None if none does.
+    Files that cannot be read, partial ones and ones not shaped as bench_gpu_train writes them are passed over."""
     best = None
     for p in paths:
         try:
@@ -202,10 +216,10 @@ def find_baseline(paths, gpu, config, names):
             continue
         if not isinstance(d, dict) or d.get("benchmark") != "bench_gpu_train" or d.get("partial"):
             continue
-        env, cfg, res = d.get("env") or {}, d.get("config") or {}, d.get("results") or {}
-        if env.get("gpu") != gpu or any(cfg.get(k) != config.get(k) for k in keys):
+        env, cfg, res = _dict(d.get("env")), _dict(d.get("config")), _dict(d.get("results"))
+        if env.get("gpu") != gpu or any(cfg.get(k) != config.get(k) for k in CONFIG_KEYS):
             continue
-        if not any("profile" in (res.get(v) or {}) for v in names):
+        if not any("profile" in _dict(res.get(v)) for v in names):
             continue
         date = str(env.get("date", ""))
         if best is None or date > best[0]:
@@ -217,10 +231,10 @@ def print_comparison(baseline, results, names):
     """For each of `names` profiled both now (results) and in the baseline run ({"path", "json"}, find_baseline's) at
     the same B: the step, the groups and the kernels that changed most, earlier -> now. -> {name: compare(...)} of
     the variants compared (for the JSON)."""
-    old_res, env = baseline["json"].get("results", {}), baseline["json"].get("env", {})
+    old_res, env = _dict(_dict(baseline["json"]).get("results")), _dict(_dict(baseline["json"]).get("env"))
     out = {}
     for n in names:
-        new, old = results.get(n, {}), old_res.get(n, {})
+        new, old = _dict(results.get(n)), _dict(old_res.get(n))
         if "profile" not in new or "profile" not in old:
             continue
         if new.get("B") != old.get("B"):
@@ -234,13 +248,16 @@ def print_comparison(baseline, results, names):
         rows = [("step (wall)", *c["step_ms"]), ("kernels", *c["kernel_ms"])]
         rows += [(g, *v) for g, v in c["groups"].items()]
         for label, a, b in rows:
-            if a is not None and b is not None:
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)):
                 print(f"  {label:<14} {a:9.2f} -> {b:9.2f} ({b - a:+.2f})")
-        print(f"  the {CHANGES_PRINTED} kernels that changed most (ms per step, calls per step; '-': not in that "
-              f"run's list):")
+        cut = " and ".join(w for w, c_ in zip(("that run's", "this run's"), c["cut"]) if c_)
+        print(f"  the {CHANGES_PRINTED} kernels that changed most (ms per step, calls per step), then those in one "
+              f"list only ('-'{'; ' + cut + ' list leaves kernels out' if cut else ''}):")
         for r in c["kernels"][:CHANGES_PRINTED]:
             a, b = r["old_ms"], r["new_ms"]
             calls = r["new_calls"] if r["new_calls"] is not None else r["old_calls"]
             print(f"  {'-' if a is None else f'{a:.3f}':>9} -> {'-' if b is None else f'{b:.3f}':>9} "
                   f"({(b or 0.0) - (a or 0.0):+.3f}) {calls:6.1f}  {r['name'][:80]}")
+    if not out:
+        print(f"\nnothing compared with {baseline['path']}: no variant profiled in both runs at the same B")
     return out

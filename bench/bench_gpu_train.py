@@ -52,7 +52,7 @@ import numpy as np
 from fastgpt.tokenizer import N_VOCAB
 
 from _common import autotune_summary, environment, text_batches, write_json
-from _profile import find_baseline, print_breakdown, print_comparison, profile_steps
+from _profile import CONFIG_KEYS, find_baseline, print_breakdown, print_comparison, profile_steps
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
@@ -145,6 +145,8 @@ def parse_args(argv=None):
                         "with the same model and a profile of one of these variants")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    if args.baseline and not args.profile:
+        p.error("--baseline compares profiles: it needs --profile")
     if args.B != "max" and not (args.B.isdigit() and int(args.B) >= 1):
         p.error(f"--B must be a positive integer or 'max', got {args.B!r}")
     args.batches = B_MAX if args.B == "max" else (int(args.B),)
@@ -507,31 +509,44 @@ def main(argv=None):
 
 
 def against_baseline(args, env, res):
-    """--baseline: prints the profiled variants against an earlier run's and returns {"baseline": {"path",
-    "variants": {name: comparison}}} for the JSON ({} where there is nothing to compare with)."""
-    if args.baseline == "auto":
-        mine = pathlib.Path(args.json).resolve() if args.json else None
-        paths = [p for p in sorted((REPO / "bench" / "results").glob("*/bench_gpu_train.json")) if p.resolve() != mine]
-        cfg = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "T": args.T, "vocab": args.vocab}
-        found = find_baseline(paths, env.get("gpu"), cfg, PROFILED)
-        if found is None:
-            print(f"\n--baseline auto: no earlier run of this model on {env.get('gpu')} with a profile under "
-                  f"{REPO / 'bench' / 'results'}")
-            return {}
-    else:
-        try:
-            with open(args.baseline) as f:
-                found = {"path": args.baseline, "json": json.load(f)}
-        except (OSError, ValueError) as e:
-            print(f"\n--baseline: cannot read {args.baseline}: {e}")
-            return {}
-        there = (found["json"].get("env") or {}).get("gpu") if isinstance(found["json"], dict) else None
-        if not isinstance(found["json"], dict) or not isinstance(found["json"].get("results"), dict):
-            print(f"\n--baseline: {args.baseline} is not a bench_gpu_train JSON (no results)")
-            return {}
-        if there != env.get("gpu"):
-            print(f"\n--baseline: {args.baseline} ran on {there}, this run on {env.get('gpu')}: not like for like")
-    return {"baseline": {"path": found["path"], "variants": print_comparison(found, res, PROFILED)}}
+    """--baseline: prints the variants profiled in this run against an earlier run's and returns {"baseline":
+    {"path", "variants": {name: comparison}}} for the JSON ({} where there is nothing to compare with). A failure
+    here is printed, never raised: the run's own results are still written."""
+    try:
+        names = [n for n in PROFILED if isinstance(res.get(n), dict) and "profile" in res[n]]
+        cfg = {k: getattr(args, k) for k in CONFIG_KEYS}
+        if args.baseline == "auto":
+            mine = pathlib.Path(args.json).resolve() if args.json else None
+            paths = [p for p in sorted((REPO / "bench" / "results").glob("*/bench_gpu_train.json"))
+                     if p.resolve() != mine]
+            found = find_baseline(paths, env.get("gpu"), cfg, names)
+            if found is not None:  # named relative to the repository, as the ledger names runs
+                found["path"] = os.path.relpath(found["path"], REPO)
+            else:
+                print(f"\n--baseline auto: no earlier run of this model on {env.get('gpu')} with a profile of "
+                      f"{', '.join(names) or 'any variant'} under {REPO / 'bench' / 'results'}")
+                return {}
+        else:
+            try:
+                with open(args.baseline) as f:
+                    found = {"path": args.baseline, "json": json.load(f)}
+            except (OSError, ValueError) as e:
+                print(f"\n--baseline: cannot read {args.baseline}: {e}")
+                return {}
+            d = found["json"]
+            if not isinstance(d, dict) or not isinstance(d.get("results"), dict):
+                print(f"\n--baseline: {args.baseline} is not a bench_gpu_train JSON (no results)")
+                return {}
+            there, theirs = (d.get("env") or {}).get("gpu"), d.get("config") or {}
+            if there != env.get("gpu"):
+                print(f"\n--baseline: {args.baseline} ran on {there}, this run on {env.get('gpu')}: not like for like")
+            if any(theirs.get(k) != cfg[k] for k in CONFIG_KEYS) or d.get("partial"):
+                print(f"\n--baseline: {args.baseline} is {'a partial run' if d.get('partial') else 'another model'} "
+                      f"({', '.join(f'{k} {theirs.get(k)}' for k in CONFIG_KEYS)})")
+        return {"baseline": {"path": str(found["path"]), "variants": print_comparison(found, res, names)}}
+    except Exception as e:  # noqa: BLE001 (a comparison must not cost the run its JSON)
+        print(f"\n--baseline {args.baseline}: the comparison failed: {type(e).__name__}: {e}")
+        return {}
 
 
 if __name__ == "__main__":

@@ -350,7 +350,9 @@ if has ncu && [ -f "$out/ncu.log" ]; then cut -c1-230 "$out/ncu.log"; fi
 if has diagnose && [ -f "$out/diagnose.log" ]; then grep "^== " "$out/diagnose.log"; fi
 if has bench && [ -f "$out/bench.log" ]; then
   grep -E -A15 "^variant " "$out/bench.log"  # bench_gpu_train's variants (14) and its base line
-  grep -E -A2 " against .*earlier -> now" "$out/bench.log" | cut -c1-200  # --baseline: step and kernels, then and now
+  # --baseline: each variant's step and kernels then and now, or why nothing was compared
+  grep -E -A2 " against .*earlier -> now|^--baseline|: not compared with |^nothing compared with " "$out/bench.log" |
+    cut -c1-200
   grep -E -A5 "^precision " "$out/bench.log"
   grep -E "vs fastest torch|^  tiles:|^adamw|^fastgpt adamw|copy|AdamW" "$out/bench.log" | cut -c1-200
   grep -E "^(residual_)?layernorm |^matmul |^cross_entropy " "$out/bench.log"

@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 from fastgpt import ops
 
@@ -204,8 +205,14 @@ def test_compare_lists_the_kernels_by_how_much_they_changed():
     assert set(got) == {"nvjet_a_NNT", key, "gone_kernel", "fresh_kernel", "Memset (Unknown)"}
     assert np.isclose(got[key]["new_ms"] - got[key]["old_ms"], d[1] + e) and got[key]["new_calls"] == 26.0
     assert got["gone_kernel"]["new_ms"] is None and got["fresh_kernel"]["old_ms"] is None
-    change = [abs((r["new_ms"] or 0.0) - (r["old_ms"] or 0.0)) for r in c["kernels"]]
-    assert change == sorted(change, reverse=True)
+    # those in both lists by their change, largest first; then those in one list only, largest first
+    both = [r for r in c["kernels"] if r["old_ms"] is not None and r["new_ms"] is not None]
+    assert c["kernels"][:len(both)] == both and len(both) == 3
+    for part in (both, c["kernels"][len(both):]):
+        change = [abs((r["new_ms"] or 0.0) - (r["old_ms"] or 0.0)) for r in part]
+        assert change == sorted(change, reverse=True)
+    assert c["cut"] == [False, False]
+    assert _profile.compare({**old, "kernels": 61}, new)["cut"] == [True, False]  # its list kept 4 of 61
     assert np.allclose(c["kernel_ms"], [old["kernel_ms"], new["kernel_ms"]])
     assert set(c["groups"]) == {g for g in _profile.GROUP_NAMES if max(old["groups"][g], new["groups"][g]) >= 0.005}
     assert np.allclose(c["groups"]["matmul"], [ms[0], ms[0] + d[0]])
@@ -235,10 +242,19 @@ def test_the_baseline_is_the_newest_earlier_run_of_the_same_gpu_and_model(tmp_pa
     bad = tmp_path / "h" / "x.json"
     bad.parent.mkdir()
     bad.write_text("{not json")
-    paths = [*others, bad, want]
+    older = _run_json(tmp_path / "k" / "x.json", "NVIDIA H200", "2026-11-24T10:00:00", profile=p)
+    paths = [older, want, *others, bad]  # older matches before and after it: neither the first nor the last seen
     found = _profile.find_baseline(paths, "NVIDIA H200", cfg, ("fastgpt bf16 graph", "torch compiled bf16"))
     assert found["path"] == str(want) and found["json"]["env"]["date"] == "2026-11-26T10:00:00"
     assert _profile.find_baseline(paths, "NVIDIA A100", cfg, ("fastgpt bf16 graph",)) is None
+    # only runs with a profile of a variant asked for: "torch eager fp32" is in g alone
+    assert _profile.find_baseline(paths, "NVIDIA H200", cfg, ("torch eager fp32",))["path"] == str(others[-1])
+    odd = _run_json(tmp_path / "i" / "x.json", "NVIDIA H200", "2026-11-28T10:00:00", profile=p)
+    odd.write_text(odd.read_text().replace('"results": {', '"results": {"junk": null, '))
+    assert _profile.find_baseline([odd], "NVIDIA H200", cfg, ("junk", "fastgpt bf16 graph"))["path"] == str(odd)
+    listy = tmp_path / "j.json"
+    listy.write_text('{"benchmark": "bench_gpu_train", "env": [], "results": []}')
+    assert _profile.find_baseline([listy], "NVIDIA H200", cfg, ("fastgpt bf16 graph",)) is None
 
 
 def test_the_comparison_prints_each_variant_then_and_now(capsys):
@@ -261,6 +277,8 @@ def test_the_comparison_prints_each_variant_then_and_now(capsys):
     assert "(-5.00)" in step
     row = next(line for line in text.splitlines() if line.endswith("nvjet_a_NNT"))
     assert f"({b - a:+.3f})" in row
+    assert _profile.print_comparison(base, {"fastgpt bf16 graph": None}, ("fastgpt bf16 graph",)) == {}
+    assert "nothing compared with old.json" in capsys.readouterr().out
 
 
 def test_bench_gpu_train_compares_with_the_newest_run_it_finds_or_the_one_named(tmp_path, monkeypatch, capsys):
@@ -276,7 +294,7 @@ def test_bench_gpu_train_compares_with_the_newest_run_it_finds_or_the_one_named(
     res = {"fastgpt bf16 graph": {"B": 64, "step_ms_median": 99.0, "profile": _profile_of([("nvjet_a_NNT", 1.5, 36)])}}
     args = argparse.Namespace(baseline="auto", json=str(mine), n_layer=12, n_head=12, n_embd=768, T=1024, vocab=50304)
     got = bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res)
-    assert got["baseline"]["path"].endswith("2026-11-26-h200/bench_gpu_train.json")
+    assert got["baseline"]["path"] == "bench/results/2026-11-26-h200/bench_gpu_train.json"  # as the ledger names it
     assert got["baseline"]["variants"]["fastgpt bf16 graph"]["step_ms"] == [100.0, 99.0]
     assert "(-0.500)" in capsys.readouterr().out
     assert bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H100 80GB HBM3"}, res) == {}
@@ -287,4 +305,20 @@ def test_bench_gpu_train_compares_with_the_newest_run_it_finds_or_the_one_named(
     args.baseline = str(tmp_path / "missing.json")
     assert bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res) == {}
     assert "cannot read" in capsys.readouterr().out
-    assert bench_gpu_train.parse_args(["--baseline", "auto"]).baseline == "auto"
+    assert bench_gpu_train.parse_args(["--baseline", "auto", "--profile"]).baseline == "auto"
+    with pytest.raises(SystemExit):
+        bench_gpu_train.parse_args(["--baseline", "auto"])  # without --profile there is nothing to compare
+    capsys.readouterr()
+    # only the variants this run profiled choose the run: one that profiled only another variant is passed over
+    _run_json(results / "2026-11-27-h200" / "bench_gpu_train.json", "NVIDIA H200", "2026-11-27T10:00:00",
+              names=("torch compiled bf16",), profile=p_old)
+    args.baseline = "auto"
+    got = bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res)
+    assert got["baseline"]["path"] == "bench/results/2026-11-26-h200/bench_gpu_train.json"
+    res["torch compiled bf16"] = {"B": 64, "step_ms_median": 1.0, "profile": _profile_of([("triton_x", 1.0, 1)])}
+    got = bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res)
+    assert got["baseline"]["path"] == "bench/results/2026-11-27-h200/bench_gpu_train.json"
+    assert set(got["baseline"]["variants"]) == {"torch compiled bf16"}
+    monkeypatch.setattr(bench_gpu_train, "print_comparison", lambda *a: 1 / 0)
+    assert bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res) == {}  # printed, not raised
+    assert "the comparison failed: ZeroDivisionError" in capsys.readouterr().out
