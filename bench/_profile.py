@@ -203,10 +203,24 @@ def compare(old, new):
 CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "T", "vocab")  # a run's model and sequence: what must match
 
 
+def unlike(run, gpu, config):
+    """Why an earlier run's JSON (parsed) is no baseline for this one: [] when it is a whole bench_gpu_train run of
+    the same model and sequence (config: CONFIG_KEYS) on the GPU named `gpu`, else the reasons, the first being
+    "not a bench_gpu_train run" where it is not one at all."""
+    ours = isinstance(run, dict) and run.get("benchmark") == "bench_gpu_train"
+    if not (ours and isinstance(run.get("results"), dict)):
+        return ["not a bench_gpu_train run"]
+    env, cfg = _dict(run.get("env")), _dict(run.get("config"))
+    why = ["a partial run"] if run.get("partial") else []
+    if env.get("gpu") != gpu:
+        why.append(f"ran on {env.get('gpu')}, this run on {gpu}")
+    why += [f"{k} {cfg.get(k)} there, {config.get(k)} here" for k in CONFIG_KEYS if cfg.get(k) != config.get(k)]
+    return why
+
+
 def find_baseline(paths, gpu, config, names):
-    """The newest (by its env's date) of the bench_gpu_train JSON files `paths` that ran on the GPU named `gpu`
-    with the same model and sequence (config: CONFIG_KEYS) and holds a profile of one of `names`; None if none does.
-    Files that cannot be read, partial ones and ones not shaped as bench_gpu_train writes them are passed over."""
+    """The newest (by its env's date) of the bench_gpu_train JSON files `paths` that unlike() finds nothing against
+    and that hold a profile of one of `names`; None if none does. Files that cannot be read are passed over."""
     best = None
     for p in paths:
         try:
@@ -214,14 +228,9 @@ def find_baseline(paths, gpu, config, names):
                 d = json.load(f)
         except (OSError, ValueError):
             continue
-        if not isinstance(d, dict) or d.get("benchmark") != "bench_gpu_train" or d.get("partial"):
+        if unlike(d, gpu, config) or not any("profile" in _dict(d["results"].get(v)) for v in names):
             continue
-        env, cfg, res = _dict(d.get("env")), _dict(d.get("config")), _dict(d.get("results"))
-        if env.get("gpu") != gpu or any(cfg.get(k) != config.get(k) for k in CONFIG_KEYS):
-            continue
-        if not any("profile" in _dict(res.get(v)) for v in names):
-            continue
-        date = str(env.get("date", ""))
+        date = str(_dict(d.get("env")).get("date", ""))
         if best is None or date > best[0]:
             best = (date, str(p), d)
     return None if best is None else {"path": best[1], "json": best[2]}

@@ -52,7 +52,7 @@ import numpy as np
 from fastgpt.tokenizer import N_VOCAB
 
 from _common import autotune_summary, environment, text_batches, write_json
-from _profile import CONFIG_KEYS, find_baseline, print_breakdown, print_comparison, profile_steps
+from _profile import CONFIG_KEYS, find_baseline, print_breakdown, print_comparison, profile_steps, unlike
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
@@ -533,16 +533,12 @@ def against_baseline(args, env, res):
             except (OSError, ValueError) as e:
                 print(f"\n--baseline: cannot read {args.baseline}: {e}")
                 return {}
-            d = found["json"]
-            if not isinstance(d, dict) or not isinstance(d.get("results"), dict):
-                print(f"\n--baseline: {args.baseline} is not a bench_gpu_train JSON (no results)")
+            why = unlike(found["json"], env.get("gpu"), cfg)
+            if why[:1] == ["not a bench_gpu_train run"]:
+                print(f"\n--baseline: {args.baseline} is not a bench_gpu_train run (no results)")
                 return {}
-            there, theirs = (d.get("env") or {}).get("gpu"), d.get("config") or {}
-            if there != env.get("gpu"):
-                print(f"\n--baseline: {args.baseline} ran on {there}, this run on {env.get('gpu')}: not like for like")
-            if any(theirs.get(k) != cfg[k] for k in CONFIG_KEYS) or d.get("partial"):
-                print(f"\n--baseline: {args.baseline} is {'a partial run' if d.get('partial') else 'another model'} "
-                      f"({', '.join(f'{k} {theirs.get(k)}' for k in CONFIG_KEYS)})")
+            if why:  # named: compared all the same, saying how it differs
+                print(f"\n--baseline: {args.baseline} is not like for like: {'; '.join(why)}")
         return {"baseline": {"path": str(found["path"]), "variants": print_comparison(found, res, names)}}
     except Exception as e:  # noqa: BLE001 (a comparison must not cost the run its JSON)
         print(f"\n--baseline {args.baseline}: the comparison failed: {type(e).__name__}: {e}")

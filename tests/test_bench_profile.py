@@ -257,6 +257,18 @@ def test_the_baseline_is_the_newest_earlier_run_of_the_same_gpu_and_model(tmp_pa
     assert _profile.find_baseline([listy], "NVIDIA H200", cfg, ("fastgpt bf16 graph",)) is None
 
 
+def test_a_run_unlike_this_one_says_how(tmp_path):
+    import json
+    cfg = {"n_layer": 12, "n_head": 12, "n_embd": 768, "T": 1024, "vocab": 50304}
+    run = json.loads(_run_json(tmp_path / "x.json", "NVIDIA H200", "2026-11-26T10:00:00").read_text())
+    assert _profile.unlike(run, "NVIDIA H200", cfg) == []
+    assert _profile.unlike(run, "NVIDIA H100", cfg) == ["ran on NVIDIA H200, this run on NVIDIA H100"]
+    assert _profile.unlike(run, "NVIDIA H200", {**cfg, "T": 2048}) == ["T 1024 there, 2048 here"]
+    assert _profile.unlike({**run, "partial": True}, "NVIDIA H200", cfg) == ["a partial run"]
+    for odd in ([], {**run, "benchmark": "bench_ops"}, {**run, "results": None}):
+        assert _profile.unlike(odd, "NVIDIA H200", cfg) == ["not a bench_gpu_train run"]
+
+
 def test_the_comparison_prints_each_variant_then_and_now(capsys):
     import json
     rng = np.random.default_rng()
@@ -301,7 +313,13 @@ def test_bench_gpu_train_compares_with_the_newest_run_it_finds_or_the_one_named(
     assert "no earlier run of this model on NVIDIA H100" in capsys.readouterr().out
     args.baseline = str(mine)  # named: taken as it is, saying when it ran on another GPU
     got = bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H100 80GB HBM3"}, res)
-    assert got["baseline"]["path"] == str(mine) and "not like for like" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert got["baseline"]["path"] == str(mine) and "not like for like: ran on NVIDIA H200" in said
+    listy = tmp_path / "list.json"
+    listy.write_text("[1, 2]")
+    args.baseline = str(listy)
+    assert bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res) == {}
+    assert "is not a bench_gpu_train run" in capsys.readouterr().out
     args.baseline = str(tmp_path / "missing.json")
     assert bench_gpu_train.against_baseline(args, {"gpu": "NVIDIA H200"}, res) == {}
     assert "cannot read" in capsys.readouterr().out
