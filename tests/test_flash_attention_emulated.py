@@ -2,21 +2,22 @@
 path on CUDA cores and on TF32 tensor cores, three products per product within 5e-6 of float64 and one within 4e-3; in
 "mix" mode also the KV-cache decode kernels of attention_decode.cu and GPUs with less shared memory per block (99 KB:
 sm_86/sm_89, where float32 takes the simt kernels and d 128's dq pass 32-key blocks; mode "smem" also 163 KB), in
-"quick" mode fp32 on TF32 x3 at T 256 with mma.sync adding as tensor cores do (each sum cut toward zero: the long
-sums into O, dK, dV, dQ must not drift, which put an H200's dK 1.1e-5 from float64), the cross-entropy kernels of
+"quick" mode fp32 on TF32 x3 at T 256 with mma.sync adding as tensor cores do (each sum cut toward zero: the long sums
+into O, dK, dV, dQ must not drift, which put an H200's dK 1.1e-5 from float64), the cross-entropy kernels of
 cross_entropy.cu, the LayerNorm ones of layernorm.cu (their weight gradients the CPU reference's bits) and
 residual_layernorm.cu, the fused one giving the unfused pair's bits, the optimizer step's of adamw.cu and the
-embedding's of encoder.cu, which must give the CPU reference's bits, the linear layers' bias-gradient column sums
-of matmul_bias.cu and the flash backward's delta pass, the bits of their fixed orders) run in tests/warp_emu (one OS
-thread per CUDA thread; ldmatrix, mma.sync (bf16/fp16 m16n8k16, tf32 m16n8k8, whose operands must be rounded to TF32), cvt.rna.tf32,
-shuffles, ballots, static shared memory and cp.async emulated from the PTX ISA's definitions; also Hopper's wgmma for
-the sm90 forward, with its descriptors, 128-byte swizzle, fences and a vector-clock race check against cp.async and
-stores, the fused Hopper backward with its turn-taking between CTAs, and the warp-specialised forward's and backward's
-mbarriers, named barriers and setmaxnreg, and the forward's TMA copies and their mbarrier transaction bytes, one CTA
-taking several tiles in turn in the persistent forward, giving the other sm90 kernels' bits) and must match a float64
-reference. This checks their indexing, fragment layouts, masking and barriers where no GPU is lent; it is not a GPU run
-(see BENCHMARKS.md for what only a GPU can verify).
-Needs g++ with C++20 and the CUDA headers (cuda_bf16.h); skipped without them."""
+embedding's of encoder.cu, which must give the CPU reference's bits, the linear layers' bias-gradient column sums of
+matmul_bias.cu and the flash backward's delta pass, the bits of their fixed orders) run in tests/warp_emu (one fiber
+per CUDA thread; ldmatrix, mma.sync (bf16/fp16 m16n8k16, tf32 m16n8k8, whose operands must be rounded to TF32),
+cvt.rna.tf32, shuffles, ballots, static shared memory and cp.async emulated from the PTX ISA's definitions; also
+Hopper's wgmma for the sm90 forward, with its descriptors, 128-byte swizzle, fences and a vector-clock race check
+against cp.async and stores, the fused Hopper backward with its turn-taking between CTAs, and the warp-specialised
+forward's and backward's mbarriers, named barriers and setmaxnreg, and the forward's TMA copies and their mbarrier
+transaction bytes, one CTA taking several tiles in turn in the persistent forward, giving the other sm90 kernels' bits)
+and must match a float64 reference. This checks their indexing, fragment layouts, masking and barriers where no GPU is
+lent; it is not a GPU run (see BENCHMARKS.md for what only a GPU can verify). "quick" also runs the emulator's own
+checks (emu_test.cpp's run_selftest): a wait no thread can end, and lanes at different warp collectives, must stop the
+run with their messages. Needs g++ with C++20 and the CUDA headers (cuda_bf16.h); skipped without them."""
 import os
 import shutil
 import subprocess

@@ -1,10 +1,10 @@
-// Host emulation of the CUDA features the flash kernels use: one OS thread per CUDA thread, barriers for
-// __syncthreads and for warp collectives (ldmatrix, mma, shfl), cp.async eager or lazy; for Hopper, wgmma, mbarriers
-// (with TMA's transaction bytes), TMA tile copies and named barriers. Shared memory that wgmma reads, and the
-// ordinary loads and stores made through wgmma.cuh's ld_shared_*/st_shared_*, are checked for races by vector
-// clocks: every barrier (CTA-wide, named, mbarrier) carries what its arrivals had seen to those who wait on it, and
-// a read or write of a 16-byte chunk that no chain of barriers orders after the last conflicting access (the
-// chunk's last write; every load of it since) is an error, whichever order the OS threads happened to run in.
+// Host emulation of the CUDA features the flash kernels use: one fiber (a coroutine with its own stack) per CUDA
+// thread, barriers for __syncthreads and for warp collectives (ldmatrix, mma, shfl), cp.async eager or lazy; for
+// Hopper, wgmma, mbarriers (with TMA's transaction bytes), TMA tile copies and named barriers. Shared memory that wgmma
+// reads, and the ordinary loads and stores made through wgmma.cuh's ld_shared_*/st_shared_*, are checked for races by
+// vector clocks: every barrier (CTA-wide, named, mbarrier) carries what its arrivals had seen to those who wait on it,
+// and a read or write of a 16-byte chunk that no chain of barriers orders after the last conflicting access (the
+// chunk's last write; every load of it since) is an error, whichever order the threads happened to run in.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,23 +12,20 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <barrier>
-#include <chrono>
 #include <climits>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <latch>
 #include <map>
 #include <memory>
-#include <mutex>
-#include <semaphore>
-#include <thread>
 #include <vector>
+#include <sys/mman.h>
+#if !defined(__x86_64__) || defined(EMU_UCONTEXT)
+#include <ucontext.h>
+#endif
 using std::max;
 using std::min;
 
@@ -41,8 +38,169 @@ using std::min;
 
 namespace emu {
 inline int g_lazy_cp = 0;  // 0: cp.async copies at issue, 1: at wait_group (latest legal moment)
+[[noreturn]] inline void die(const char* m) { fprintf(stderr, "EMU FATAL: %s\n", m); fflush(stderr); abort(); }
+// ---- Fibers. A block's CUDA threads run on the calling OS thread, each on its own stack, one at a time: a thread
+// runs until it waits (a barrier, a warp collective, an mbarrier or named barrier), then the next ready one runs, in
+// the order they became ready. Until 2026-11-27 each CUDA thread was an OS thread: every warp collective then woke
+// 32 of them on a machine of two cores, and the kernel's scheduling was most of the emulator's time. The race check
+// never relied on the OS's interleaving (vector clocks), and a wait that nothing can end is found the moment no thread
+// is ready, and reported with what each thread waits for.
+constexpr int kMaxThreads = 1024;     // a block's
+constexpr int kHost = kMaxThreads;    // the host's slot: code outside a kernel
+constexpr size_t kStack = 1u << 20;   // a fiber's stack (reserved; kernels use ~6 KB), a guard page below
+inline int g_fid = kHost;             // the running CUDA thread (its threadIdx.x), or kHost
+// A variable with one instance per CUDA thread and one for the host: what `thread_local` was with OS threads.
+// emu.h's per-thread state is declared with it and read through a macro of the old name (tl_clock, ...).
+template <class T>
+struct PerThread {
+  std::unique_ptr<T[]> v{new T[kMaxThreads + 1]()};
+  T& operator[](int i) { return v[i]; }
+};
+struct Fiber {
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+  void* sp = nullptr;  // its stack pointer while it does not run (ctx_switch saved its registers there)
+#else
+  ucontext_t uc;
+#endif
+  char* stack = nullptr;
+  // While it waits, for the report of a deadlock: what for, and that barrier's arrivals and count.
+  const char* what = nullptr;
+  int id = -1;
+  const int* arrived = nullptr;
+  const int* count = nullptr;
+};
+inline Fiber g_fibers[kMaxThreads + 1];
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+// Saves the callee-saved registers and the SSE and x87 control words on this stack, stores the stack pointer in
+// *from and goes on from the stack pointer `to` (saved there by an earlier switch, or prepared by ctx_start): the
+// System V ABI lets a call change every other register. ucontext's swapcontext does the same and also a system call
+// (the signal mask) each time, which would cost what the fibers save; it is the fallback elsewhere (and with
+// -DEMU_UCONTEXT, to run that path here).
+__attribute__((naked, noinline)) inline void ctx_jump(void** /*from: rdi*/, void* /*to: rsi*/) {
+  asm("pushq %rbp\n\tpushq %rbx\n\tpushq %r12\n\tpushq %r13\n\tpushq %r14\n\tpushq %r15\n\t"
+      "subq $8, %rsp\n\tstmxcsr (%rsp)\n\tfnstcw 4(%rsp)\n\t"
+      "movq %rsp, (%rdi)\n\tmovq %rsi, %rsp\n\t"
+      "ldmxcsr (%rsp)\n\tfldcw 4(%rsp)\n\taddq $8, %rsp\n\t"
+      "popq %r15\n\tpopq %r14\n\tpopq %r13\n\tpopq %r12\n\tpopq %rbx\n\tpopq %rbp\n\tret");
+}
+inline void ctx_switch(Fiber& from, Fiber& to) { ctx_jump(&from.sp, to.sp); }
+// A fresh stack that the first switch to it enters at entry(), as if entry had been called (16-byte alignment).
+inline void ctx_start(Fiber& f, void (*entry)()) {
+  uint64_t* sp = reinterpret_cast<uint64_t*>(f.stack + kStack);  // page-aligned
+  *--sp = 0;                                        // entry's return address: it never returns
+  *--sp = (uint64_t)(uintptr_t)entry;               // where ctx_jump's ret goes
+  for (int i = 0; i < 6; i++) *--sp = 0;            // rbp, rbx, r12-r15
+  uint16_t cw;
+  asm volatile("fnstcw %0" : "=m"(cw));
+  *--sp = (uint64_t)__builtin_ia32_stmxcsr() | (uint64_t)cw << 32;  // this thread's rounding modes
+  f.sp = sp;
+}
+#else
+inline void ctx_switch(Fiber& from, Fiber& to) {
+  if (swapcontext(&from.uc, &to.uc)) die("swapcontext");
+}
+inline void ctx_start(Fiber& f, void (*entry)()) {
+  if (getcontext(&f.uc)) die("getcontext");
+  f.uc.uc_stack.ss_sp = f.stack, f.uc.uc_stack.ss_size = kStack, f.uc.uc_link = nullptr;
+  makecontext(&f.uc, entry, 0);
+}
+#endif
+inline char* fiber_stack() {  // kStack bytes above one guard page: an overflow faults instead of writing elsewhere
+  const size_t page = 4096;
+  void* m = mmap(nullptr, kStack + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED || mprotect(m, page, PROT_NONE)) die("a fiber's stack could not be mapped");
+  return static_cast<char*>(m) + page;
+}
+// The ready threads, first come first run (each at most once: a ring of kMaxThreads).
+inline int g_ready[kMaxThreads], g_ready_head = 0, g_ready_n = 0;
+inline int g_live = 0;                   // the running block's threads that have not exited
+inline unsigned g_running_block = 0;     // its index (for the deadlock report)
+inline void make_ready(int f) { g_ready[(g_ready_head + g_ready_n++) % kMaxThreads] = f; }
+[[noreturn]] inline void deadlock() {
+  fprintf(stderr, "EMU FATAL: deadlock: in block %u, %d threads wait and none can go on (a GPU hangs here):\n",
+          g_running_block, g_live);
+  auto same = [](const Fiber& a, const Fiber& b) {
+    return b.what && a.what == b.what && a.id == b.id && a.arrived == b.arrived;
+  };
+  int shown = 0;
+  for (int t = 0; t < kMaxThreads && shown < 8; t++) {
+    const Fiber& f = g_fibers[t];
+    if (!f.what) continue;
+    int last = t;  // the run of threads from t on that wait for the same
+    while (last + 1 < kMaxThreads && same(f, g_fibers[last + 1])) last++;
+    fprintf(stderr, "  thread%s %d", last > t ? "s" : "", t);
+    if (last > t) fprintf(stderr, "-%d", last);
+    fprintf(stderr, " wait%s at %s", last > t ? "" : "s", f.what);
+    if (f.id >= 0) fprintf(stderr, " %d", f.id);
+    if (f.arrived) fprintf(stderr, " (%d of %d arrived)", *f.arrived, *f.count);
+    fprintf(stderr, "\n");
+    shown++;
+    t = last;
+  }
+  fflush(stderr);
+  abort();
+}
+// The running thread has put itself on a wait list, or exited: the next ready thread runs (the host once all have
+// exited).
+inline void switch_away() {
+  const int from = g_fid;
+  int to = kHost;
+  if (g_ready_n) {
+    to = g_ready[g_ready_head];
+    g_ready_head = (g_ready_head + 1) % kMaxThreads, g_ready_n--;
+  } else if (g_live) {
+    deadlock();
+  }
+  g_fid = to;
+  ctx_switch(g_fibers[from], g_fibers[to]);
+}
+// Threads waiting for one event (a barrier's phase).
+struct WaitList {
+  std::vector<int> threads;
+  void wait(const char* what, int id = -1, const int* arrived = nullptr, const int* count = nullptr) {
+    Fiber& me = g_fibers[g_fid];
+    me.what = what, me.id = id, me.arrived = arrived, me.count = count;
+    threads.push_back(g_fid);
+    switch_away();
+    me.what = nullptr;
+  }
+  void wake_all() {
+    for (int t : threads) make_ready(t);
+    threads.clear();
+  }
+};
+// std::barrier's arrive_and_wait for fibers: the n-th arrival releases the phase's waiters and goes on.
+struct Barrier {
+  int n, arrived = 0;
+  WaitList waiting;
+  explicit Barrier(int count) : n(count) {}
+  void arrive_and_wait(const char* what) {
+    if (++arrived < n) return waiting.wait(what, -1, &arrived, &n);
+    arrived = 0;
+    waiting.wake_all();
+  }
+};
+inline const std::function<void(int)>* g_job = nullptr;
+inline void fiber_main() {
+  (*g_job)(g_fid);
+  g_live--;
+  switch_away();  // never comes back: the block's next run of this fiber starts afresh
+  die("an exited fiber ran again");
+}
+// Runs f(0) .. f(n - 1), each as a fiber, and returns when all have exited.
+inline void run_threads(int n, const std::function<void(int)>& f) {
+  if (n < 1 || n > kMaxThreads || g_fid != kHost) die("run_threads: 1-1024 threads, from the host");
+  g_job = &f, g_live = n;
+  for (int t = 0; t < n; t++) {
+    if (!g_fibers[t].stack) g_fibers[t].stack = fiber_stack();
+    ctx_start(g_fibers[t], fiber_main);
+    make_ready(t);
+  }
+  switch_away();  // the host waits as the block's threads run; the last to exit comes back here
+  g_fid = kHost;
+}
 struct Warp {
-  std::barrier<> bar{32};
+  Barrier bar{32};
   uint64_t slot[32][12];
   int op[32];
 };
@@ -61,7 +219,7 @@ struct WgOp {
   std::vector<uint32_t> reads;  // the shared 16-byte chunks it reads (the warpgroup's first thread's copy only)
 };
 struct WarpGroup {
-  std::barrier<> bar{128};
+  Barrier bar{128};
   const WgOp* ops[128];
 };
 // A vector clock: entry t counts the releases (barrier arrivals) of thread t that its holder has seen.
@@ -70,7 +228,6 @@ inline void join(Clock& into, const Clock& from) {
   for (size_t i = 0; i < into.size(); i++) into[i] = std::max(into[i], from[i]);
 }
 constexpr uint32_t kPending = 0xffffffffu;  // an access issued, not yet complete
-[[noreturn]] inline void die(const char* m) { fprintf(stderr, "EMU FATAL: %s\n", m); fflush(stderr); abort(); }
 // A chunk's last write (Block::wlast): the writing thread (-1: none yet) and its clock, packed in one word.
 struct LastWrite {
   int tid;
@@ -88,6 +245,7 @@ struct Phases {
   unsigned phase = 0;
   Clock seen, done[4];
   Clock seen_rc, done_rc[4];  // the same in racecheck's reading (tl_rc)
+  WaitList waiting;           // for the pending phase
   void clear(int threads) {  // a fresh barrier: phase 0 pending, the ones "before" it complete and carrying nothing
     arrived = 0, phase = 0, tx = 0;
     seen.assign(threads, 0);
@@ -95,7 +253,7 @@ struct Phases {
     for (Clock& d : done) d.assign(threads, 0);
     for (Clock& d : done_rc) d.assign(threads, 0);
   }
-  void complete_if_done(std::condition_variable& cv) {
+  void complete_if_done() {
     if (arrived != count || tx != 0) return;
     done[phase % 4] = seen;
     done_rc[phase % 4] = seen_rc;
@@ -103,30 +261,30 @@ struct Phases {
     std::fill(seen_rc.begin(), seen_rc.end(), 0);
     arrived = 0;
     phase++;
-    cv.notify_all();
+    waiting.wake_all();
   }
-  // Under the block's sync_mu: counts n arrivals with clock c (racecheck's reading: rc), declaring `expect`
+  // Counts n arrivals with clock c (racecheck's reading: rc), declaring `expect`
   // transaction bytes; -> the phase they arrived in.
-  unsigned arrive(const Clock& c, const Clock& rc, std::condition_variable& cv, int64_t expect = 0, int n = 1) {
+  unsigned arrive(const Clock& c, const Clock& rc, int64_t expect = 0, int n = 1) {
     const unsigned at = phase;
     join(seen, c);
     join(seen_rc, rc);
     tx += expect;
     arrived += n;
     if (arrived > count) die("mbarrier: an arrival past its count (its phase still waits for transaction bytes)");
-    complete_if_done(cv);
+    complete_if_done();
     return at;
   }
   // `bytes` of a copy landed (complete_tx), its writes as of clock c (rc).
-  void complete_tx(const Clock& c, const Clock& rc, int64_t bytes, std::condition_variable& cv) {
+  void complete_tx(const Clock& c, const Clock& rc, int64_t bytes) {
     join(seen, c);
     join(seen_rc, rc);
     tx -= bytes;
-    complete_if_done(cv);
+    complete_if_done();
   }
 };
 struct Block {
-  std::barrier<> bar;
+  Barrier bar;
   Warp warps[32];
   std::vector<std::unique_ptr<WarpGroup>> wgs;  // when the block is whole warpgroups
   std::vector<unsigned char> dirty;  // per shared byte: written by cp.async, not yet behind a fence.proxy.async
@@ -139,31 +297,29 @@ struct Block {
   std::vector<int> rpend;
   std::vector<uint32_t> rclk;
   // Per 16-byte chunk, the ordinary loads that the race check follows (wgmma.cuh's ld_shared_*): each reading
-  // thread with its clock at the load, until the next write; under reads_mu.
+  // thread with its clock at the load, until the next write.
   std::vector<std::vector<std::pair<int, uint32_t>>> reads;
-  std::mutex reads_mu;
   Clock sync_clock[2];  // __syncthreads: each thread's own entry, by barrier parity
-  std::mutex sync_mu;   // the mbarriers and named barriers
-  std::condition_variable sync_cv;
   std::map<uint32_t, Phases> mbars;  // by shared offset
   Phases named[16];
   unsigned char* smem;
   size_t smem_bytes;
-  std::mutex statics_mu;
   std::map<int, std::vector<unsigned char>> statics;  // static __shared__ arrays, by source line
   explicit Block(int n) : bar(n) {}
 };
-inline thread_local dim3 tl_tid, tl_bid;
+inline PerThread<dim3> tl_tid_, tl_bid_;
+#define tl_tid (::emu::tl_tid_[::emu::g_fid])
+#define tl_bid (::emu::tl_bid_[::emu::g_fid])
 inline dim3 g_grid, g_block;
 inline dim3 g_grid_big_smem;  // the last launch's with over 48 KB of dynamic shared memory (a Hopper kernel's, not
                               // the small reductions that may follow it)
-inline thread_local Block* tl_block;
+inline PerThread<Block*> tl_block_;
+#define tl_block (::emu::tl_block_[::emu::g_fid])
 inline unsigned char* smem() { return tl_block->smem; }
 // A static `__shared__ T name[n];` (run.sh rewrites the declaration): one array per block, the first thread to
 // reach it makes it, garbage-filled (NaN) as real shared memory is unset.
 template <typename T>
 T* static_smem(int line, size_t n) {
-  std::lock_guard<std::mutex> lock(tl_block->statics_mu);
   auto& a = tl_block->statics[line];
   if (a.empty()) a.assign(n * sizeof(T), 0xff);
   return reinterpret_cast<T*>(a.data());
@@ -174,13 +330,15 @@ inline int lane() { return tl_tid.x % 32; }
 inline void deposit(int op) {
   Warp& w = warp();
   w.op[lane()] = op;
-  w.bar.arrive_and_wait();
+  w.bar.arrive_and_wait("a warp collective (shfl, ballot, ldmatrix, mma)");
   for (int i = 0; i < 32; i++)
     if (w.op[i] != op) die("warp lanes disagree on collective op (divergence)");
 }
-inline void done() { warp().bar.arrive_and_wait(); }
-inline thread_local int tl_phase = 0;  // __syncthreads passed by this thread in this block
-inline thread_local Clock tl_clock;     // this thread's vector clock
+inline void done() { warp().bar.arrive_and_wait("the end of a warp collective"); }
+inline PerThread<int> tl_phase_;  // __syncthreads passed by this thread in this block
+#define tl_phase (::emu::tl_phase_[::emu::g_fid])
+inline PerThread<Clock> tl_clock_;  // this thread's vector clock
+#define tl_clock (::emu::tl_clock_[::emu::g_fid])
 // The same clock in compute-sanitizer racecheck's reading of a barrier (g_racecheck_model; else the same as
 // tl_clock): an mbarrier's phase, or a named barrier, orders before the waiters only the accesses of the threads that
 // arrived on it (or issued the copies that completed it), not what those threads had themselves waited for. The PTX
@@ -192,7 +350,8 @@ inline thread_local Clock tl_clock;     // this thread's vector clock
 // racecheck, which does not see that read). Each thread's own entry is the same in both clocks. (__syncthreads
 // joins every thread's own entry: the same in both readings.)
 inline bool g_racecheck_model = false;
-inline thread_local Clock tl_rc;
+inline PerThread<Clock> tl_rc_;
+#define tl_rc (::emu::tl_rc_[::emu::g_fid])
 // A release (a barrier arrival, a copy's completion): what this thread has seen so far goes with it (rc: under
 // g_racecheck_model its own accesses alone); its later accesses count as after it.
 struct Released {
@@ -211,7 +370,7 @@ inline Released release() {
 inline void syncthreads() {
   Clock& slot = tl_block->sync_clock[tl_phase & 1];
   slot[tl_tid.x] = tl_clock[tl_tid.x];
-  tl_block->bar.arrive_and_wait();
+  tl_block->bar.arrive_and_wait("__syncthreads");
   join(tl_clock, slot);
   join(tl_rc, slot);
   tl_rc[tl_tid.x] = ++tl_clock[tl_tid.x];
@@ -396,10 +555,13 @@ struct Copy {
   bool valid;
   bool landed;  // copied at issue (eager mode); complete, for the race check, only at its wait_group
 };
-inline thread_local std::vector<Copy> tl_cur;
-inline thread_local std::vector<std::vector<Copy>> tl_groups;
+inline PerThread<std::vector<Copy>> tl_cur_;
+#define tl_cur (::emu::tl_cur_[::emu::g_fid])
+inline PerThread<std::vector<std::vector<Copy>>> tl_groups_;
+#define tl_groups (::emu::tl_groups_[::emu::g_fid])
 // (shared offset, bytes) this thread's finished copies and tile stores wrote, not yet behind its fence.proxy.async
-inline thread_local std::vector<std::pair<size_t, int>> tl_unfenced;
+inline PerThread<std::vector<std::pair<size_t, int>>> tl_unfenced_;
+#define tl_unfenced (::emu::tl_unfenced_[::emu::g_fid])
 // n bytes at shared offset off were written through the generic proxy (a finished cp.async, a store): wgmma may
 // not read them before this thread's fence.proxy.async.
 inline void mark_unfenced(size_t off, int n) {
@@ -430,14 +592,11 @@ inline void note_write(size_t off, const char* what, bool pending, bool ordinary
       race(what, "writes shared memory that another warpgroup's wgmma read, with no barrier after that read", chunk,
            g * 128);
   }
-  {
-    std::lock_guard<std::mutex> lock(b.reads_mu);
-    const Clock& seen = ordinary ? tl_rc : tl_clock;  // an ordinary store after ordinary loads: racecheck's reading
-    for (auto [t, clk] : b.reads[chunk])
-      if (t != (int)tl_tid.x && clk > seen[t])
-        race(what, "writes shared memory another thread read, with no barrier after that read", chunk, t);
-    b.reads[chunk].clear();
-  }
+  const Clock& seen = ordinary ? tl_rc : tl_clock;  // an ordinary store after ordinary loads: racecheck's reading
+  for (auto [t, clk] : b.reads[chunk])
+    if (t != (int)tl_tid.x && clk > seen[t])
+      race(what, "writes shared memory another thread read, with no barrier after that read", chunk, t);
+  b.reads[chunk].clear();
   b.wlast[chunk].store(pack_write(tl_tid.x, pending ? kPending : tl_clock[tl_tid.x]));
 }
 // An ordinary load of a 16-byte chunk: the last write to it must be complete and seen through barriers; the load
@@ -453,7 +612,6 @@ inline void note_read(size_t off, const char* what, bool pending = false, bool o
   if (wt >= 0 && wt != (int)tl_tid.x && (ordinary ? tl_rc : tl_clock)[wt] < wclk)
     race(what, "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
   const uint32_t now = pending ? kPending : tl_clock[tl_tid.x];
-  std::lock_guard<std::mutex> lock(b.reads_mu);
   for (auto& [t, clk] : b.reads[chunk])
     if (t == (int)tl_tid.x) {
       clk = now;
@@ -509,9 +667,12 @@ inline uint32_t shared_offset(const void* p) {
   if (c < tl_block->smem || c > tl_block->smem + tl_block->smem_bytes) die("shared address of a non-shared pointer");
   return (uint32_t)(c - tl_block->smem);
 }
-inline thread_local bool tl_wg_fenced = false;  // a wgmma.fence since the last wait_group (or the start)
-inline thread_local std::vector<WgOp> tl_wg_cur;
-inline thread_local std::vector<std::vector<WgOp>> tl_wg_groups;
+inline PerThread<bool> tl_wg_fenced_;  // a wgmma.fence since the last wait_group (or the start)
+#define tl_wg_fenced (::emu::tl_wg_fenced_[::emu::g_fid])
+inline PerThread<std::vector<WgOp>> tl_wg_cur_;
+#define tl_wg_cur (::emu::tl_wg_cur_[::emu::g_fid])
+inline PerThread<std::vector<std::vector<WgOp>>> tl_wg_groups_;
+#define tl_wg_groups (::emu::tl_wg_groups_[::emu::g_fid])
 inline WarpGroup& warpgroup() {
   if (tl_block->wgs.empty()) die("wgmma in a block that is not whole warpgroups");
   return *tl_block->wgs[tl_tid.x / 128];
@@ -561,7 +722,7 @@ inline void wg_exec(const WgOp& op) {
   WarpGroup& w = warpgroup();
   const int lt = tl_tid.x % 128;
   w.ops[lt] = &op;
-  w.bar.arrive_and_wait();  // every thread's registers as they are now
+  w.bar.arrive_and_wait("a wgmma");  // every thread's registers as they are now
   auto A = [&](int row, int k) {
     if (!op.rs) return wg_operand(op.da, row, k, op.amn, op.half);
     int t, reg;
@@ -579,7 +740,7 @@ inline void wg_exec(const WgOp& op) {
     for (int k = 0; k < 16; k++) acc += (double)A(row, k) * wg_operand(op.db, col, k, op.rs || op.bmn, op.half);
     out[i] = (float)((op.accumulate ? op.d[i] : 0.f) + acc);
   }
-  w.bar.arrive_and_wait();  // all reads done before any accumulator changes
+  w.bar.arrive_and_wait("the end of a wgmma");  // all reads done before any accumulator changes
   for (int i = 0; i < op.n / 2; i++) op.d[i] = out[i];
 }
 // The 16-byte chunks of a shared operand (rows x 16 elements), in an order that puts a chunk's 8 elements together.
@@ -602,7 +763,7 @@ inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint6
     operand_chunks(op.reads, db, n, rs || bmn);
   }
   w.ops[lt] = &op;
-  w.bar.arrive_and_wait();
+  w.bar.arrive_and_wait("a wgmma issue");
   const WgOp& o = *w.ops[0];
   if (o.n != n || o.rs != rs || o.amn != amn || o.bmn != bmn || o.half != half || o.da != da || o.db != db ||
       (o.accumulate != 0) != (accumulate != 0))
@@ -616,7 +777,7 @@ inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint6
     if (wt != (int)tl_tid.x && tl_clock[wt] < wclk)
       race("wgmma", "reads shared memory another thread wrote, with no barrier after that write", chunk, wt);
   }
-  w.bar.arrive_and_wait();
+  w.bar.arrive_and_wait("the end of a wgmma issue");
   if (lt == 0)
     for (uint32_t chunk : op.reads) b.rpend[chunk * 8 + wg]++;
   if (!g_lazy_cp) {
@@ -672,15 +833,10 @@ inline void st_shared(T* p, T v, const char* what) {
 }
 inline void st_shared_b32(void* p, uint32_t v) { st_shared(static_cast<uint32_t*>(p), v, "a store"); }
 // ---- mbarriers and named barriers (wgmma.cuh's, for the warp-specialised kernels). A wait that cannot end is a
-// deadlock on the GPU too; here it is an error after kStuck (no emulated wait lasts more than a fraction of that).
-constexpr auto kStuck = std::chrono::seconds(120);
-// Waits (under `lock`, on the block's sync_mu) until phase `at` of `b` has completed, and takes what it carries.
-inline void wait_phase(std::unique_lock<std::mutex>& lock, const Phases& b, unsigned at, const char* what, int id) {
-  if (!tl_block->sync_cv.wait_for(lock, kStuck, [&] { return b.phase != at; })) {
-    fprintf(stderr, "EMU FATAL: thread %u waits at %s %d forever (%d of %d arrived)\n", tl_tid.x, what, id,
-            b.arrived, b.count);
-    abort();
-  }
+// deadlock on the GPU too; here it is an error as soon as no thread is ready (deadlock()).
+// Waits until phase `at` of `b` has completed, and takes what it carries.
+inline void wait_phase(Phases& b, unsigned at, const char* what, int id) {
+  while (b.phase == at) b.waiting.wait(what, id, &b.arrived, &b.count);
   join(tl_clock, b.done[at % 4]);
   join(tl_rc, b.done_rc[at % 4]);
 }
@@ -692,7 +848,6 @@ inline Phases& mbar_at(uint32_t off) {
 inline void mbar_init(uint32_t off, int count) {
   if (off % 8 || off + 8 > tl_block->smem_bytes) die("mbarrier.init: not an 8-byte aligned shared address");
   if (count < 1) die("mbarrier.init: count must be positive");
-  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
   Phases& m = tl_block->mbars[off];
   m.clear((int)tl_clock.size());
   m.count = count;
@@ -701,15 +856,13 @@ inline void mbar_init(uint32_t off, int count) {
 // the count operand (wgmma.cuh's mbar_arrive(bar, count)): more than the phase still waits for is an error.
 inline void mbar_arrive(uint32_t off, uint32_t expect = 0, int n = 1) {
   const Released r = release();
-  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  mbar_at(off).arrive(r.c, r.rc, tl_block->sync_cv, expect, n);
+  mbar_at(off).arrive(r.c, r.rc, expect, n);
 }
 // mbarrier.expect_tx (tma.cuh's expect): more transaction bytes for the current phase, no arrival.
 inline void mbar_expect(uint32_t off, uint32_t bytes) {
-  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
   Phases& m = mbar_at(off);
   m.tx += bytes;
-  m.complete_if_done(tl_block->sync_cv);
+  m.complete_if_done();
 }
 // try_wait.parity: until the phase of that parity has completed. A thread waits for the current phase, or for the
 // one before if it has already completed (then at once): a phase two back would wait for the next one, as on the GPU.
@@ -720,10 +873,9 @@ inline void mbar_expect(uint32_t off, uint32_t bytes) {
 inline void mbar_wait(uint32_t off, uint32_t parity) {
   if (!tl_groups.empty() || !tl_cur.empty())
     die("mbarrier wait with cp.async copies in flight: their publication would wait for this barrier");
-  std::unique_lock<std::mutex> lock(tl_block->sync_mu);
   Phases& m = mbar_at(off);
   const unsigned at = (m.phase & 1) == (parity & 1) ? m.phase : m.phase - 1;
-  wait_phase(lock, m, at, "the mbarrier at shared byte", (int)off);
+  wait_phase(m, at, "the mbarrier at shared byte", (int)off);
 }
 // ---- TMA (csrc/cuda/tma.cuh), from the PTX ISA (cp.async.bulk.tensor) and cuda.h's cuTensorMapEncodeTiled. A map
 // keeps the tensor's base, dims, strides and box in the opaque CUtensorMap (this emulator's own encoding); encoding
@@ -798,8 +950,7 @@ inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, std::ar
   });
   g_tma_copies++;
   const Released r = release();
-  std::lock_guard<std::mutex> lock(b.sync_mu);
-  mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes, b.sync_cv);
+  mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes);
 }
 inline Phases& named_at(int id, int count) {
   if (id < 1 || id > 15) die("named barrier: id must be 1-15 (0 is __syncthreads)");
@@ -813,14 +964,12 @@ inline Phases& named_at(int id, int count) {
 }
 inline void bar_sync(int id, int count) {
   const Released r = release();
-  std::unique_lock<std::mutex> lock(tl_block->sync_mu);
   Phases& n = named_at(id, count);
-  wait_phase(lock, n, n.arrive(r.c, r.rc, tl_block->sync_cv), "named barrier", id);
+  wait_phase(n, n.arrive(r.c, r.rc), "named barrier", id);
 }
 inline void bar_arrive(int id, int count) {
   const Released r = release();
-  std::lock_guard<std::mutex> lock(tl_block->sync_mu);
-  named_at(id, count).arrive(r.c, r.rc, tl_block->sync_cv);
+  named_at(id, count).arrive(r.c, r.rc);
 }
 
 // ---- Bulk copies from shared to global memory (tma.cuh's store, reduce_add, commit, wait_read, wait,
@@ -847,9 +996,12 @@ struct Bulk {
   bool read_waited = false;  // a wait_group(.read) has covered it: its read is complete, for the race check
   std::vector<unsigned char> data;  // the source as read
 };
-inline thread_local bool tl_acquired = false;  // a wait_count's acquire not yet behind fence.proxy.async.global
-inline thread_local std::vector<Bulk> tl_bulk_cur;
-inline thread_local std::vector<std::vector<Bulk>> tl_bulk_groups;
+inline PerThread<bool> tl_acquired_;  // a wait_count's acquire not yet behind fence.proxy.async.global
+#define tl_acquired (::emu::tl_acquired_[::emu::g_fid])
+inline PerThread<std::vector<Bulk>> tl_bulk_cur_;
+#define tl_bulk_cur (::emu::tl_bulk_cur_[::emu::g_fid])
+inline PerThread<std::vector<std::vector<Bulk>>> tl_bulk_groups_;
+#define tl_bulk_groups (::emu::tl_bulk_groups_[::emu::g_fid])
 inline bool bulk_in_flight() { return !tl_bulk_cur.empty() || !tl_bulk_groups.empty(); }
 inline void bulk_read(Bulk& op) {
   if (!op.read) op.data.assign(tl_block->smem + op.src, tl_block->smem + op.src + op.bytes);
@@ -858,27 +1010,22 @@ inline void bulk_read(Bulk& op) {
 // initcheck's view of the copies to global memory (tensor stores and bulk copies, neither of which the tool counts as
 // writes): the bytes they wrote, and the ranges the host marked written for the tool (tma.cuh's mark_stored), which
 // must be the same bytes (tma_stores_marked).
-inline std::mutex g_initcheck_mu;
 inline std::vector<uintptr_t> g_tma_written;
 inline std::vector<std::pair<uintptr_t, size_t>> g_marked;
 inline void initcheck_mark(const void* base, size_t bytes) {
-  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
   g_marked.emplace_back((uintptr_t)base, bytes);
 }
 inline bool g_initcheck_track = false;  // recording, from the first initcheck_reset on (else long modes would grow)
 inline void initcheck_reset() {
-  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
   g_tma_written.clear(), g_marked.clear();
   g_initcheck_track = true;
 }
 inline size_t initcheck_marks() {
-  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
   return g_marked.size();
 }
 // Whether the copies since initcheck_reset wrote exactly the marked bytes, every one once or more; `none`: both may
 // be empty (else something must be marked).
 inline bool tma_stores_marked(bool none = false) {
-  const std::lock_guard<std::mutex> lock(g_initcheck_mu);
   std::vector<uintptr_t> written = g_tma_written, marked;
   std::sort(written.begin(), written.end());
   written.erase(std::unique(written.begin(), written.end()), written.end());
@@ -900,15 +1047,11 @@ inline void bulk_write(Bulk& op) {
         written.push_back((uintptr_t)elem), written.push_back((uintptr_t)elem + 1);
       }
     });
-    const std::lock_guard<std::mutex> lock(g_initcheck_mu);
     if (g_initcheck_track) g_tma_written.insert(g_tma_written.end(), written.begin(), written.end());
     return;
   }
-  {
-    const std::lock_guard<std::mutex> lock(g_initcheck_mu);
-    if (g_initcheck_track)
-      for (uint32_t i = 0; i < op.bytes; i++) g_tma_written.push_back((uintptr_t)op.dst + i);
-  }
+  if (g_initcheck_track)
+    for (uint32_t i = 0; i < op.bytes; i++) g_tma_written.push_back((uintptr_t)op.dst + i);
   if (!op.add) {
     memcpy(op.dst, op.data.data(), op.bytes);
     return;
@@ -991,8 +1134,7 @@ inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t ba
   memcpy(b.smem + dst, src, bytes);
   g_bulk_loads++;
   const Released r = release();
-  std::lock_guard<std::mutex> lock(b.sync_mu);
-  mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes, b.sync_cv);
+  mbar_at(bar).complete_tx(r.c, r.rc, (int64_t)bytes);
 }
 
 // The fused backward's turn-taking between CTAs. The emulator runs CTAs one after another in grid order, which is
@@ -1092,45 +1234,6 @@ inline cudaError_t GetLastError() {
 }
 inline const char* GetErrorString(cudaError_t e) { return e == cudaErrorInvalidConfiguration ? "invalid configuration" : "emu error"; }
 inline size_t g_max_smem_seen = 0;
-// The OS threads that play a block's CUDA threads, kept from block to block: creating a few hundred per block was
-// most of the emulator's system time (331,013 threads in "quick"; it ran 27 s, now 12). Worker t runs the current
-// block's thread t when released; every per-thread state is set again at the start of each block.
-struct Pool {
-  struct Worker {
-    std::thread th;
-    std::binary_semaphore go{0};
-  };
-  std::vector<std::unique_ptr<Worker>> workers;
-  const std::function<void(int)>* job = nullptr;
-  std::latch* done = nullptr;
-  bool stop = false;
-  // Runs f(0) .. f(n - 1) on n workers at once and returns when all have.
-  void run(int n, const std::function<void(int)>& f) {
-    while ((int)workers.size() < n) {
-      auto w = std::make_unique<Worker>();
-      Worker* wp = w.get();
-      const int t = (int)workers.size();
-      w->th = std::thread([this, wp, t] {
-        for (;;) {
-          wp->go.acquire();  // job, done and stop are set before the release
-          if (stop) return;
-          (*job)(t);
-          done->count_down();
-        }
-      });
-      workers.push_back(std::move(w));
-    }
-    std::latch finished(n);
-    job = &f, done = &finished;
-    for (int t = 0; t < n; t++) workers[t]->go.release();
-    finished.wait();
-  }
-  ~Pool() {
-    stop = true;
-    for (auto& w : workers) w->go.release(), w->th.join();
-  }
-};
-inline Pool g_pool;
 template <class K, class... A>
 void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
   g_launches++;
@@ -1165,7 +1268,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       if (nt % 128 == 0)
         for (int i = 0; i < nt / 128; i++) blk.wgs.push_back(std::make_unique<WarpGroup>());
       memset(blk.smem, 0xff, bytes);  // garbage: NaN in bf16/fp16/fp32
-      g_pool.run(nt, [&](int t) {
+      g_running_block = bx + by * grid.x;
+      run_threads(nt, [&](int t) {
         tl_tid = dim3(t, 0, 0);
         tl_bid = dim3(bx, by, 0);
         tl_block = &blk;
@@ -1212,8 +1316,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 }
 }  // namespace emu
 
-#define threadIdx emu::tl_tid
-#define blockIdx emu::tl_bid
+#define threadIdx tl_tid
+#define blockIdx tl_bid
 #define gridDim emu::g_grid
 #define blockDim emu::g_block
 #define __syncthreads() emu::syncthreads()

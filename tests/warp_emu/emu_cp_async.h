@@ -1,6 +1,6 @@
 // Stands in for csrc/cuda/cp_async.cuh (run.sh copies it there): the cp.async helpers as the emulator's copies
 // (emu.h: at issue, or lazily at the group's wait), and the compiler fence as a signal fence (no reordering of this
-// OS thread's accesses across it by the host compiler either).
+// thread's accesses across it by the host compiler either).
 #pragma once
 #include <atomic>
 #include <cstdint>

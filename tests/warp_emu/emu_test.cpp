@@ -18,6 +18,10 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <csignal>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 using namespace fastgpt;
 using cuda::DType;
 
@@ -1756,6 +1760,94 @@ void run_workspace() {
   fflush(stdout);
 }
 
+// ---- The emulator's own checks, on small kernels that break a rule: each must end the run (abort) with its
+// message, where a GPU would hang or give wrong answers; and the same kernels kept to the rule must run. Each broken
+// kernel runs in a child process (the emulator runs on one OS thread, so fork is safe).
+__global__ void selftest_named(int* out, int arriving) {  // warps below `arriving` / 32 sync on named barrier 1
+  if ((int)threadIdx.x < arriving) emu::bar_sync(1, 64);
+  out[threadIdx.x] = 1;
+}
+__global__ void selftest_shfl(float* out, int lanes, bool ballot_above) {  // lanes below `lanes` shuffle
+  const int lane = threadIdx.x % 32;
+  if (lane < lanes)
+    out[threadIdx.x] = emu::shfl_xor(0xffffffffu, (float)threadIdx.x, 1);
+  else if (ballot_above)
+    out[threadIdx.x] = (float)emu::ballot(0xffffffffu, 1);
+}
+__global__ void selftest_mbar(int* out, int arrivals) {  // an mbarrier of count 2, `arrivals` arrive, all wait
+  if (threadIdx.x == 0) emu::mbar_init(0, 2);
+  __syncthreads();
+  if ((int)threadIdx.x < arrivals) emu::mbar_arrive(0);
+  emu::mbar_wait(0, 0);
+  out[threadIdx.x] = 1;
+}
+__global__ void selftest_sync(int* out, int exiting) {  // threads below `exiting` leave before __syncthreads
+  if ((int)threadIdx.x < exiting) return;
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+static void selftest_expect(const char* name, const std::function<void()>& f, const std::vector<std::string>& want) {
+  fflush(stdout);
+  fflush(stderr);
+  int fd[2];
+  if (pipe(fd)) { perror("pipe"); exit(2); }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const rlimit none{0, 0};
+    setrlimit(RLIMIT_CORE, &none);
+    dup2(fd[1], 2);
+    close(fd[0]);
+    f();
+    _exit(0);
+  }
+  close(fd[1]);
+  std::string err;
+  char buf[4096];
+  for (ssize_t n; (n = read(fd[0], buf, sizeof buf)) > 0;) err.append(buf, n);
+  close(fd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  bool ok = WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
+  for (const std::string& w : want) ok = ok && err.find(w) != std::string::npos;
+  printf("%s selftest: %s: %s\n", ok ? "ok  " : "FAIL", name, ok ? "stopped with its message" : err.c_str());
+  if (!ok) failures++;
+}
+static void run_selftest() {
+  std::vector<int> out(64, 0);
+  std::vector<float> outf(64, 0.f);
+  auto all_ones = [&] { return std::all_of(out.begin(), out.end(), [](int v) { return v == 1; }); };
+  // Kept to the rules: the run goes on and every thread finishes.
+  emu::launch(selftest_named, dim3(1), dim3(64), 0, nullptr, out.data(), 64);
+  bool ok = all_ones();
+  std::fill(out.begin(), out.end(), 0);
+  emu::launch(selftest_mbar, dim3(1), dim3(64), 64, nullptr, out.data(), 2);
+  ok = ok && all_ones();
+  std::fill(out.begin(), out.end(), 0);
+  emu::launch(selftest_sync, dim3(1), dim3(64), 0, nullptr, out.data(), 0);
+  ok = ok && all_ones();
+  emu::launch(selftest_shfl, dim3(1), dim3(64), 0, nullptr, outf.data(), 32, false);
+  for (int t = 0; t < 64; t++) ok = ok && outf[t] == (float)(t ^ 1);
+  printf("%s selftest: named barrier, mbarrier, __syncthreads and shuffles kept to the rules run\n",
+         ok ? "ok  " : "FAIL");
+  if (!ok) failures++;
+  // Broken: waits no thread can end are a deadlock (a hang on a GPU), reported with what the threads wait for.
+  selftest_expect("a named barrier short of arrivals", [&] {
+    emu::launch(selftest_named, dim3(1), dim3(64), 0, nullptr, out.data(), 32);
+  }, {"deadlock", "named barrier 1 (32 of 64 arrived)"});
+  selftest_expect("an mbarrier phase never completed", [&] {
+    emu::launch(selftest_mbar, dim3(1), dim3(64), 64, nullptr, out.data(), 1);
+  }, {"deadlock", "the mbarrier at shared byte 0 (1 of 2 arrived)"});
+  selftest_expect("__syncthreads with exited threads", [&] {
+    emu::launch(selftest_sync, dim3(1), dim3(64), 0, nullptr, out.data(), 5);
+  }, {"deadlock", "__syncthreads (59 of 64 arrived)"});
+  selftest_expect("a shuffle that half the warp skips", [&] {
+    emu::launch(selftest_shfl, dim3(1), dim3(64), 0, nullptr, outf.data(), 16, false);
+  }, {"deadlock", "a warp collective (shfl, ballot, ldmatrix, mma) (16 of 32 arrived)"});
+  selftest_expect("lanes at different collectives", [&] {
+    emu::launch(selftest_shfl, dim3(1), dim3(64), 0, nullptr, outf.data(), 16, true);
+  }, {"warp lanes disagree on collective op"});
+}
+
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "quick";
   emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
@@ -1790,6 +1882,9 @@ int main(int argc, char** argv) {
       run_bias_cases(seed);
       run_delta_cases(seed);
       run_workspace();
+      run_selftest();
+    } else if (mode == "selftest") {
+      run_selftest();
     } else if (mode == "bias") {
       run_bias_cases(seed);
     } else if (mode == "delta") {

@@ -3,7 +3,7 @@
 # KV-cache decode kernels (attention_decode.cu), the cross-entropy kernels (cross_entropy.cu), the LayerNorm ones
 # (layernorm.cu, residual_layernorm.cu), the optimizer step's (adamw.cu) and the embedding's (encoder.cu; these
 # three beside their CPU references), the linear layers' bias gradient (matmul_bias.cu) and the scratch workspace on the
-# CPU, in a host emulation of the few CUDA features they use (emu.h: one OS thread per CUDA thread, ldmatrix /
+# CPU, in a host emulation of the few CUDA features they use (emu.h: one fiber per CUDA thread, ldmatrix /
 # mma.sync / shuffles / ballots as warp collectives written from the PTX ISA's fragment tables (their sums exact and
 # rounded once, or, mode tchw, cut toward zero as tensor cores' adders do), cp.async copied at issue or as late as
 # wait_group allows; Hopper's wgmma, mbarriers, TMA copies and named barriers, with a vector-clock race check of the
