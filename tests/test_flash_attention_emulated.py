@@ -19,6 +19,7 @@ lent; it is not a GPU run (see BENCHMARKS.md for what only a GPU can verify). "q
 checks (emu_test.cpp's run_selftest): a wait no thread can end, and lanes at different warp collectives, must stop the
 run with their messages. Needs g++ with C++20 and the CUDA headers (cuda_bf16.h); skipped without them."""
 import os
+import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,12 +40,20 @@ needs_toolchain = pytest.mark.skipif(not (shutil.which("g++") and shutil.which("
 
 
 @needs_toolchain
-@pytest.mark.parametrize("mode,lazy", [("mix", "1"), ("mix", "0"), ("quick", "1")],
-                         ids=["mix-copy-at-wait", "mix-copy-at-issue", "quick"])
-def test_cuda_kernels_in_warp_emulator(tmp_path_factory, mode, lazy):
+@pytest.mark.parametrize("mode,lazy,shuffled", [("mix", "1", False), ("mix", "0", False), ("quick", "1", True)],
+                         ids=["mix-copy-at-wait", "mix-copy-at-issue", "quick-random-schedule"])
+def test_cuda_kernels_in_warp_emulator(tmp_path_factory, mode, lazy, shuffled):
+    """The quick case runs each block's threads in a random order (a fresh EMU_SEED each run, in the report): a kernel
+    whose barriers hold only in the default first-come order fails under some seed."""
     build = tmp_path_factory.getbasetemp() / "warp_emu"  # one build shared by the cases (make-style timestamps)
-    r = subprocess.run(["bash", str(RUN), str(build), mode, lazy], capture_output=True, text=True, timeout=900)
-    report = r.stdout[-3000:] + r.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "EMU_SEED"}
+    if shuffled:
+        env["EMU_SEED"] = str(random.SystemRandom().randrange(1, 2**63))
+    r = subprocess.run(["bash", str(RUN), str(build), mode, lazy], capture_output=True, text=True, timeout=900,
+                       env=env)
+    report = f"EMU_SEED={env.get('EMU_SEED', '(first come, first run)')}\n" + r.stdout[-3000:] + r.stderr[-3000:]
     assert r.returncode == 0, report
     assert "failures 0" in r.stdout and "ok " in r.stdout, report
     assert "FAIL" not in r.stdout, report
+    if shuffled:  # the seed reached the emulator
+        assert f"in random order, EMU_SEED={env['EMU_SEED']}" in r.stdout, report

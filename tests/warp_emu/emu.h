@@ -23,8 +23,15 @@
 #include <memory>
 #include <vector>
 #include <sys/mman.h>
-#if !defined(__x86_64__) || defined(EMU_UCONTEXT)
+// The fibers' context switch: our own on x86-64, ucontext's elsewhere, with -DEMU_UCONTEXT (to run that path here),
+// and where the compiler marks code for CET shadow stacks (which a `ret` into a fresh stack would fault).
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT) && !(defined(__CET__) && (__CET__ & 2))
+#define EMU_ASM_SWITCH 1
+#else
 #include <ucontext.h>
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #endif
 using std::max;
 using std::min;
@@ -57,7 +64,7 @@ struct PerThread {
   T& operator[](int i) { return v[i]; }
 };
 struct Fiber {
-#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+#if defined(EMU_ASM_SWITCH)
   void* sp = nullptr;  // its stack pointer while it does not run (ctx_switch saved its registers there)
 #else
   ucontext_t uc;
@@ -70,12 +77,11 @@ struct Fiber {
   const int* count = nullptr;
 };
 inline Fiber g_fibers[kMaxThreads + 1];
-#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+#if defined(EMU_ASM_SWITCH)
 // Saves the callee-saved registers and the SSE and x87 control words on this stack, stores the stack pointer in
 // *from and goes on from the stack pointer `to` (saved there by an earlier switch, or prepared by ctx_start): the
 // System V ABI lets a call change every other register. ucontext's swapcontext does the same and also a system call
-// (the signal mask) each time, which would cost what the fibers save; it is the fallback elsewhere (and with
-// -DEMU_UCONTEXT, to run that path here).
+// (the signal mask) each time, which would cost much of what the fibers save.
 __attribute__((naked, noinline)) inline void ctx_jump(void** /*from: rdi*/, void* /*to: rsi*/) {
   asm("pushq %rbp\n\tpushq %rbx\n\tpushq %r12\n\tpushq %r13\n\tpushq %r14\n\tpushq %r15\n\t"
       "subq $8, %rsp\n\tstmxcsr (%rsp)\n\tfnstcw 4(%rsp)\n\t"
@@ -111,13 +117,20 @@ inline char* fiber_stack() {  // kStack bytes above one guard page: an overflow 
   if (m == MAP_FAILED || mprotect(m, page, PROT_NONE)) die("a fiber's stack could not be mapped");
   return static_cast<char*>(m) + page;
 }
-// The ready threads, first come first run (each at most once: a ring of kMaxThreads).
+// The ready threads, first come first run (each at most once: a ring of kMaxThreads); or, with EMU_SEED set in the
+// environment, a ready thread picked at random each time (another interleaving for each seed: a protocol whose
+// correctness depends on the order threads happen to run in fails under some seed).
 inline int g_ready[kMaxThreads], g_ready_head = 0, g_ready_n = 0;
+inline uint64_t g_sched_seed = [] {
+  const char* s = getenv("EMU_SEED");
+  return s && *s ? std::strtoull(s, nullptr, 10) : 0ull;
+}();
+inline uint64_t g_sched_state = g_sched_seed * 0x9E3779B97F4A7C15ull + 1;
 inline int g_live = 0;                   // the running block's threads that have not exited
 inline unsigned g_running_block = 0;     // its index (for the deadlock report)
 inline void make_ready(int f) { g_ready[(g_ready_head + g_ready_n++) % kMaxThreads] = f; }
 [[noreturn]] inline void deadlock() {
-  fprintf(stderr, "EMU FATAL: deadlock: in block %u, %d threads wait and none can go on (a GPU hangs here):\n",
+  fprintf(stderr, "EMU FATAL: deadlock: in block %u, %d threads wait and none can go on (a GPU may hang here):\n",
           g_running_block, g_live);
   auto same = [](const Fiber& a, const Fiber& b) {
     return b.what && a.what == b.what && a.id == b.id && a.arrived == b.arrived;
@@ -146,6 +159,10 @@ inline void switch_away() {
   const int from = g_fid;
   int to = kHost;
   if (g_ready_n) {
+    if (g_sched_seed) {  // a random one of the ready to the head of the ring (xorshift64)
+      g_sched_state ^= g_sched_state << 13, g_sched_state ^= g_sched_state >> 7, g_sched_state ^= g_sched_state << 17;
+      std::swap(g_ready[g_ready_head], g_ready[(g_ready_head + g_sched_state % g_ready_n) % kMaxThreads]);
+    }
     to = g_ready[g_ready_head];
     g_ready_head = (g_ready_head + 1) % kMaxThreads, g_ready_n--;
   } else if (g_live) {
@@ -193,6 +210,10 @@ inline void run_threads(int n, const std::function<void(int)>& f) {
   g_job = &f, g_live = n;
   for (int t = 0; t < n; t++) {
     if (!g_fibers[t].stack) g_fibers[t].stack = fiber_stack();
+#if defined(__SANITIZE_ADDRESS__)
+    // An exited fiber never returned from its frames: AddressSanitizer's marks of them would stay on the stack.
+    __asan_unpoison_memory_region(g_fibers[t].stack, kStack);
+#endif
     ctx_start(g_fibers[t], fiber_main);
     make_ready(t);
   }
@@ -289,11 +310,9 @@ struct Block {
   std::vector<std::unique_ptr<WarpGroup>> wgs;  // when the block is whole warpgroups
   std::vector<unsigned char> dirty;  // per shared byte: written by cp.async, not yet behind a fence.proxy.async
   // Per 16-byte chunk, for the race check: the thread of the last write and its clock when the write completed
-  // (kPending before: a cp.async not yet waited for), as one atomic word (last_write: threads that write parts of
-  // one chunk at once, as four threads' 4-byte stores of a staged row do, must never leave one thread's id beside
-  // another's clock: a false race, seen once in CI on 2026-11-25), and per warpgroup the clock of its first thread
-  // when its last wgmma read of the chunk retired (kPending while in flight; 0 none).
-  std::vector<std::atomic<uint64_t>> wlast;
+  // (kPending before: a cp.async not yet waited for), packed in one word (pack_write), and per warpgroup the clock
+  // of its first thread when its last wgmma read of the chunk retired (kPending while in flight; 0 none).
+  std::vector<uint64_t> wlast;
   std::vector<int> rpend;
   std::vector<uint32_t> rclk;
   // Per 16-byte chunk, the ordinary loads that the race check follows (wgmma.cuh's ld_shared_*): each reading
@@ -597,7 +616,7 @@ inline void note_write(size_t off, const char* what, bool pending, bool ordinary
     if (t != (int)tl_tid.x && clk > seen[t])
       race(what, "writes shared memory another thread read, with no barrier after that read", chunk, t);
   b.reads[chunk].clear();
-  b.wlast[chunk].store(pack_write(tl_tid.x, pending ? kPending : tl_clock[tl_tid.x]));
+  b.wlast[chunk] = pack_write(tl_tid.x, pending ? kPending : tl_clock[tl_tid.x]);
 }
 // An ordinary load of a 16-byte chunk: the last write to it must be complete and seen through barriers; the load
 // is recorded for note_write's check of the next write (pending: a bulk copy's read, which any write is a race with
@@ -606,7 +625,7 @@ inline void note_write(size_t off, const char* what, bool pending, bool ordinary
 inline void note_read(size_t off, const char* what, bool pending = false, bool ordinary = false) {
   Block& b = *tl_block;
   const size_t chunk = off / 16;
-  const auto [wt, wclk] = unpack_write(b.wlast[chunk].load());
+  const auto [wt, wclk] = unpack_write(b.wlast[chunk]);
   if (wt >= 0 && wclk == kPending)
     race(what, "reads shared memory whose cp.async has not been waited for", chunk, wt);
   if (wt >= 0 && wt != (int)tl_tid.x && (ordinary ? tl_rc : tl_clock)[wt] < wclk)
@@ -632,8 +651,8 @@ inline void retire_copy(Copy& c) {
   if (!c.landed) do_copy(c);
   const size_t chunk = ((unsigned char*)c.dst - tl_block->smem) / 16;
   // Completed only if it is still this thread's pending write (a later write by another thread stays).
-  uint64_t mine = pack_write(tl_tid.x, kPending);
-  tl_block->wlast[chunk].compare_exchange_strong(mine, pack_write(tl_tid.x, tl_clock[tl_tid.x]));
+  uint64_t& last = tl_block->wlast[chunk];
+  if (last == pack_write(tl_tid.x, kPending)) last = pack_write(tl_tid.x, tl_clock[tl_tid.x]);
 }
 // fence.proxy.async: this thread's finished copies become visible to wgmma (the async proxy).
 inline void proxy_fence() {
@@ -770,7 +789,7 @@ inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint6
     die("wgmma: the warpgroup's threads disagree on the instruction, its descriptors or scale-d");
   // Every thread issues the product: each must have seen every write of what it reads complete.
   for (uint32_t chunk : o.reads) {
-    const auto [wt, wclk] = unpack_write(b.wlast[chunk].load());
+    const auto [wt, wclk] = unpack_write(b.wlast[chunk]);
     if (wt < 0) continue;
     if (wclk == kPending)
       race("wgmma", "reads shared memory whose cp.async has not been waited for", chunk, wt);
@@ -1260,8 +1279,7 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       blk.smem_bytes = bytes;
       blk.smem = (unsigned char*)malloc(bytes ? bytes : 1);
       blk.dirty.assign(bytes, 0);
-      blk.wlast = std::vector<std::atomic<uint64_t>>(bytes / 16 + 1);
-      for (auto& w : blk.wlast) w.store(pack_write(-1, 0));
+      blk.wlast.assign(bytes / 16 + 1, pack_write(-1, 0));
       blk.rpend.assign((bytes / 16 + 1) * 8, 0), blk.rclk.assign((bytes / 16 + 1) * 8, 0);
       blk.reads.assign(bytes / 16 + 1, {});
       blk.sync_clock[0].assign(nt, 0), blk.sync_clock[1].assign(nt, 0);

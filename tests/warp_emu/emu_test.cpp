@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <cerrno>
 #include <csignal>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -1786,6 +1787,10 @@ __global__ void selftest_sync(int* out, int exiting) {  // threads below `exitin
   __syncthreads();
   out[threadIdx.x] = 1;
 }
+__global__ void selftest_order(int* order, int* next) {  // the order threads leave a __syncthreads in
+  __syncthreads();
+  order[emu::atomic_add(next, 1)] = threadIdx.x;
+}
 static void selftest_expect(const char* name, const std::function<void()>& f, const std::vector<std::string>& want) {
   fflush(stdout);
   fflush(stderr);
@@ -1795,6 +1800,7 @@ static void selftest_expect(const char* name, const std::function<void()>& f, co
   if (pid == 0) {
     const rlimit none{0, 0};
     setrlimit(RLIMIT_CORE, &none);
+    alarm(60);  // a child that neither ends nor aborts (a busy wait) dies by SIGALRM: a failure, not a hung test
     dup2(fd[1], 2);
     close(fd[0]);
     f();
@@ -1806,7 +1812,8 @@ static void selftest_expect(const char* name, const std::function<void()>& f, co
   for (ssize_t n; (n = read(fd[0], buf, sizeof buf)) > 0;) err.append(buf, n);
   close(fd[0]);
   int status = 0;
-  waitpid(pid, &status, 0);
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
   bool ok = WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
   for (const std::string& w : want) ok = ok && err.find(w) != std::string::npos;
   printf("%s selftest: %s: %s\n", ok ? "ok  " : "FAIL", name, ok ? "stopped with its message" : err.c_str());
@@ -1830,6 +1837,21 @@ static void run_selftest() {
   printf("%s selftest: named barrier, mbarrier, __syncthreads and shuffles kept to the rules run\n",
          ok ? "ok  " : "FAIL");
   if (!ok) failures++;
+  // The schedule: first come, first run (the last to arrive goes on, then the others in the order they came), or
+  // with EMU_SEED a shuffle of that (all 64 threads still run).
+  std::vector<int> order(64, -1), first_come(64);
+  int next = 0;
+  emu::launch(selftest_order, dim3(1), dim3(64), 0, nullptr, order.data(), &next);
+  first_come[0] = 63;
+  for (int t = 0; t < 63; t++) first_come[t + 1] = t;
+  std::vector<int> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  bool all = next == 64;
+  for (int t = 0; t < 64; t++) all = all && sorted[t] == t;
+  ok = all && (emu::g_sched_seed ? order != first_come : order == first_come);
+  printf("%s selftest: threads leave a barrier %s\n", ok ? "ok  " : "FAIL",
+         emu::g_sched_seed ? "in a shuffled order (EMU_SEED)" : "first come, first run");
+  if (!ok) failures++;
   // Broken: waits no thread can end are a deadlock (a hang on a GPU), reported with what the threads wait for.
   selftest_expect("a named barrier short of arrivals", [&] {
     emu::launch(selftest_named, dim3(1), dim3(64), 0, nullptr, out.data(), 32);
@@ -1852,6 +1874,8 @@ int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "quick";
   emu::g_lazy_cp = argc > 2 ? atoi(argv[2]) : 0;
   unsigned seed = 1;
+  if (emu::g_sched_seed) printf("schedule: the ready threads in random order, EMU_SEED=%llu\n",
+                                (unsigned long long)emu::g_sched_seed);
   set_tiles({0, 0, 0});  // the mma.sync kernels, which the cases below run unless they choose others ("auto" is
                          // the Hopper kernels at the emulator's compute capability 9.0: run_auto_cases)
   try {

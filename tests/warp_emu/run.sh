@@ -14,9 +14,10 @@
 # are swapped (by the sed/awk below, so those lines keep their current spelling).
 # Usage: tests/warp_emu/run.sh BUILD_DIR [MODE [LAZY]]
 #   MODE quick|mix|tc|tiles|f32|tf32|tchw|sm75|smem|sm90|ws|fused|wsbwd|racecheck|auto|decode|ce|ln|adamw|encoder|
-#   bias|delta|big|peaky|grid,
+#   bias|delta|big|peaky|grid|selftest (the emulator's own checks, also in quick),
 #   LAZY 0|1; or MODE cute (cute_check.cpp, with CUTLASS_INCLUDE set): the kernels' Hopper tiles and descriptors and the
-#   emulator's wgmma against CUTLASS.
+#   emulator's wgmma against CUTLASS. EMU_SEED=N in the environment runs each block's ready threads in an order
+#   shuffled by N (default: first come, first run).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../../csrc" && pwd)
