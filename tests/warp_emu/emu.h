@@ -127,11 +127,11 @@ inline uint64_t g_sched_seed = [] {
 }();
 inline uint64_t g_sched_state = g_sched_seed * 0x9E3779B97F4A7C15ull + 1;
 inline int g_live = 0;                   // the running block's threads that have not exited
-inline unsigned g_running_block = 0;     // its index (for the deadlock report)
+inline dim3 g_bid;                       // its blockIdx
 inline void make_ready(int f) { g_ready[(g_ready_head + g_ready_n++) % kMaxThreads] = f; }
 [[noreturn]] inline void deadlock() {
-  fprintf(stderr, "EMU FATAL: deadlock: in block %u, %d threads wait and none can go on (a GPU may hang here):\n",
-          g_running_block, g_live);
+  fprintf(stderr, "EMU FATAL: deadlock: in block (%u, %u), %d threads wait, none can go on (a GPU may hang here):\n",
+          g_bid.x, g_bid.y, g_live);
   auto same = [](const Fiber& a, const Fiber& b) {
     return b.what && a.what == b.what && a.id == b.id && a.arrived == b.arrived;
   };
@@ -326,24 +326,23 @@ struct Block {
   std::map<int, std::vector<unsigned char>> statics;  // static __shared__ arrays, by source line
   explicit Block(int n) : bar(n) {}
 };
-inline PerThread<dim3> tl_tid_, tl_bid_;
-#define tl_tid (::emu::tl_tid_[::emu::g_fid])
-#define tl_bid (::emu::tl_bid_[::emu::g_fid])
+// threadIdx: the running fiber's index (blockIdx: g_bid).
+inline dim3 thread_idx() { return dim3((unsigned)g_fid, 0, 0); }
+#define tl_tid (::emu::thread_idx())
 inline dim3 g_grid, g_block;
 inline dim3 g_grid_big_smem;  // the last launch's with over 48 KB of dynamic shared memory (a Hopper kernel's, not
                               // the small reductions that may follow it)
-inline PerThread<Block*> tl_block_;
-#define tl_block (::emu::tl_block_[::emu::g_fid])
-inline unsigned char* smem() { return tl_block->smem; }
+inline Block* g_blk = nullptr;  // the running block's (none on the host between launches)
+inline unsigned char* smem() { return g_blk->smem; }
 // A static `__shared__ T name[n];` (run.sh rewrites the declaration): one array per block, the first thread to
 // reach it makes it, garbage-filled (NaN) as real shared memory is unset.
 template <typename T>
 T* static_smem(int line, size_t n) {
-  auto& a = tl_block->statics[line];
+  auto& a = g_blk->statics[line];
   if (a.empty()) a.assign(n * sizeof(T), 0xff);
   return reinterpret_cast<T*>(a.data());
 }
-inline Warp& warp() { return tl_block->warps[tl_tid.x / 32]; }
+inline Warp& warp() { return g_blk->warps[tl_tid.x / 32]; }
 inline int lane() { return tl_tid.x % 32; }
 // collective: deposit, barrier, check same op, return; caller reads slots then calls done()
 inline void deposit(int op) {
@@ -387,9 +386,9 @@ inline Released release() {
 // A CTA-wide barrier joins everyone's clock; as no thread has seen more of thread t than t itself, each thread's own
 // entry is enough (double-buffered by parity: a thread cannot reach the barrier after next before all have read).
 inline void syncthreads() {
-  Clock& slot = tl_block->sync_clock[tl_phase & 1];
+  Clock& slot = g_blk->sync_clock[tl_phase & 1];
   slot[tl_tid.x] = tl_clock[tl_tid.x];
-  tl_block->bar.arrive_and_wait("__syncthreads");
+  g_blk->bar.arrive_and_wait("__syncthreads");
   join(tl_clock, slot);
   join(tl_rc, slot);
   tl_rc[tl_tid.x] = ++tl_clock[tl_tid.x];
@@ -446,11 +445,11 @@ inline T shfl_down(unsigned mask, T v, int delta) {
 }
 inline void check_smem(const void* p, size_t n) {
   const unsigned char* c = (const unsigned char*)p;
-  if (c < tl_block->smem || c + n > tl_block->smem + tl_block->smem_bytes) die("shared memory access out of bounds");
+  if (c < g_blk->smem || c + n > g_blk->smem + g_blk->smem_bytes) die("shared memory access out of bounds");
 }
 inline void ldsm(uint32_t* r, const void* p, bool trans) {
   Warp& w = warp();
-  if (((uintptr_t)p - (uintptr_t)tl_block->smem) % 16) die("ldmatrix row address not 16-byte aligned");
+  if (((uintptr_t)p - (uintptr_t)g_blk->smem) % 16) die("ldmatrix row address not 16-byte aligned");
   check_smem(p, 16);
   w.slot[lane()][0] = (uint64_t)(uintptr_t)p;
   deposit(trans ? 4 : 3);
@@ -584,14 +583,14 @@ inline PerThread<std::vector<std::pair<size_t, int>>> tl_unfenced_;
 // n bytes at shared offset off were written through the generic proxy (a finished cp.async, a store): wgmma may
 // not read them before this thread's fence.proxy.async.
 inline void mark_unfenced(size_t off, int n) {
-  memset(&tl_block->dirty[off], 1, n);
+  memset(&g_blk->dirty[off], 1, n);
   tl_unfenced.push_back({off, n});
 }
-// A race on 16-byte chunk `chunk` of shared memory, found by thread tl_tid of block tl_bid; `other` the thread of
+// A race on 16-byte chunk `chunk` of shared memory, found by thread tl_tid of block g_bid; `other` the thread of
 // the access it conflicts with.
 [[noreturn]] inline void race(const char* what, const char* how, size_t chunk, int other) {
   fprintf(stderr, "EMU FATAL: race: %s %s (block %u, thread %u, shared bytes %zu-%zu, other thread %d)\n", what, how,
-          tl_bid.x + tl_bid.y * g_grid.x, tl_tid.x, chunk * 16, chunk * 16 + 15, other);
+          g_bid.x + g_bid.y * g_grid.x, tl_tid.x, chunk * 16, chunk * 16 + 15, other);
   fflush(stderr);
   abort();
 }
@@ -600,7 +599,7 @@ inline void mark_unfenced(size_t off, int n) {
 // pending (a cp.async) until its wait_group, complete at once (a store). ordinary: an st.shared (its check against
 // earlier loads in racecheck's reading, tl_rc).
 inline void note_write(size_t off, const char* what, bool pending, bool ordinary = false) {
-  Block& b = *tl_block;
+  Block& b = *g_blk;
   const size_t chunk = off / 16;
   const int wg = tl_tid.x / 128;
   for (int g = 0; g < (int)b.wgs.size(); g++) {  // the warpgroups (none where the block is not whole ones)
@@ -623,7 +622,7 @@ inline void note_write(size_t off, const char* what, bool pending, bool ordinary
 // until the issuing thread's wait_group.read refreshes it). ordinary: an ld.shared (checked in racecheck's reading,
 // tl_rc).
 inline void note_read(size_t off, const char* what, bool pending = false, bool ordinary = false) {
-  Block& b = *tl_block;
+  Block& b = *g_blk;
   const size_t chunk = off / 16;
   const auto [wt, wclk] = unpack_write(b.wlast[chunk]);
   if (wt >= 0 && wclk == kPending)
@@ -644,26 +643,26 @@ inline void do_copy(Copy& c) {
   else
     memset(c.dst, 0, 16);
   c.landed = true;
-  mark_unfenced((unsigned char*)c.dst - tl_block->smem, 16);
+  mark_unfenced((unsigned char*)c.dst - g_blk->smem, 16);
 }
 // A cp.async's wait_group: its write is complete (as of this thread's clock now), its data in place.
 inline void retire_copy(Copy& c) {
   if (!c.landed) do_copy(c);
-  const size_t chunk = ((unsigned char*)c.dst - tl_block->smem) / 16;
+  const size_t chunk = ((unsigned char*)c.dst - g_blk->smem) / 16;
   // Completed only if it is still this thread's pending write (a later write by another thread stays).
-  uint64_t& last = tl_block->wlast[chunk];
+  uint64_t& last = g_blk->wlast[chunk];
   if (last == pack_write(tl_tid.x, kPending)) last = pack_write(tl_tid.x, tl_clock[tl_tid.x]);
 }
 // fence.proxy.async: this thread's finished copies become visible to wgmma (the async proxy).
 inline void proxy_fence() {
-  for (auto [off, n] : tl_unfenced) memset(&tl_block->dirty[off], 0, n);
+  for (auto [off, n] : tl_unfenced) memset(&g_blk->dirty[off], 0, n);
   tl_unfenced.clear();
 }
 inline void cp16(void* dst, const void* src, bool valid) {
-  if (((uintptr_t)dst - (uintptr_t)tl_block->smem) % 16) die("cp.async dst not 16-byte aligned");
+  if (((uintptr_t)dst - (uintptr_t)g_blk->smem) % 16) die("cp.async dst not 16-byte aligned");
   if (valid && ((uintptr_t)src % 16)) die("cp.async src not 16-byte aligned");
   check_smem(dst, 16);
-  note_write((unsigned char*)dst - tl_block->smem, "cp.async", true);
+  note_write((unsigned char*)dst - g_blk->smem, "cp.async", true);
   Copy c{dst, src, valid, false};
   if (!g_lazy_cp) do_copy(c);
   tl_cur.push_back(c);
@@ -683,8 +682,8 @@ inline void wait_group(int n) {
 // that a kernel that touches an operand or an accumulator before its wait reads the wrong values.
 inline uint32_t shared_offset(const void* p) {
   const unsigned char* c = (const unsigned char*)p;
-  if (c < tl_block->smem || c > tl_block->smem + tl_block->smem_bytes) die("shared address of a non-shared pointer");
-  return (uint32_t)(c - tl_block->smem);
+  if (c < g_blk->smem || c > g_blk->smem + g_blk->smem_bytes) die("shared address of a non-shared pointer");
+  return (uint32_t)(c - g_blk->smem);
 }
 inline PerThread<bool> tl_wg_fenced_;  // a wgmma.fence since the last wait_group (or the start)
 #define tl_wg_fenced (::emu::tl_wg_fenced_[::emu::g_fid])
@@ -693,19 +692,19 @@ inline PerThread<std::vector<WgOp>> tl_wg_cur_;
 inline PerThread<std::vector<std::vector<WgOp>>> tl_wg_groups_;
 #define tl_wg_groups (::emu::tl_wg_groups_[::emu::g_fid])
 inline WarpGroup& warpgroup() {
-  if (tl_block->wgs.empty()) die("wgmma in a block that is not whole warpgroups");
-  return *tl_block->wgs[tl_tid.x / 128];
+  if (g_blk->wgs.empty()) die("wgmma in a block that is not whole warpgroups");
+  return *g_blk->wgs[tl_tid.x / 128];
 }
 // One element of a 128-byte swizzled operand at (unswizzled) shared address addr: the swizzle XORs address bits 4-6
 // (the 16-byte chunk in a 128-byte row) with bits 7-9 (the row in an 8-row group).
 inline uint32_t wg_swizzle(uint32_t addr) { return addr ^ (((addr >> 7) & 7) << 4); }
 inline float wg_load(uint32_t addr, bool half) {
   const uint32_t at = wg_swizzle(addr);
-  if (at % 2 || at + 2 > tl_block->smem_bytes) die("wgmma reads outside shared memory");
-  if (tl_block->dirty[at])
+  if (at % 2 || at + 2 > g_blk->smem_bytes) die("wgmma reads outside shared memory");
+  if (g_blk->dirty[at])
     die("wgmma reads shared memory written by cp.async or a store without a fence.proxy.async after it");
   uint16_t b;
-  memcpy(&b, tl_block->smem + at, 2);
+  memcpy(&b, g_blk->smem + at, 2);
   return half ? tof<__half>(b) : tof<__nv_bfloat16>(b);
 }
 // The (unswizzled) shared address of element (mn, k), k < 16, of the 16-bit operand a descriptor describes: K-major
@@ -774,7 +773,7 @@ inline void wg_mma(int n, bool rs, bool half, float* d, const uint32_t* a, uint6
                    bool amn = false, bool bmn = false) {
   if (!tl_wg_fenced) die("wgmma.mma_async without a wgmma.fence after the last wait_group");
   WarpGroup& w = warpgroup();
-  Block& b = *tl_block;
+  Block& b = *g_blk;
   WgOp op{n, rs, amn, bmn, half, d, a, da, db, accumulate, false, {}};
   const int lt = tl_tid.x % 128, wg = tl_tid.x / 128;
   if (lt == 0) {
@@ -813,7 +812,7 @@ inline void wg_commit() {
 // Retiring a group: its products are made (lazy mode) and its reads complete as of this thread's clock now (the
 // warpgroup's first thread stands for the warpgroup: a wgmma is one operation of all 128).
 inline void wg_wait(int n) {
-  Block& b = *tl_block;
+  Block& b = *g_blk;
   const int wg = tl_tid.x / 128;
   while ((int)tl_wg_groups.size() > n) {
     for (WgOp& op : tl_wg_groups.front()) {
@@ -833,7 +832,7 @@ inline int atomic_add(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add
 // fence.proxy.async and then a barrier before another warpgroup's wgmma may read it.
 template <typename T>
 inline T ld_shared(const T* p, const char* what) {
-  const size_t off = (const unsigned char*)p - tl_block->smem;
+  const size_t off = (const unsigned char*)p - g_blk->smem;
   if (off % sizeof(T)) die("ld.shared not aligned to its size");
   check_smem(p, sizeof(T));
   note_read(off, what, false, true);
@@ -843,7 +842,7 @@ inline T ld_shared(const T* p, const char* what) {
 }
 template <typename T>
 inline void st_shared(T* p, T v, const char* what) {
-  const size_t off = (unsigned char*)p - tl_block->smem;
+  const size_t off = (unsigned char*)p - g_blk->smem;
   if (off % sizeof(T)) die("st.shared not aligned to its size");
   check_smem(p, sizeof(T));
   note_write(off, what, false, true);
@@ -860,14 +859,14 @@ inline void wait_phase(Phases& b, unsigned at, const char* what, int id) {
   join(tl_rc, b.done_rc[at % 4]);
 }
 inline Phases& mbar_at(uint32_t off) {
-  auto it = tl_block->mbars.find(off);
-  if (it == tl_block->mbars.end()) die("mbarrier used before mbarrier.init");
+  auto it = g_blk->mbars.find(off);
+  if (it == g_blk->mbars.end()) die("mbarrier used before mbarrier.init");
   return it->second;
 }
 inline void mbar_init(uint32_t off, int count) {
-  if (off % 8 || off + 8 > tl_block->smem_bytes) die("mbarrier.init: not an 8-byte aligned shared address");
+  if (off % 8 || off + 8 > g_blk->smem_bytes) die("mbarrier.init: not an 8-byte aligned shared address");
   if (count < 1) die("mbarrier.init: count must be positive");
-  Phases& m = tl_block->mbars[off];
+  Phases& m = g_blk->mbars[off];
   m.clear((int)tl_clock.size());
   m.count = count;
 }
@@ -953,7 +952,7 @@ void box_elements(const uint64_t* o, const std::array<int, 4>& c, uint32_t at0, 
 }
 inline void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, std::array<int, 4> c) {
   const uint64_t* o = tma_map(map);
-  Block& b = *tl_block;
+  Block& b = *g_blk;
   const size_t bytes = box_bytes(o);
   if (dst % 1024) die("TMA copy: a box in the 128-byte swizzle must land 1024-byte aligned");
   if (dst + bytes > b.smem_bytes) die("TMA copy: the box runs past shared memory");
@@ -975,7 +974,7 @@ inline Phases& named_at(int id, int count) {
   if (id < 1 || id > 15) die("named barrier: id must be 1-15 (0 is __syncthreads)");
   if (count <= 0 || count % 32 || count > (int)tl_clock.size())
     die("named barrier: count must be a positive multiple of 32, at most the block's threads");
-  Phases& n = tl_block->named[id];
+  Phases& n = g_blk->named[id];
   if (n.seen.empty()) n.clear((int)tl_clock.size());
   if (n.arrived == 0) n.count = count;
   if (n.count != count) die("named barrier: threads disagree on its count");
@@ -1023,7 +1022,7 @@ inline PerThread<std::vector<std::vector<Bulk>>> tl_bulk_groups_;
 #define tl_bulk_groups (::emu::tl_bulk_groups_[::emu::g_fid])
 inline bool bulk_in_flight() { return !tl_bulk_cur.empty() || !tl_bulk_groups.empty(); }
 inline void bulk_read(Bulk& op) {
-  if (!op.read) op.data.assign(tl_block->smem + op.src, tl_block->smem + op.src + op.bytes);
+  if (!op.read) op.data.assign(g_blk->smem + op.src, g_blk->smem + op.src + op.bytes);
   op.read = true;
 }
 // initcheck's view of the copies to global memory (tensor stores and bulk copies, neither of which the tool counts as
@@ -1086,7 +1085,7 @@ inline void bulk_write(Bulk& op) {
 inline std::atomic<long> g_bulk_copies{0};  // every bulk copy so far (the tests ask whether a kernel took them)
 inline std::atomic<long> g_tma_stores{0};   // the tensor stores among them
 inline void bulk_enqueue(Bulk op) {
-  Block& b = *tl_block;
+  Block& b = *g_blk;
   if (op.src + op.bytes > b.smem_bytes) die("bulk copy: the source runs past shared memory");
   if (tl_acquired)
     die("bulk copy to global memory after an acquire (wait_count) with no fence.proxy.async.global between");
@@ -1139,7 +1138,7 @@ inline void bulk_fence_global() { tl_acquired = false; }
 // completion of this thread's own bulk group, made visible to it must be behind fence.proxy.async.global first.
 inline std::atomic<long> g_bulk_loads{0};
 inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  Block& b = *tl_block;
+  Block& b = *g_blk;
   if (dst % 16 || (uintptr_t)src % 16) die("bulk load: both addresses must be 16-byte aligned");
   if (bytes == 0 || bytes % 16) die("bulk load: the size must be a positive multiple of 16");
   if (dst + bytes > b.smem_bytes) die("bulk load: the destination runs past shared memory");
@@ -1162,7 +1161,7 @@ inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t ba
 inline void wait_count(const int* counter, int want) {
   const int v = std::atomic_ref<int>(*const_cast<int*>(counter)).load();
   if (v != want) {
-    fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", tl_bid.x, want, v);
+    fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", g_bid.x, want, v);
     abort();
   }
   tl_acquired = true;
@@ -1286,11 +1285,8 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
       if (nt % 128 == 0)
         for (int i = 0; i < nt / 128; i++) blk.wgs.push_back(std::make_unique<WarpGroup>());
       memset(blk.smem, 0xff, bytes);  // garbage: NaN in bf16/fp16/fp32
-      g_running_block = bx + by * grid.x;
+      g_bid = dim3(bx, by, 0), g_blk = &blk;
       run_threads(nt, [&](int t) {
-        tl_tid = dim3(t, 0, 0);
-        tl_bid = dim3(bx, by, 0);
-        tl_block = &blk;
         tl_cur.clear();
         tl_groups.clear();
         tl_unfenced.clear();
@@ -1329,13 +1325,14 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
                   blk.named[id].arrived, blk.named[id].count);
           abort();
         }
+      g_blk = nullptr;
       free(blk.smem);
     }
 }
 }  // namespace emu
 
 #define threadIdx tl_tid
-#define blockIdx tl_bid
+#define blockIdx ::emu::g_bid
 #define gridDim emu::g_grid
 #define blockDim emu::g_block
 #define __syncthreads() emu::syncthreads()
@@ -1354,7 +1351,7 @@ inline std::atomic<long> g_align16_checks{0};
 namespace emu {
 inline bool in_smem(const void* p) {
   const unsigned char* c = (const unsigned char*)p;
-  return tl_block && c >= tl_block->smem && c < tl_block->smem + tl_block->smem_bytes;
+  return g_blk && c >= g_blk->smem && c < g_blk->smem + g_blk->smem_bytes;
 }
 inline void pack_loaded(const void* p) {
   if (in_smem(p)) ld_shared(static_cast<const uint4*>(p), "a 16-byte load");
