@@ -824,8 +824,13 @@ inline void wg_wait(int n) {
   tl_wg_fenced = false;
 }
 
-inline void atomic_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
-inline int atomic_add(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }  // the old value
+// atomicAdd: one CUDA thread runs at a time (fibers, blocks in turn), so a plain add is already atomic.
+inline void atomic_add(float* p, float v) { *p += v; }
+inline int atomic_add(int* p, int v) {  // the old value
+  const int old = *p;
+  *p += v;
+  return old;
+}
 
 // Ordinary shared loads and stores the race check follows (wgmma.cuh's ld_shared_* / st_shared_*, st_shared_b32).
 // A store into a tile wgmma reads (the fused backward's dS^T), like a cp.async write, needs this thread's
@@ -903,7 +908,7 @@ inline void mbar_wait(uint32_t off, uint32_t parity) {
 // written through the async proxy (no fence.proxy.async before wgmma), then its bytes complete on the mbarrier with
 // the issuing thread's clock, so the race check sees the writes ordered before whoever waits for that phase.
 constexpr uint64_t kTmaMagic = 0x414d54554d45ull;
-inline std::atomic<long> g_tma_copies{0};  // every TMA copy so far (the tests ask whether a kernel took TMA)
+inline long g_tma_copies = 0;  // every TMA copy so far (the tests ask whether a kernel took TMA)
 inline void tma_encode(CUtensorMap* map, const void* base, const uint64_t (&dims)[4], const uint64_t (&strides)[3],
                        const uint32_t (&box)[4]) {
   if ((uintptr_t)map % 64) die("TMA map: not 64-byte aligned");
@@ -1082,8 +1087,8 @@ inline void bulk_write(Bulk& op) {
     memcpy(op.dst + i, &a, 4);
   }
 }
-inline std::atomic<long> g_bulk_copies{0};  // every bulk copy so far (the tests ask whether a kernel took them)
-inline std::atomic<long> g_tma_stores{0};   // the tensor stores among them
+inline long g_bulk_copies = 0;  // every bulk copy so far (the tests ask whether a kernel took them)
+inline long g_tma_stores = 0;   // the tensor stores among them
 inline void bulk_enqueue(Bulk op) {
   Block& b = *g_blk;
   if (op.src + op.bytes > b.smem_bytes) die("bulk copy: the source runs past shared memory");
@@ -1136,7 +1141,7 @@ inline void bulk_fence_global() { tl_acquired = false; }
 // A bulk copy from global into shared memory (tma.cuh's load_bulk), made at issue like a TMA copy (written through
 // the async proxy, its bytes completed on the mbarrier with the issuing thread's clock). What an acquire, or the
 // completion of this thread's own bulk group, made visible to it must be behind fence.proxy.async.global first.
-inline std::atomic<long> g_bulk_loads{0};
+inline long g_bulk_loads = 0;
 inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   Block& b = *g_blk;
   if (dst % 16 || (uintptr_t)src % 16) die("bulk load: both addresses must be 16-byte aligned");
@@ -1159,7 +1164,7 @@ inline void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t ba
 // the order the hardware starts them in: a CTA that found its counter short would wait for one that starts later
 // (or never comes), which on a GPU could hang; here it is an error at once.
 inline void wait_count(const int* counter, int want) {
-  const int v = std::atomic_ref<int>(*const_cast<int*>(counter)).load();
+  const int v = *counter;
   if (v != want) {
     fprintf(stderr, "EMU FATAL: block %u waits for count %d, the counter holds %d\n", g_bid.x, want, v);
     abort();
@@ -1168,7 +1173,7 @@ inline void wait_count(const int* counter, int want) {
 }
 inline void add_count(int* counter) {
   if (bulk_in_flight()) die("a turn passed on (release) with bulk copies to global memory not yet waited for");
-  std::atomic_ref<int>(*counter).fetch_add(1);
+  ++*counter;
 }
 
 // host side
@@ -1339,10 +1344,10 @@ void launch(K k, dim3 grid, dim3 block, size_t bytes, void*, A&&... args) {
 // storage.cuh's 16-byte loads and stores (load_pack, store_pack): a GPU faults on an unaligned one, the host does not.
 // Counted (g_align16_checks), so that a test can tell that a kernel took its 16-byte path.
 namespace emu {
-inline std::atomic<long> g_align16_checks{0};
+inline long g_align16_checks = 0;
 }
 #define FASTGPT_ALIGN16_CHECK(p)                                                                                 \
-  (emu::g_align16_checks.fetch_add(1, std::memory_order_relaxed),                                               \
+  (emu::g_align16_checks++,                                                                                      \
    reinterpret_cast<uintptr_t>(p) % 16 ? emu::die("a 16-byte load or store of an address not 16-byte aligned") \
                                        : (void)0)
 // storage.cuh's 16-byte loads and stores where they touch the block's (dynamic) shared memory, in the race check as
