@@ -203,13 +203,16 @@ def compare(old, new):
 CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "T", "vocab")  # a run's model and sequence: what must match
 
 
+NOT_OURS = "not a bench_gpu_train run"  # unlike()'s only reason for a file that is no run of ours at all
+
+
 def unlike(run, gpu, config):
     """Why an earlier run's JSON (parsed) is no baseline for this one: [] when it is a whole bench_gpu_train run of
-    the same model and sequence (config: CONFIG_KEYS) on the GPU named `gpu`, else the reasons, the first being
-    "not a bench_gpu_train run" where it is not one at all."""
+    the same model and sequence (config: CONFIG_KEYS) on the GPU named `gpu`, else the reasons ([NOT_OURS] where it
+    is not one at all)."""
     ours = isinstance(run, dict) and run.get("benchmark") == "bench_gpu_train"
     if not (ours and isinstance(run.get("results"), dict)):
-        return ["not a bench_gpu_train run"]
+        return [NOT_OURS]
     env, cfg = _dict(run.get("env")), _dict(run.get("config"))
     why = ["a partial run"] if run.get("partial") else []
     if env.get("gpu") != gpu:

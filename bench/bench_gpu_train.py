@@ -52,7 +52,8 @@ import numpy as np
 from fastgpt.tokenizer import N_VOCAB
 
 from _common import autotune_summary, environment, text_batches, write_json
-from _profile import CONFIG_KEYS, find_baseline, print_breakdown, print_comparison, profile_steps, unlike
+from _profile import (CONFIG_KEYS, NOT_OURS, find_baseline, print_breakdown, print_comparison, profile_steps,
+                      unlike)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # AdamW and clipping exactly as build-nanogpt's train_gpt2.py (constant lr: the schedule does not change the cost).
@@ -534,8 +535,8 @@ def against_baseline(args, env, res):
                 print(f"\n--baseline: cannot read {args.baseline}: {e}")
                 return {}
             why = unlike(found["json"], env.get("gpu"), cfg)
-            if why[:1] == ["not a bench_gpu_train run"]:
-                print(f"\n--baseline: {args.baseline} is not a bench_gpu_train run (no results)")
+            if why == [NOT_OURS]:
+                print(f"\n--baseline: {args.baseline} is {NOT_OURS} (no results)")
                 return {}
             if why:  # named: compared all the same, saying how it differs
                 print(f"\n--baseline: {args.baseline} is not like for like: {'; '.join(why)}")
