@@ -791,8 +791,12 @@ def test_cuda_sm90_ws_kernels_in_the_model_are_the_sm90_bits(rng, default_tiles)
     every gradient with the ws kernels ("sm90 ws 128x128" forward, "sm90 ws fused" backward; "sm90 ws 192x128
     persistent" and "sm90 ws fused 128x128"; "sm90 ws 128x128 persistent" and "sm90 ws fused 128x128 persistent")
     must be the bits of the same model with "sm90 128x128" and "sm90 fused", whose bits those kernels give; two
-    steps alike."""
+    steps alike. One exception, by design: the qkv bias gradient's K and V thirds, which the ws backward sums from its
+    own tiles (kv_sums, csrc/cuda/ops.h) in another order than the column-sum pass over dqkv that the other kernels
+    leave them to. Those thirds are the same bits among the ws kernels and within float32 rounding of the pass's
+    (the eighth GPU run, H200: about 3e-7 apart); their Q third is the pass's bits."""
     cfg = fastgpt.GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256)  # head dim 64
+    C = cfg.n_embd
     seed = int(rng.integers(1 << 31))
     batches = [(rng.integers(0, 512, (4, 256)), rng.integers(0, 512, (4, 256))) for _ in range(2)]
 
@@ -800,18 +804,29 @@ def test_cuda_sm90_ws_kernels_in_the_model_are_the_sm90_bits(rng, default_tiles)
         ops.flash_attention_tiles(fwd=fwd, dkdv=dkdv, dq="16x64")
         model = fastgpt.GPT(cfg, device="cuda", precision="bf16", seed=seed)
         out = []
-        for x, y in batches:
-            out.append(model.forward_backward(x, y))
-            out.extend(model.grads().values())
+        for step, (x, y) in enumerate(batches):
+            out.append((f"loss {step}", np.float32(model.forward_backward(x, y))))
+            out.extend((f"{name} {step}", g.copy()) for name, g in model.grads().items())
         return out
 
     want = run(SM90_FWD[0], SM90_FUSED)
+    assert sum(name.endswith("attn.c_attn.bias 0") for name, _ in want) == cfg.n_layer
+    ws_kv = None  # the first ws run's K and V thirds, which every ws run must give
     for fwd, dkdv in ((SM90_FWD[3], SM90_WS_FUSED), (SM90_FWD[6], SM90_WS_FUSED_128),
                       (SM90_FWD[5], SM90_WS_PERSISTENT[1])):
         got = run(fwd, dkdv)
-        assert len(got) == len(want)
-        for a, b in zip(got, want):
-            assert np.array_equal(a, b), f"{fwd}, {dkdv} in the model: not the sm90 bits"
+        assert [name for name, _ in got] == [name for name, _ in want]
+        kv = []
+        for (name, a), (_, b) in zip(got, want):
+            if "attn.c_attn.bias" in name:
+                assert np.array_equal(a[:C], b[:C]), f"{fwd}, {dkdv}: {name}'s Q third is not the sm90 bits"
+                err = rel_err(a[C:], b[C:])
+                assert err < 1e-5, (f"{fwd}, {dkdv}: {name}'s K, V thirds", err)
+                kv.append(a[C:])
+            else:
+                assert np.array_equal(a, b), f"{fwd}, {dkdv} in the model: {name} is not the sm90 bits"
+        ws_kv = kv if ws_kv is None else ws_kv
+        assert all(np.array_equal(a, b) for a, b in zip(kv, ws_kv)), f"{fwd}, {dkdv}: K, V sums differ among ws runs"
 
 
 @pytest.mark.skipif(not sm90_device(), reason="the sm90 kernels need a GPU of compute capability 9.0")
