@@ -72,18 +72,28 @@ fi
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 # At most 8 files come back: the small ones go into one archive, evidence.tgz (written afresh, as bench.log is), and
-# only this call's (files newer than its start stamp): what an earlier run left in $out stays where it is, out of
-# the archive (the 2026-11-26 H200 run's archive held another run's sanitizer and NCCL logs beside its own benchmark
-# JSON). `--pack-evidence STAMP` runs this alone.
+# only this call's: files newer than its start stamp and not in the listing of $out made at its start, unchanged
+# (path, size, mtime). What an earlier run left in $out stays where it is, out of the archive. The stamp alone did not
+# hold: the 2026-11-26 H200 run's archive held another run's sanitizer and NCCL logs, and both of the 2026-11-27 H200
+# run's held files dated the day before (the device's $OUT was not empty, and the stamp's clock or filesystem let
+# them pass: unexplained). `--pack-evidence STAMP [LISTING]` runs this alone; `--out-listing` prints the listing.
+out_listing() {
+  (cd "$out" && find . -maxdepth 2 -type f -printf '%P\t%s\t%T@\n' | LC_ALL=C sort)
+}
 pack_evidence() {
   (cd "$out" && find . -maxdepth 2 -type f -newer "$1" \( -path "./san/*" -o \( ! -path "./*/*" \( -name "*.json" \
-     -o -name build.log -o -name pytest_nccl.log \) \) \) | sed 's|^\./||' | sort | tar -czf evidence.tgz -T - \
+     -o -name build.log -o -name pytest_nccl.log \) \) \) -printf '%P\t%s\t%T@\n' | LC_ALL=C sort |
+     if [ -n "${2:-}" ]; then LC_ALL=C comm -23 - "$2"; else cat; fi | cut -f1 | tar -czf evidence.tgz -T - \
      --remove-files
    rmdir san 2>/dev/null)
   return 0
 }
-if [ "${1:-}" = --pack-evidence ]; then pack_evidence "$(realpath "${2:?usage: --pack-evidence STAMP}")"; exit; fi
-stamp=$(mktemp)
+if [ "${1:-}" = --pack-evidence ]; then
+  pack_evidence "$(realpath "${2:?usage: --pack-evidence STAMP [LISTING]}")" ${3:+"$(realpath "$3")"}; exit
+fi
+if [ "${1:-}" = --out-listing ]; then out_listing; exit; fi
+stamp=$(mktemp) before=$(mktemp)
+out_listing > "$before"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
 # BENCH_PARTS="cross_entropy adamw ..." runs only those bench parts (a short second call spends its seconds on what
@@ -341,8 +351,8 @@ if [ $build = ok ] && has ladder; then
   res[ladder]=$b
   tail -20 "$out/ladder.log"
 fi
-pack_evidence "$stamp"
-rm -f "$stamp"
+pack_evidence "$stamp" "$before"
+rm -f "$stamp" "$before"
 
 # The long tables first, the status table last: the device tool returns only the output's last 12,000 characters.
 echo

@@ -165,3 +165,32 @@ def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
     assert res.returncode == 0, res.stderr
     with tarfile.open(out / "evidence.tgz") as t:
         assert t.getnames() == []
+
+
+def test_the_evidence_archive_leaves_out_what_was_in_the_folder_at_the_start(tmp_path):
+    """The start stamp alone let files of the day before into both archives of the 2026-11-27 H200 run: what the
+    output folder held at the call's start (gpu_check.sh --out-listing), unchanged, stays out of the archive even
+    when its time says it is newer than the stamp; a file of that listing that the call wrote again goes in."""
+    out, old = tmp_path / "out", time.time() - 3600
+    (out / "san").mkdir(parents=True)
+    stamp = tmp_path / "stamp"
+    stamp.write_text("")
+    os.utime(stamp, (old, old))  # every file below is newer than the stamp
+    for name in ("bench_adamw.json", "san/memcheck-x.log", "bench_gpu_train.json"):
+        (out / name).write_text("earlier run")
+    env = dict(os.environ, OUT=str(out))
+    listing = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out-listing"], capture_output=True,
+                             text=True, timeout=60, env=env)
+    assert listing.returncode == 0, listing.stderr
+    assert sorted(line.split("\t")[0] for line in listing.stdout.splitlines()) == \
+        ["bench_adamw.json", "bench_gpu_train.json", "san/memcheck-x.log"]
+    (tmp_path / "listing").write_text(listing.stdout)
+    (out / "bench_gpu_train.json").write_text("this call's, longer")  # written again by the call
+    (out / "san" / "racecheck-y.log").write_text("this call's")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--pack-evidence", str(stamp),
+                          str(tmp_path / "listing")], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(out / "evidence.tgz") as t:
+        assert sorted(t.getnames()) == ["bench_gpu_train.json", "san/racecheck-y.log"]
+    assert (out / "bench_adamw.json").read_text() == "earlier run"
+    assert (out / "san" / "memcheck-x.log").read_text() == "earlier run"
