@@ -1365,6 +1365,12 @@ void run_encoder_cases(unsigned& seed) {
   run_encoder<bf16>(1, 480, 40, 64, 0.0, 0, seed++, {32, 16, 16, 96, 1, 31, 33, 31, 64, 1, 63, 1, 64, 31});
   run_encoder<float>(2, 96, 24, 16, 0.0, 0, seed++, {5, 27, 40, 24, 96});
   run_encoder<f16>(1, 77, 33, 8, 0.0, 0, seed++, {3, 74});  // the last window partial, the run reaching BT
+  // Pieces of 256 sorted indices (cpu::kEncoderPiece): a run over four pieces (its first from index 100, two whole,
+  // the last cut short), one value a lane (odd C); then a run ending on a piece's end (512), one starting on a
+  // piece's start and going on into the next, a piece that is one run's continuation and another's first piece (768)
+  // and the next piece the second's continuation (1024).
+  run_encoder<f16>(1, 1100, 33, 8, 0.0, 0, seed++, {100, 900, 100});
+  run_encoder<float>(2, 640, 24, 16, 0.0, 0, seed++, {512, 300, 1, 467});
 }
 
 // The bias gradient's column sums (matmul_bias.cu): dbias += the sums over rows of dout, whose order the kernels
