@@ -8,10 +8,11 @@
 #   accuracy  scripts/flash_accuracy.py: half-precision flash error beside every SDPA backend and an emulation
 #   diagnose  scripts/flash_diagnose.py: each flash kernel choice against float64 on small shapes, each in its own
 #             process; for a wrong output, which rows, columns and heads, and a map (where to look first)
-#   ncu       Nsight Compute: every flash attention kernel choice at GPT-2's attention shape (the full set of
-#             sections; scripts/ncu_targets.py) and one bf16 training step (speed of light, launch, occupancy), then
-#             scripts/ncu_summary.py's tables; the raw CSV of every metric and the SASS with its stall samples in
-#             ncu.tgz, ncu_sass.tgz (the sessions that tune kernels have no GPU to open a report on)
+#   ncu       Nsight Compute: every flash attention kernel choice at GPT-2's attention shape and the step's memory-
+#             bound ops at B 64 (the full set of sections; scripts/ncu_targets.py) and one bf16 training step
+#             (speed of light, launch, occupancy), then scripts/ncu_summary.py's tables; the raw CSV of every
+#             metric and the SASS with its stall samples in ncu.tgz, ncu_sass.tgz (the sessions that tune kernels
+#             have no GPU to open a report on)
 #   ladder    bench/bench_ladder.py: notebooks/02_speedup_progression's rungs at GPT-2 124M, PyTorch and fastgpt side
 #             by side (table in ladder.log, rows in ladder.json, bar chart ladder.png when matplotlib is there)
 # TESTS="tests/test_a.py ..." narrows the tests part (default: every tests/test_*.py with a GPU case; the CPU-only

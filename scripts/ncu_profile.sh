@@ -2,12 +2,13 @@
 # gpu_check.sh's `ncu` part: Nsight Compute over scripts/ncu_targets.py, in the order that loses the least when the
 # call's time runs out: the Hopper flash attention kernels beside torch's cuDNN backend ("sm90", what training runs on
 # an H100/H200), then one bf16 training step (speed of light, launch and occupancy only; about 320 kernels), then the
-# other flash kernel choices beside torch's flash backend ("flash"); the flash reports with the full set of
-# sections at GPT-2's attention shape. Each report is imported as CSV as soon as it is made (every metric; the same
-# with the NVTX labels as kernel names; ncu's own findings; for the flash reports, per SASS instruction and per .cu
-# line, executions and sampled stalls); scripts/ncu_summary.py's tables go into OUT/ncu.log, the rest into
-# OUT/ncu.tgz and OUT/ncu_sass.tgz. The reports themselves are dropped: the sessions that tune the kernels have no
-# ncu to open them, and they are large. Prints one line for gpu_check's table: ok, or what failed.
+# step's memory-bound ops alone at B 64 ("ops"), then the other flash kernel choices beside torch's flash backend
+# ("flash"); all but the step with the full set of sections (the flash ones at GPT-2's attention shape). Each report
+# is imported as CSV as soon as it is made (every metric; the same with the NVTX labels as kernel names; ncu's own
+# findings; for all but the step, per SASS instruction and per .cu line, executions and sampled stalls);
+# scripts/ncu_summary.py's tables go into OUT/ncu.log, the rest into OUT/ncu.tgz and OUT/ncu_sass.tgz. The reports
+# themselves are dropped: the sessions that tune the kernels have no ncu to open them, and they are large. Prints
+# one line for gpu_check's table: ok, or what failed.
 # The 2026-11-26 H200 run (the old order: flash, sm90, step; `diagnose ncu` in 550 s) ran out of time after the sm90
 # report: no SASS pages for the Hopper kernels, and the step's report killed by its timeout after nine passes (give
 # `ncu` a call of its own).
@@ -62,11 +63,16 @@ timeout $(tmo 300) "$ncu" "${args[@]}" --replay-mode application --app-replay-mo
   --section SpeedOfLight --section LaunchStats --section Occupancy -o "$dir/step" \
   python3 scripts/ncu_targets.py step > "$dir/step.log" 2>&1 || status="$status; FAIL step (rc $?)"
 import_report step
+# The step's memory-bound ops alone at its shapes (B 64), the full set with SASS pages: what the step's report
+# cannot say (why the LayerNorm backward ran at 2.4 TB/s in the eighth run; scripts/ncu_targets.py).
+timeout $(tmo 150) "$ncu" "${args[@]}" --set full -o "$dir/ops" python3 scripts/ncu_targets.py ops \
+  > "$dir/ops.log" 2>&1 || status="$status; FAIL ops (rc $?)"
+import_report ops
 timeout $(tmo 240) "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash $cudnn \
   > "$dir/flash.log" 2>&1 || status="$status; FAIL flash (rc $?)"
 import_report flash
 {
-  for r in sm90 flash; do
+  for r in sm90 ops flash; do
     [ -f "$dir/$r-raw.csv" ] || continue
     python3 scripts/ncu_summary.py "$dir/$r-raw.csv" --labels "$dir/$r-labels.csv" --json "$dir/$r-summary.json"
     echo

@@ -2,7 +2,7 @@
 GPT-2 124M's attention shape (bf16, d 64, T 1024, causal, 12 heads): the Hopper ones beside torch's cuDNN SDPA
 backend, the one they race on an H100/H200 ("sm90": in a report of their own, which a trap or hang there cannot cost
 the others), or the mma.sync ones beside torch's flash backend ("flash"); or one fastgpt bf16 training step of GPT-2
-124M ("step").
+124M ("step"); or the step's memory-bound ops, each alone at the step's shapes, B 64 ("ops": OPS_LABELS).
 
 Why: issue 10 asks for flash attention at Hopper speed and says "profile with ncu"; the benchmarks give each
 kernel's time, not why it takes it (tensor-pipe use, issue slots, stalls, bank conflicts, spills). The sessions that
@@ -16,6 +16,11 @@ A choice this GPU or build cannot run (the Hopper kernels elsewhere) is printed 
 
     ncu --profile-from-start off --nvtx --set full -o flash python3 scripts/ncu_targets.py flash
     python3 scripts/ncu_targets.py sm90 --list   # the labels (a build with CUDA; no GPU needed)
+
+"ops" is there because the step's report (application replay: speed of light, launch, occupancy) cannot say why a
+memory-bound kernel runs below the memory's rate, and the eighth run (H200) had the LayerNorm backward at 2.4 TB/s
+where the residual LayerNorm forward moves as many bytes a row at 3.7: the full set, with SASS pages and stall
+samples, of each such op at the training shapes.
 """
 import argparse
 import pathlib
@@ -47,21 +52,21 @@ def torch_targets(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", nargs="?", choices=("flash", "sm90", "step"), default="flash")
+    p.add_argument("what", nargs="?", choices=("flash", "sm90", "step", "ops"), default="flash")
     p.add_argument("--list", action="store_true", help="print the labels and exit (no GPU needed)")
-    p.add_argument("--B", type=int, default=None, help="batch (default: 16, step 8)")
+    p.add_argument("--B", type=int, default=None, help="batch (default: 16, step 8, ops 64)")
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--d", type=int, default=64, help="flash: head dim")
     p.add_argument("--n-layer", type=int, default=12, help="step: layers")
-    p.add_argument("--n-embd", type=int, default=768, help="step: width (a multiple of --n-head)")
-    p.add_argument("--vocab", type=int, default=50304, help="step: vocab size")
+    p.add_argument("--n-embd", type=int, default=768, help="step, ops: width (a multiple of --n-head)")
+    p.add_argument("--vocab", type=int, default=50304, help="step, ops: vocab size")
     p.add_argument("--device", default="cuda", help="cpu: the same calls without a GPU or profiler (a smoke test)")
     p.add_argument("--cudnn", action="store_true",
                    help="flash: torch's cuDNN backend too (ncu_profile.sh, when it leaves the sm90 report out)")
     args = p.parse_args(argv)
     if args.B is None:
-        args.B = 8 if args.what == "step" else 16
+        args.B = {"step": 8, "ops": 64}.get(args.what, 16)
     if min(args.B, args.T, args.n_head, args.d, args.n_layer, args.n_embd, args.vocab) < 1:
         p.error("sizes must be >= 1")
     if args.n_embd % args.n_head:
@@ -163,11 +168,46 @@ def step(args, torch, run):
     run("step fastgpt bf16", lambda: float(opt.train_step(x, y, max_norm=1.0).loss))
 
 
+# The "ops" report's labels, in the order they run (memory_ops below).
+OPS_LABELS = ["layernorm_backward dx_sum", "residual_layernorm_forward", "matmul_backward fc (bias)",
+              "cross_entropy_forward_backward", "embedding_backward text"]
+
+
+def memory_ops(args, torch, run):
+    """The step's memory-bound ops in bf16 at its shapes (B T rows of width C; one classifier chunk of 4096 rows),
+    each alone: the fused model's LayerNorm backward with the residual projection's bias sums (dx_sum), the residual
+    add + LayerNorm forward, the MLP projection's backward (its bias gradient's column-sum pass beside the two
+    products), the classifier's fused cross-entropy, and the embedding backward on ids like Tiny Shakespeare's (one
+    token 12% of them, as "\\n": a run over many warps)."""
+    from fastgpt import ops as F
+
+    B, T, C, V = args.B, args.T, args.n_embd, args.vocab
+    N = B * T
+    g = torch.Generator(device=args.device).manual_seed(1234)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=args.device, generator=g).to(torch.bfloat16)
+
+    x, dout, w, b = randn(N, C), randn(N, C), randn(C), randn(C)
+    _, mean, rstd = F.layernorm_forward(x, w, b)
+    run(OPS_LABELS[0], lambda: F.layernorm_backward(dout, x, w, mean, rstd, dx_sum=True))
+    run(OPS_LABELS[1], lambda: F.residual_layernorm_forward(x, dout, w, b))
+    dh, h, wfc = randn(N, C), randn(N, 4 * C), randn(C, 4 * C)  # c_proj: (N, 4C) -> (N, C), weight (C, 4C)
+    run(OPS_LABELS[2], lambda: F.matmul_backward(dh, h, wfc))
+    rows = min(4096, N)
+    logits = randn(rows, V)
+    targets = torch.randint(0, V, (rows,), device=args.device, generator=g)
+    run(OPS_LABELS[3], lambda: F.cross_entropy_forward_backward(logits, targets))
+    idx = torch.randint(0, V, (B, T), device=args.device, generator=g)
+    idx[torch.rand(B, T, device=args.device, generator=g) < 0.12] = min(198, V - 1)  # GPT-2's "\\n"
+    run(OPS_LABELS[4], lambda: F.embedding_backward(dout.view(B, T, C), idx, V, T))
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.list:
-        if args.what == "step":
-            print("step fastgpt bf16")
+        if args.what in ("step", "ops"):
+            print("\n".join(["step fastgpt bf16"] if args.what == "step" else OPS_LABELS))
             return 0
         from fastgpt import ops
         targets = fastgpt_targets(ops.flash_attention_tile_options(), args.what == "sm90")
@@ -181,7 +221,7 @@ def main(argv=None):
         return 0
     else:
         run = Profiled(torch)
-    (step if args.what == "step" else flash)(args, torch, run)
+    {"step": step, "ops": memory_ops}.get(args.what, flash)(args, torch, run)
     print(f"ncu_targets {args.what}: {len(run.labels)} labels, in order: {'; '.join(run.labels)}")
     return 0
 

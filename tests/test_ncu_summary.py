@@ -267,14 +267,15 @@ def run_ncu_part(tmp_path, diagnose=None):
 
 def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
     """scripts/ncu_profile.sh (gpu_check.sh ncu) with a stand-in ncu: the reports in the order that loses the least
-    to a call's time running out (the Hopper kernels and their SASS pages first, then the step, then the others), the
+    to a call's time running out (the Hopper kernels and their SASS pages first, then the step, the step's memory-bound
+    ops, then the other flash kernels), the
     options each ncu call gets, the CSV it imports, the tables it writes and the archives it leaves (no reports in
     them)."""
     out, status, calls = run_ncu_part(tmp_path, "== fwd sm90 128x128: OK\n== dkdv sm90 fused: WRONG\n")
     assert status == "ok"
     profiles = [c for c in calls if "-o" in c]
-    assert "--cudnn" not in profiles[2]  # cuDNN is in the sm90 report
-    assert [c[-1] for c in profiles] == ["sm90", "step", "flash"]
+    assert "--cudnn" not in profiles[3]  # cuDNN is in the sm90 report
+    assert [c[-1] for c in profiles] == ["sm90", "step", "ops", "flash"]
     sm90_sass = next(i for i, c in enumerate(calls) if "-i" in c and c[c.index("-i") + 1].endswith("sm90.ncu-rep")
                      and "sass" in c)
     assert calls.index(profiles[0]) < sm90_sass < calls.index(profiles[1])  # its SASS page before the step
@@ -283,24 +284,25 @@ def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
             i = c.index(opt[0])
             assert c[i:i + 2] == opt
         assert "--nvtx" in c and c[-3:-1] == ["python3", "scripts/ncu_targets.py"]
-    assert all(c[c.index("--set") + 1] == "full" and "--replay-mode" not in c for c in (profiles[0], profiles[2]))
+    assert all(c[c.index("--set") + 1] == "full" and "--replay-mode" not in c for c in profiles[:1] + profiles[2:])
     step = profiles[1]
     assert step[step.index("--replay-mode") + 1] == "application" and "--set" not in step
     assert step[step.index("--app-replay-mode") + 1] == "relaxed"
     imports = [c for c in calls if "-i" in c]
-    # raw, labelled raw and details of each report; SASS and .cu source pages of the two flash ones
-    assert sum("--print-nvtx-rename" in c for c in imports) == 3 and len(imports) == 13
+    # raw, labelled raw and details of each report; SASS and .cu source pages of all but the step's
+    assert sum("--print-nvtx-rename" in c for c in imports) == 4 and len(imports) == 18
     text = (out / "ncu.log").read_text()
     assert "fwd 16x64" in text and "bwd det 16x64/16x64" in text and "dq_kernel<bf16,64>" in text
-    assert text.count("2 kernels, 143.0 us in all") == 3
+    assert text.count("2 kernels, 143.0 us in all") == 4
     assert sorted(p.name for p in out.iterdir()) == ["diagnose.log", "ncu.log", "ncu.tgz", "ncu_sass.tgz"]
     with tarfile.open(out / "ncu.tgz") as t:
         names = set(t.getnames())
     assert {"ncu/flash-raw.csv", "ncu/flash-labels.csv", "ncu/sm90-raw.csv", "ncu/step-details.csv",
-            "ncu/flash-summary.json", "ncu/sm90-summary.json"} <= names
+            "ncu/flash-summary.json", "ncu/sm90-summary.json", "ncu/ops-raw.csv", "ncu/ops-summary.json"} <= names
     assert not any(n.endswith(".ncu-rep") or "sass" in n or "cuda" in n for n in names)
     with tarfile.open(out / "ncu_sass.tgz") as t:
-        assert sorted(t.getnames()) == ["flash-cuda.csv", "flash-sass.csv", "sm90-cuda.csv", "sm90-sass.csv"]
+        assert sorted(t.getnames()) == ["flash-cuda.csv", "flash-sass.csv", "ops-cuda.csv", "ops-sass.csv",
+                                        "sm90-cuda.csv", "sm90-sass.csv"]
         assert t.extractfile("flash-sass.csv").read().decode().startswith("source page of")
 
 
@@ -309,10 +311,10 @@ def test_the_hopper_kernels_are_not_profiled_after_a_crash_in_diagnose(tmp_path)
     ncu too: its report is left out, and the status says so; the others are made as before."""
     out, status, calls = run_ncu_part(tmp_path, "== fwd 16x64: OK\n== dkdv sm90 ws fused: TIMEOUT (30 s)\n")
     profiles = [c for c in calls if "-o" in c]
-    assert [c[c.index("scripts/ncu_targets.py") + 1] for c in profiles] == ["step", "flash"]
-    assert profiles[1][-1] == "--cudnn"  # cuDNN's kernels join the flash report instead
+    assert [c[c.index("scripts/ncu_targets.py") + 1] for c in profiles] == ["step", "ops", "flash"]
+    assert profiles[2][-1] == "--cudnn"  # cuDNN's kernels join the flash report instead
     assert status == "sm90 not profiled (diagnose: a crash or timeout)"
-    assert (out / "ncu.log").read_text().count("2 kernels, 143.0 us in all") == 2
+    assert (out / "ncu.log").read_text().count("2 kernels, 143.0 us in all") == 3
 
 
 def test_targets_run_on_the_cpu(capsys):
@@ -343,6 +345,10 @@ def test_targets_run_on_the_cpu(capsys):
     targets.step(targets.parse_args(["step", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2", "--n-embd",
                                      "32", "--n-layer", "2", "--vocab", "96"]), torch, run)
     assert run.labels == ["step fastgpt bf16"]
+    run = targets.Plain()
+    targets.memory_ops(targets.parse_args(["ops", "--device", "cpu", "--B", "2", "--T", "16", "--n-head", "2",
+                                           "--n-embd", "32", "--vocab", "96"]), torch, run)
+    assert run.labels == targets.OPS_LABELS
 
 
 def test_profiled_calls_bracket_only_the_second_call():
