@@ -73,27 +73,24 @@ fi
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 # At most 8 files come back: the small ones go into one archive, evidence.tgz (written afresh, as bench.log is), and
-# only this call's: files newer than its start stamp and not in the listing of $out made at its start, unchanged
-# (path, size, mtime). What an earlier run left in $out stays where it is, out of the archive. The stamp alone did not
-# hold: the 2026-11-26 H200 run's archive held another run's sanitizer and NCCL logs, and both of the 2026-11-27 H200
-# run's held files dated the day before (the device's $OUT was not empty, and the stamp's clock or filesystem let
-# them pass: unexplained). `--pack-evidence STAMP [LISTING]` runs this alone; `--out-listing` prints the listing.
+# only this call's: files not in the listing of $out made at its start as they were then (path, size, mtime). What
+# an earlier run left in $out stays where it is, out of the archive. (A start stamp and find -newer did not hold: the
+# 2026-11-26 H200 run's archive held another run's sanitizer and NCCL logs, and both of the 2026-11-27 H200 run's held
+# files dated the day before, in a $OUT that was not empty; why they passed -newer is unexplained, and a listing
+# does not depend on the clocks.) `--pack-evidence LISTING` runs this alone; `--out-listing` prints the listing.
 out_listing() {
   (cd "$out" && find . -maxdepth 2 -type f -printf '%P\t%s\t%T@\n' | LC_ALL=C sort)
 }
 pack_evidence() {
-  (cd "$out" && find . -maxdepth 2 -type f -newer "$1" \( -path "./san/*" -o \( ! -path "./*/*" \( -name "*.json" \
+  (cd "$out" && find . -maxdepth 2 -type f \( -path "./san/*" -o \( ! -path "./*/*" \( -name "*.json" \
      -o -name build.log -o -name pytest_nccl.log \) \) \) -printf '%P\t%s\t%T@\n' | LC_ALL=C sort |
-     if [ -n "${2:-}" ]; then LC_ALL=C comm -23 - "$2"; else cat; fi | cut -f1 | tar -czf evidence.tgz -T - \
-     --remove-files
+     LC_ALL=C comm -23 - "$1" | cut -f1 | tar -czf evidence.tgz -T - --remove-files
    rmdir san 2>/dev/null)
   return 0
 }
-if [ "${1:-}" = --pack-evidence ]; then
-  pack_evidence "$(realpath "${2:?usage: --pack-evidence STAMP [LISTING]}")" ${3:+"$(realpath "$3")"}; exit
-fi
+if [ "${1:-}" = --pack-evidence ]; then pack_evidence "$(realpath "${2:?usage: --pack-evidence LISTING}")"; exit; fi
 if [ "${1:-}" = --out-listing ]; then out_listing; exit; fi
-stamp=$(mktemp) before=$(mktemp)
+before=$(mktemp)
 out_listing > "$before"
 parts=${*:-tests sanitize bench}
 has() { [[ " $parts " == *" $1 "* ]]; }
@@ -352,8 +349,8 @@ if [ $build = ok ] && has ladder; then
   res[ladder]=$b
   tail -20 "$out/ladder.log"
 fi
-pack_evidence "$stamp" "$before"
-rm -f "$stamp" "$before"
+pack_evidence "$before"
+rm -f "$before"
 
 # The long tables first, the status table last: the device tool returns only the output's last 12,000 characters.
 echo

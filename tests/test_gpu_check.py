@@ -132,26 +132,31 @@ def test_device_prep_copies_the_data_and_names_the_commit(tmp_path, shakespeare_
     assert copied.read_bytes() == pathlib.Path(shakespeare_txt).read_bytes()
 
 
+def gpu_check(out, *args):
+    """gpu_check.sh ARGS with OUT=out (its --out-listing and --pack-evidence, which need no GPU) -> stdout."""
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *map(str, args)], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, OUT=str(out)))
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
 def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
     """gpu_check.sh's archive of small files (benchmark JSON, build and NCCL logs, sanitizer logs) takes only the
-    files written after the call's start stamp; what an earlier run left in the output folder stays there as it was,
-    and so does what is not evidence."""
-    out, old, new = tmp_path / "out", time.time() - 3600, time.time() - 60
+    files written after the listing of the output folder made at the call's start; what an earlier run left there
+    stays as it was, and so does what is not evidence."""
+    out, old = tmp_path / "out", time.time() - 3600
     (out / "san").mkdir(parents=True)
     stale = {"bench_adamw.json": "old", "pytest_nccl.log": "old nccl", "san/memcheck-x.log": "old san"}
     fresh = {"bench_gpu_train.json": "{}", "build.log": "built", "san/racecheck-y.log": "new san"}
     for name, text in stale.items():
         (out / name).write_text(text)
         os.utime(out / name, (old, old))
-    stamp = tmp_path / "stamp"
-    stamp.write_text("")
-    os.utime(stamp, (new, new))
+    listing = tmp_path / "listing"
+    listing.write_text(gpu_check(out, "--out-listing"))
     for name, text in {**fresh, "bench.log": "kept", "sub/deep.json": "not top level"}.items():
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--pack-evidence", str(stamp)],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OUT=str(out)))
-    assert res.returncode == 0, res.stderr
+    gpu_check(out, "--pack-evidence", listing)
     with tarfile.open(out / "evidence.tgz") as t:
         assert sorted(t.getnames()) == sorted(fresh)
         assert t.extractfile("san/racecheck-y.log").read() == b"new san"
@@ -159,37 +164,27 @@ def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
         assert (out / name).read_text() == text
     assert not any((out / name).exists() for name in fresh)
     # a call with nothing new writes an empty archive: the one above cannot pass for its evidence
-    stamp.touch()
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--pack-evidence", str(stamp)],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, OUT=str(out)))
-    assert res.returncode == 0, res.stderr
+    listing.write_text(gpu_check(out, "--out-listing"))
+    gpu_check(out, "--pack-evidence", listing)
     with tarfile.open(out / "evidence.tgz") as t:
         assert t.getnames() == []
 
 
 def test_the_evidence_archive_leaves_out_what_was_in_the_folder_at_the_start(tmp_path):
-    """The start stamp alone let files of the day before into both archives of the 2026-11-27 H200 run: what the
-    output folder held at the call's start (gpu_check.sh --out-listing), unchanged, stays out of the archive even
-    when its time says it is newer than the stamp; a file of that listing that the call wrote again goes in."""
-    out, old = tmp_path / "out", time.time() - 3600
+    """A start stamp let files of the day before into both archives of the 2026-11-27 H200 run: what the output
+    folder held at the call's start (gpu_check.sh --out-listing), unchanged, stays out of the archive whatever its
+    time (here as new as the call's own files); a file of that listing that the call wrote again goes in."""
+    out = tmp_path / "out"
     (out / "san").mkdir(parents=True)
-    stamp = tmp_path / "stamp"
-    stamp.write_text("")
-    os.utime(stamp, (old, old))  # every file below is newer than the stamp
     for name in ("bench_adamw.json", "san/memcheck-x.log", "bench_gpu_train.json"):
         (out / name).write_text("earlier run")
-    env = dict(os.environ, OUT=str(out))
-    listing = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out-listing"], capture_output=True,
-                             text=True, timeout=60, env=env)
-    assert listing.returncode == 0, listing.stderr
-    assert sorted(line.split("\t")[0] for line in listing.stdout.splitlines()) == \
+    listing = gpu_check(out, "--out-listing")
+    assert sorted(line.split("\t")[0] for line in listing.splitlines()) == \
         ["bench_adamw.json", "bench_gpu_train.json", "san/memcheck-x.log"]
-    (tmp_path / "listing").write_text(listing.stdout)
+    (tmp_path / "listing").write_text(listing)
     (out / "bench_gpu_train.json").write_text("this call's, longer")  # written again by the call
     (out / "san" / "racecheck-y.log").write_text("this call's")
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--pack-evidence", str(stamp),
-                          str(tmp_path / "listing")], capture_output=True, text=True, timeout=60, env=env)
-    assert res.returncode == 0, res.stderr
+    gpu_check(out, "--pack-evidence", tmp_path / "listing")
     with tarfile.open(out / "evidence.tgz") as t:
         assert sorted(t.getnames()) == ["bench_gpu_train.json", "san/racecheck-y.log"]
     assert (out / "bench_adamw.json").read_text() == "earlier run"

@@ -35,13 +35,12 @@ void encoder_backward(float* dwte, float* dwpe, const S* dout, const int32_t* id
   std::iota(order.begin(), order.end(), int64_t{0});
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
   std::vector<int64_t> piece(BT, -1);
-  int64_t cut_rows = 0;  // rows past their run's first piece
   for (int64_t i = 0, start = 0; i < BT; i++) {
     if (i > 0 && idx[order[i]] != idx[order[i - 1]]) start = i;
-    if (i / kEncoderPiece != start / kEncoderPiece) piece[order[i]] = i / kEncoderPiece, cut_rows++;
+    if (i / kEncoderPiece != start / kEncoderPiece) piece[order[i]] = i / kEncoderPiece;
   }
   const int64_t npiece = (BT + kEncoderPiece - 1) / kEncoderPiece;
-  std::vector<float> partial(cut_rows ? (size_t)npiece * C : 0, 0.0f);  // (npiece, C), row p: piece p's sum
+  std::vector<float> partial(npiece > 1 ? (size_t)npiece * C : 0, 0.0f);  // (npiece, C), row p: piece p's sum
 #pragma omp parallel for schedule(static)
   for (int blk = 0; blk < nblk; blk++) {
     const int c0 = blk * kCols, c1 = c0 + kCols < C ? c0 + kCols : C;
@@ -51,7 +50,7 @@ void encoder_backward(float* dwte, float* dwpe, const S* dout, const int32_t* id
       for (int c = c0; c < c1; c++) dst[c] += to_float(src[c]);
     }
   }
-  for (int64_t p = 1; cut_rows && p < npiece; p++) {
+  for (int64_t p = 1; p < npiece; p++) {
     const int64_t i = p * kEncoderPiece;  // the piece's first sorted index: mid-run if its token is the one before
     if (idx[order[i]] != idx[order[i - 1]]) continue;
     float* dst = dwte + (int64_t)idx[order[i]] * C;
