@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import tarfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CPU_ONLY = {"flash_attention_emulated", "wgmma", "ncu_summary", "flash_diagnose", "tokenizer", "data", "hellaswag",
@@ -142,17 +141,20 @@ def gpu_check(out, *args):
 
 def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
     """gpu_check.sh's archive of small files (benchmark JSON, build and NCCL logs, sanitizer logs) takes only the
-    files written after the listing of the output folder made at the call's start; what an earlier run left there
-    stays as it was, and so does what is not evidence."""
-    out, old = tmp_path / "out", time.time() - 3600
+    files that are not in the listing of the output folder made at the call's start (--out-listing), as they were
+    then: what an earlier run left there stays as it was whatever its time (here as new as the call's own files: a
+    start stamp let files of the day before into both archives of the 2026-11-27 H200 run), and so does what is not
+    evidence; a file of that listing that the call wrote again goes in."""
+    out = tmp_path / "out"
     (out / "san").mkdir(parents=True)
     stale = {"bench_adamw.json": "old", "pytest_nccl.log": "old nccl", "san/memcheck-x.log": "old san"}
-    fresh = {"bench_gpu_train.json": "{}", "build.log": "built", "san/racecheck-y.log": "new san"}
-    for name, text in stale.items():
+    for name, text in {**stale, "bench_gpu_train.json": "earlier run"}.items():
         (out / name).write_text(text)
-        os.utime(out / name, (old, old))
     listing = tmp_path / "listing"
     listing.write_text(gpu_check(out, "--out-listing"))
+    assert sorted(line.split("\t")[0] for line in listing.read_text().splitlines()) == \
+        sorted([*stale, "bench_gpu_train.json"])
+    fresh = {"bench_gpu_train.json": "this call's, longer", "build.log": "built", "san/racecheck-y.log": "new san"}
     for name, text in {**fresh, "bench.log": "kept", "sub/deep.json": "not top level"}.items():
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)
@@ -160,6 +162,7 @@ def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
     with tarfile.open(out / "evidence.tgz") as t:
         assert sorted(t.getnames()) == sorted(fresh)
         assert t.extractfile("san/racecheck-y.log").read() == b"new san"
+        assert t.extractfile("bench_gpu_train.json").read() == b"this call's, longer"
     for name, text in {**stale, "bench.log": "kept", "sub/deep.json": "not top level"}.items():
         assert (out / name).read_text() == text
     assert not any((out / name).exists() for name in fresh)
@@ -168,24 +171,3 @@ def test_the_evidence_archive_holds_only_this_calls_files(tmp_path):
     gpu_check(out, "--pack-evidence", listing)
     with tarfile.open(out / "evidence.tgz") as t:
         assert t.getnames() == []
-
-
-def test_the_evidence_archive_leaves_out_what_was_in_the_folder_at_the_start(tmp_path):
-    """A start stamp let files of the day before into both archives of the 2026-11-27 H200 run: what the output
-    folder held at the call's start (gpu_check.sh --out-listing), unchanged, stays out of the archive whatever its
-    time (here as new as the call's own files); a file of that listing that the call wrote again goes in."""
-    out = tmp_path / "out"
-    (out / "san").mkdir(parents=True)
-    for name in ("bench_adamw.json", "san/memcheck-x.log", "bench_gpu_train.json"):
-        (out / name).write_text("earlier run")
-    listing = gpu_check(out, "--out-listing")
-    assert sorted(line.split("\t")[0] for line in listing.splitlines()) == \
-        ["bench_adamw.json", "bench_gpu_train.json", "san/memcheck-x.log"]
-    (tmp_path / "listing").write_text(listing)
-    (out / "bench_gpu_train.json").write_text("this call's, longer")  # written again by the call
-    (out / "san" / "racecheck-y.log").write_text("this call's")
-    gpu_check(out, "--pack-evidence", tmp_path / "listing")
-    with tarfile.open(out / "evidence.tgz") as t:
-        assert sorted(t.getnames()) == ["bench_gpu_train.json", "san/racecheck-y.log"]
-    assert (out / "bench_adamw.json").read_text() == "earlier run"
-    assert (out / "san" / "memcheck-x.log").read_text() == "earlier run"
