@@ -165,10 +165,11 @@ def step(args, torch, run):
     rng = np.random.default_rng(1234)
     toks = rng.integers(0, min(args.vocab, 50257), size=(args.B, args.T + 1), dtype=np.int32)
     x, y = np.ascontiguousarray(toks[:, :-1]), np.ascontiguousarray(toks[:, 1:])
-    run("step fastgpt bf16", lambda: float(opt.train_step(x, y, max_norm=1.0).loss))
+    run(STEP_LABELS[0], lambda: float(opt.train_step(x, y, max_norm=1.0).loss))
 
 
-# The "ops" report's labels, in the order they run (memory_ops below).
+# The "step" and "ops" reports' labels, in the order they run (step above, memory_ops below).
+STEP_LABELS = ["step fastgpt bf16"]
 OPS_LABELS = ["layernorm_backward dx_sum", "residual_layernorm_forward", "matmul_backward fc (bias)",
               "cross_entropy_forward_backward", "embedding_backward text"]
 
@@ -207,7 +208,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.list:
         if args.what in ("step", "ops"):
-            print("\n".join(["step fastgpt bf16"] if args.what == "step" else OPS_LABELS))
+            print("\n".join({"step": STEP_LABELS, "ops": OPS_LABELS}[args.what]))
             return 0
         from fastgpt import ops
         targets = fastgpt_targets(ops.flash_attention_tile_options(), args.what == "sm90")

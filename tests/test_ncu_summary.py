@@ -268,9 +268,8 @@ def run_ncu_part(tmp_path, diagnose=None):
 def test_gpu_checks_ncu_part_runs_and_packs_its_files(tmp_path):
     """scripts/ncu_profile.sh (gpu_check.sh ncu) with a stand-in ncu: the reports in the order that loses the least
     to a call's time running out (the Hopper kernels and their SASS pages first, then the step, the step's memory-bound
-    ops, then the other flash kernels), the
-    options each ncu call gets, the CSV it imports, the tables it writes and the archives it leaves (no reports in
-    them)."""
+    ops, then the other flash kernels), the options each ncu call gets, the CSV it imports, the tables it writes and
+    the archives it leaves (no reports in them)."""
     out, status, calls = run_ncu_part(tmp_path, "== fwd sm90 128x128: OK\n== dkdv sm90 fused: WRONG\n")
     assert status == "ok"
     profiles = [c for c in calls if "-o" in c]
