@@ -20,6 +20,7 @@
 # those entries (names as --list-tests prints them, less tests/test_ and .py) before the rest, in the usual order:
 # what the last GPU run failed or never reached. BENCH_VARIANTS="NAME,NAME" runs only those variants of
 # bench_gpu_train.py (its --variants), first in the bench part; BENCH_PARTS="cross_entropy adamw" only those parts.
+# NCU_REPORTS="ops step" makes only those ncu reports, in that order (of sm90 step ops flash, the default order).
 # A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each. A
 # session has 15 minutes of device time in all, the machine's start (a minute or more) included: `tests sanitize`
 # first; `bench` next only at once (the machine stays warm 30 s, the build folder is kept) with CALL_BUDGET cut to
@@ -106,6 +107,7 @@ fi
 for n in ${BENCH_PARTS:-}; do
   [[ $bench_parts == *" $n "* ]] || { echo "gpu_check.sh: BENCH_PARTS names $n, not one of:$bench_parts" >&2; exit 2; }
 done
+if has ncu; then bash scripts/ncu_profile.sh --check || exit 2; fi  # NCU_REPORTS="ops step": those reports, in order
 # Hopper only: a third of the build time there (the default list, 75-real;80-real;90, is for GPU-less builds).
 export PYTHONUNBUFFERED=1 FASTGPT_CUDA=ON CUDAARCHS=${CUDAARCHS:-90} FASTGPT_SHARED=${FASTGPT_SHARED:-$PWD/.device/shared}
 t0=$SECONDS

@@ -12,10 +12,22 @@
 # The 2026-11-26 H200 run (the old order: flash, sm90, step; `diagnose ncu` in 550 s) ran out of time after the sm90
 # report: no SASS pages for the Hopper kernels, and the step's report killed by its timeout after nine passes (give
 # `ncu` a call of its own).
+# The 2026-11-27 H200 run (`ncu` alone, CALL_BUDGET=230) made the sm90 report and nothing after it: the step's was
+# killed in its third pass. NCU_REPORTS="ops step" makes only those reports, in that order (a short call spends its
+# seconds on what the last run did not reach).
 # Usage: bash scripts/ncu_profile.sh OUT   (NCU=path overrides `ncu`; tests/test_ncu_summary.py passes a fake one;
-# NCU_BUDGET=s cuts every step's timeout to what is left of that many seconds: gpu_check passes what its call has)
+# NCU_BUDGET=s cuts every step's timeout to what is left of that many seconds: gpu_check passes what its call has).
+# `ncu_profile.sh --check` only checks NCU_REPORTS (gpu_check.sh, before its build: a misspelt name would cost a call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+all_reports="sm90 step ops flash"
+reports=$(echo ${NCU_REPORTS-$all_reports})  # one space between names
+[ -n "$reports" ] || { echo "ncu_profile.sh: NCU_REPORTS is blank; leave it unset for every report" >&2; exit 2; }
+for r in $reports; do
+  [[ " $all_reports " == *" $r "* ]] || { echo "ncu_profile.sh: NCU_REPORTS names $r, not one of: $all_reports" >&2
+                                         exit 2; }
+done
+[ "${1:-}" = --check ] && exit 0
 out=${1:?usage: ncu_profile.sh OUT}
 t0=$SECONDS budget=${NCU_BUDGET:-100000}
 source scripts/budget.sh
@@ -44,33 +56,47 @@ import_report() {
   rm -f "$rep"
 }
 
-# The Hopper kernels first, in a report of their own (a trap or hang there cannot cost the others), and not at all
-# when flash_diagnose, earlier in the same call, saw one of them crash or time out.
-cudnn=  # the cuDNN backend goes with the sm90 report, or with the flash report when there is none
+# Each report is a function, run in NCU_REPORTS' order. By default the Hopper kernels come first, in a report of their
+# own (a trap or hang there cannot cost the others), and not at all when flash_diagnose, earlier in the same call,
+# saw one of them crash or time out.
+sm90_crashed=false
 if [ -f "$out/diagnose.log" ] && grep -Eq "^== .*sm90.*: (CRASHED|TIMEOUT)" "$out/diagnose.log"; then
-  status="$status; sm90 not profiled (diagnose: a crash or timeout)"
-  cudnn=--cudnn
-else
+  sm90_crashed=true
+fi
+cudnn=--cudnn  # the cuDNN backend goes with the sm90 report, or with the flash report when there is none
+if [[ " $reports " == *" sm90 "* ]] && ! $sm90_crashed; then cudnn=; fi
+report_sm90() {
+  if $sm90_crashed; then
+    status="$status; sm90 not profiled (diagnose: a crash or timeout)"
+    return
+  fi
   timeout $(tmo 150) "$ncu" "${args[@]}" --set full -o "$dir/sm90" python3 scripts/ncu_targets.py sm90 \
     > "$dir/sm90.log" 2>&1 || status="$status; FAIL sm90 (rc $?)"
   import_report sm90
-fi
+}
 # The step's kernels with the GPT-2 model's gigabytes around them: kernel replay would save and restore that memory
 # for each kernel's every pass; application replay runs the whole program once per pass instead (the same seed,
 # the same kernels), one pass for each group of metrics (nine passes of 323 kernels did not finish in the 2026-11-26
 # run's 200 s). Relaxed: a kernel that one pass does not match is left out, not the whole report.
-timeout $(tmo 300) "$ncu" "${args[@]}" --replay-mode application --app-replay-mode relaxed \
-  --section SpeedOfLight --section LaunchStats --section Occupancy -o "$dir/step" \
-  python3 scripts/ncu_targets.py step > "$dir/step.log" 2>&1 || status="$status; FAIL step (rc $?)"
-import_report step
+report_step() {
+  timeout $(tmo 300) "$ncu" "${args[@]}" --replay-mode application --app-replay-mode relaxed \
+    --section SpeedOfLight --section LaunchStats --section Occupancy -o "$dir/step" \
+    python3 scripts/ncu_targets.py step > "$dir/step.log" 2>&1 || status="$status; FAIL step (rc $?)"
+  import_report step
+}
 # The step's memory-bound ops alone at its shapes (B 64), the full set with SASS pages: what the step's report
 # cannot say (why the LayerNorm backward ran at 2.4 TB/s in the eighth run; scripts/ncu_targets.py).
-timeout $(tmo 150) "$ncu" "${args[@]}" --set full -o "$dir/ops" python3 scripts/ncu_targets.py ops \
-  > "$dir/ops.log" 2>&1 || status="$status; FAIL ops (rc $?)"
-import_report ops
-timeout $(tmo 240) "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash $cudnn \
-  > "$dir/flash.log" 2>&1 || status="$status; FAIL flash (rc $?)"
-import_report flash
+report_ops() {
+  timeout $(tmo 150) "$ncu" "${args[@]}" --set full -o "$dir/ops" python3 scripts/ncu_targets.py ops \
+    > "$dir/ops.log" 2>&1 || status="$status; FAIL ops (rc $?)"
+  import_report ops
+}
+report_flash() {
+  timeout $(tmo 240) "$ncu" "${args[@]}" --set full -o "$dir/flash" python3 scripts/ncu_targets.py flash $cudnn \
+    > "$dir/flash.log" 2>&1 || status="$status; FAIL flash (rc $?)"
+  import_report flash
+}
+for r in $reports; do "report_$r"; done
 {
   for r in sm90 ops flash; do
     [ -f "$dir/$r-raw.csv" ] || continue

@@ -40,6 +40,9 @@ NAMES = {
     "void fastgpt::cuda::(anonymous namespace)::narrow_kernel<fastgpt::bf16>(...)": "copy/fill",
     "Memcpy HtoD (Pinned -> Device)": "copy/fill",
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0": "attention",
+    "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, void*, void*, unsigned int)":
+        "attention",
+    "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int)": "attention",
     "void cub::DeviceRadixSortOnesweepKernel<...>": "other",
 }
 
@@ -216,6 +219,27 @@ def test_compare_lists_the_kernels_by_how_much_they_changed():
     assert np.allclose(c["kernel_ms"], [old["kernel_ms"], new["kernel_ms"]])
     assert set(c["groups"]) == {g for g in _profile.GROUP_NAMES if max(old["groups"][g], new["groups"][g]) >= 0.005}
     assert np.allclose(c["groups"]["matmul"], [ms[0], ms[0] + d[0]])
+
+
+def test_compare_files_an_earlier_runs_kernels_into_todays_groups():
+    """A kernel that an earlier run's JSON filed under another group (GROUPS has changed since: cuDNN's dot(dO, O)
+    under other, its dQ conversion under copy/fill, until the ninth run) moves to its group now, on the earlier
+    side, so that the table shows no change of speed where there was none."""
+    rng = np.random.default_rng()
+    ms = rng.uniform(0.5, 5.0, size=4)
+    dot, conv = "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(...)", "convert_dq_to_16bits<true>(...)"
+    rows = [("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", ms[0], 12.0), (dot, ms[1], 12.0),
+            (conv, ms[2], 12.0), ("nvjet_a_NNT", ms[3], 36.0)]
+    old, new = _profile_of(rows), _profile_of(rows)
+    for r, then in zip(old["top"][1:3], ("other", "copy/fill")):
+        r["group"] = then
+        old["groups"]["attention"] -= r["ms"]
+        old["groups"][then] += r["ms"]
+    c = _profile.compare(old, new)
+    assert np.allclose(c["groups"]["attention"], [ms[:3].sum()] * 2)
+    assert np.allclose(c["groups"]["matmul"], [ms[3]] * 2)
+    assert max(abs(v) for g in ("other", "copy/fill") for v in c["groups"].get(g, [0.0])) < 1e-12
+    assert np.allclose(c["kernel_ms"], [old["kernel_ms"], new["kernel_ms"]])
 
 
 def _run_json(path, gpu, date, names=("fastgpt bf16 graph",), partial=False, n_layer=12, B=64, profile=None):

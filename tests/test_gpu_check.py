@@ -74,6 +74,14 @@ def test_bench_parts_names_only_parts_that_exist(tmp_path):
         assert not (tmp_path / "build.log").exists()  # refused before the build
 
 
+def test_ncu_reports_is_checked_before_the_build(tmp_path):
+    # NCU_REPORTS narrows the ncu part (scripts/ncu_profile.sh); a misspelt name would cost the call its build.
+    bad = subprocess.run(["bash", "scripts/gpu_check.sh", "ncu"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "NCU_REPORTS": "ops sm80", "OUT": str(tmp_path)})
+    assert bad.returncode == 2 and "NCU_REPORTS names sm80" in bad.stderr, bad.stderr
+    assert not (tmp_path / "build.log").exists()
+
+
 def test_the_initcheck_probe_refuses_a_bad_argument_and_says_when_it_cannot_run():
     # scripts/initcheck_tma.py (gpu_check's initcheck-tma-probe line): without an H100/H200 it runs
     # nothing and says why; a wrong argument is a usage error.

@@ -249,7 +249,7 @@ print("==PROF== fake\n" + buf.getvalue(), end="")
 '''
 
 
-def run_ncu_part(tmp_path, diagnose=None):
+def run_ncu_part(tmp_path, diagnose=None, reports=None):
     fake = tmp_path / "ncu"
     fake.write_text(FAKE_NCU.replace("PYTHON", sys.executable))
     fake.chmod(0o755)
@@ -259,6 +259,9 @@ def run_ncu_part(tmp_path, diagnose=None):
         (out / "diagnose.log").write_text(diagnose)
     log = tmp_path / "calls.jsonl"
     env = dict(os.environ, NCU=str(fake), FAKE_NCU_LOG=str(log))
+    env.pop("NCU_REPORTS", None)
+    if reports is not None:
+        env["NCU_REPORTS"] = reports
     res = subprocess.run(["bash", str(REPO / "scripts" / "ncu_profile.sh"), str(out)], capture_output=True,
                          text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
@@ -314,6 +317,34 @@ def test_the_hopper_kernels_are_not_profiled_after_a_crash_in_diagnose(tmp_path)
     assert profiles[2][-1] == "--cudnn"  # cuDNN's kernels join the flash report instead
     assert status == "sm90 not profiled (diagnose: a crash or timeout)"
     assert (out / "ncu.log").read_text().count("2 kernels, 143.0 us in all") == 3
+
+
+def test_ncu_reports_picks_the_reports_and_their_order(tmp_path):
+    """NCU_REPORTS="flash ops" (a short call after one that ran out of time): only those reports, in that order, each
+    imported with its pages; with no sm90 report, cuDNN's kernels go with the flash one."""
+    out, status, calls = run_ncu_part(tmp_path, reports=" flash  ops")
+    assert status == "ok"
+    profiles = [c for c in calls if "-o" in c]
+    assert [c[c.index("scripts/ncu_targets.py") + 1] for c in profiles] == ["flash", "ops"]
+    assert profiles[0][-1] == "--cudnn"
+    reps = [c[c.index("-i") + 1].rsplit("/", 1)[1] for c in calls if "-i" in c]
+    assert reps == ["flash.ncu-rep"] * 5 + ["ops.ncu-rep"] * 5  # raw, labels, details, SASS, .cu lines
+    assert (out / "ncu.log").read_text().count("2 kernels, 143.0 us in all") == 2
+    with tarfile.open(out / "ncu.tgz") as t:
+        assert not any("sm90" in n or "step" in n for n in t.getnames())
+
+
+@pytest.mark.parametrize("value, said", [("ops steps", "NCU_REPORTS names steps"), (" ", "NCU_REPORTS is blank")])
+def test_ncu_reports_refuses_a_name_it_has_no_report_for(tmp_path, value, said):
+    fake = tmp_path / "ncu"
+    fake.write_text(FAKE_NCU.replace("PYTHON", sys.executable))
+    fake.chmod(0o755)
+    for args in ([str(tmp_path / "out")], ["--check"]):
+        res = subprocess.run(["bash", str(REPO / "scripts" / "ncu_profile.sh"), *args], capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, NCU=str(fake), NCU_REPORTS=value,
+                                                             FAKE_NCU_LOG=str(tmp_path / "calls.jsonl")))
+        assert res.returncode == 2 and said in res.stderr, res.stderr
+    assert not (tmp_path / "calls.jsonl").exists() and not (tmp_path / "out").exists()  # nothing ran
 
 
 def test_targets_run_on_the_cpu(capsys):
