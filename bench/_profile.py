@@ -200,10 +200,11 @@ def compare(old, new):
     # An earlier run's kernel that GROUPS now files elsewhere moves there (as far as its `top` lists it), so that a
     # change of GROUPS does not read as a change of speed.
     for r in old.get("top") or []:
-        if isinstance(r, dict) and r.get("group") in groups and group_of(str(r.get("name", ""))) != r["group"]:
+        now = group_of(str(r.get("name", ""))) if isinstance(r, dict) else None
+        if now is not None and r.get("group") in groups and now != r["group"]:
             ms = float(r.get("ms") or 0.0)
             groups[r["group"]][0] -= ms
-            groups[group_of(str(r["name"]))][0] += ms
+            groups[now][0] += ms
     cut = [len(p.get("top") or []) < (p.get("kernels") or 0) for p in (old, new)]
     return {"kernel_ms": [old.get("kernel_ms"), new.get("kernel_ms")],
             "groups": {g: v for g, v in groups.items() if max(v) >= 0.005}, "kernels": kernels, "cut": cut}

@@ -249,10 +249,15 @@ print("==PROF== fake\n" + buf.getvalue(), end="")
 '''
 
 
-def run_ncu_part(tmp_path, diagnose=None, reports=None):
+def fake_ncu(tmp_path):
     fake = tmp_path / "ncu"
     fake.write_text(FAKE_NCU.replace("PYTHON", sys.executable))
     fake.chmod(0o755)
+    return fake
+
+
+def run_ncu_part(tmp_path, diagnose=None, reports=None):
+    fake = fake_ncu(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     if diagnose is not None:
@@ -336,9 +341,7 @@ def test_ncu_reports_picks_the_reports_and_their_order(tmp_path):
 
 @pytest.mark.parametrize("value, said", [("ops steps", "NCU_REPORTS names steps"), (" ", "NCU_REPORTS is blank")])
 def test_ncu_reports_refuses_a_name_it_has_no_report_for(tmp_path, value, said):
-    fake = tmp_path / "ncu"
-    fake.write_text(FAKE_NCU.replace("PYTHON", sys.executable))
-    fake.chmod(0o755)
+    fake = fake_ncu(tmp_path)
     for args in ([str(tmp_path / "out")], ["--check"]):
         res = subprocess.run(["bash", str(REPO / "scripts" / "ncu_profile.sh"), *args], capture_output=True,
                              text=True, timeout=60, env=dict(os.environ, NCU=str(fake), NCU_REPORTS=value,
