@@ -148,9 +148,9 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
 // Blocks an SM must hold at once (ptxas keeps registers to 65536 / (256 * this)), by a lane's columns (K packs of
 // P): as many as each instance held before a row's dinp was loaded with it (ptxas sm_90), so that no instance holds
 // fewer; 16-bit rows up to 768 columns (GPT-2 124M's) two, at 128 registers (fp16 took 170 unbound). Spills since
-// the blocks take chunks in turn (ptxas 13.0, sm_90a; sm_86 alike or less): bf16 at GPT-2's width none in the
-// register and ring forms, 20 bytes stored and 32 loaded with dinp's sums (one load a row in the row loop: the
-// row's mean, an L1 hit); fp16's ring forms 8 to 32 bytes (up to 52 loaded); the register forms none.
+// the ring kernel reads a row's slot twice (ptxas 13.0, sm_90a): bf16 at GPT-2's width none in the register and ring
+// forms, 8 bytes stored and 16 loaded with dinp's sums, none of them in the row loop (before: 20 and 32, one load a
+// row, the row's rstd); fp16's forms up to 16 and 28 (sm_86: 52 and 76, K 2).
 template <typename S, int K>
 constexpr int kOnePassBlocks = sizeof(S) == 2 ? (K == 1 ? 4 : K <= 3 ? 2 : 1) : (K <= 2 ? 3 : K <= 4 ? 2 : 1);
 
@@ -168,18 +168,28 @@ __host__ __device__ constexpr int64_t sum_stripe_cols(int C) {
   return ((int64_t)C + kStripe - 1) / kStripe * kStripe;
 }
 
+// The 16-byte slots (sum_slot) that the packs of rows of C columns (a multiple of the pack) take: whole stripes,
+// then the last one's quarters up to its last pack (as many as C / 4 for float, whose packs are one quarter).
+template <typename S>
+__host__ __device__ constexpr int64_t sum_slots(int C) {
+  constexpr int P = Pack<S>::N;
+  const int packs = C / P, full = packs / 32, last = packs % 32;
+  return ((int64_t)full * 32 + (last ? 32 : 0)) * (P / 4) - (last ? 32 - last : 0);
+}
+
 // The ring kernel's dynamic shared memory for rows of C columns: kParts warps x kRingSlots rows x (inp, dout, dinp),
-// the chunk's (2, C) sums, the weight (C), and with kSum each warp's dinp sums (added across warps straight into
-// the partial, not through the chunk's sums).
+// the weight (C), the chunk's (2, sum_slots) sums, and with kSum each warp's dinp sums (over whole stripes; added
+// across warps straight into the partial, not through the chunk's sums).
 template <typename S>
 __host__ __device__ constexpr int64_t ring_bytes(int C, bool sum = false) {
-  return ((int64_t)kParts * kRingSlots * 3 + 1) * C * (int64_t)sizeof(S) + 2 * (int64_t)C * (int64_t)sizeof(float) +
+  return ((int64_t)kParts * kRingSlots * 3 + 1) * C * (int64_t)sizeof(S) + 2 * sum_slots<S>(C) * 16 +
          (sum ? kParts * sum_stripe_cols<S>(C) * (int64_t)sizeof(float) : 0);
 }
 
-// kSum: the 16-byte slot (of a warp's sum_stripe_cols floats, as float4) of lane `lane`'s pack k, quarter h (values
-// 4h .. 4h + 3 of the pack): quarter-major within a stripe, so that a warp's 16-byte accesses of one quarter are 32
-// consecutive slots (no bank conflicts; a lane's whole pack, 32 bytes, would be two-way).
+// The 16-byte slot (of sum_stripe_cols floats, as float4) of lane `lane`'s pack k, quarter h (values 4h .. 4h + 3
+// of the pack), in the chunk's dweight/dbias sums and (kSum) each warp's dinp sums: quarter-major within a stripe,
+// so that a warp's 16-byte accesses of one quarter are 32 consecutive slots (no bank conflicts; a lane's whole pack,
+// 32 bytes, would be two-way).
 template <typename S>
 __host__ __device__ constexpr int sum_slot(int k, int h, int lane) {
   return (k * (Pack<S>::N / 4) + h) * 32 + lane;
@@ -210,15 +220,16 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   constexpr int P = Pack<S>::N;
   static_assert(!kSum || (kRing && P % 4 == 0), "layernorm_backward_one_pass_kernel: kSum is the ring's, in quarters");
   extern __shared__ __align__(16) unsigned char smem_raw[];  // kRing: ring_bytes(C, kSum)
-  __shared__ float static_sums[kRing ? 1 : 2 * kMaxCols];
+  __shared__ float4 static_sums[kRing ? 1 : 2 * kMaxCols / 4];
   static_assert(kRowsPerPart % kRingSlots == 0, "a part's rows start at ring slot 0");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // kRing: this warp's slots (kRingSlots, 3, C): inp | dout | dinp of a row
   S* ring = reinterpret_cast<S*>(smem_raw) + (int64_t)warp * kRingSlots * 3 * C;
-  // (2, C): dweight | dbias, the chunk's parts added so far
-  float* sums = kRing ? reinterpret_cast<float*>(reinterpret_cast<S*>(smem_raw) + (int64_t)kParts * kRingSlots * 3 * C)
-                      : static_sums;
-  S* sweight = reinterpret_cast<S*>(sums + 2 * C);  // kRing: (C), the weight
+  // (2, sum_slots) float4: dweight | dbias, the chunk's parts added so far, by sum_slot
+  const int64_t slots = sum_slots<S>(C);
+  float4* sums = kRing ? reinterpret_cast<float4*>(reinterpret_cast<S*>(smem_raw) + (int64_t)kParts * kRingSlots * 3 * C)
+                       : static_sums;
+  S* sweight = reinterpret_cast<S*>(sums + 2 * slots);  // kRing: (C), the weight
   // kSum: (kParts, sum_stripe_cols / 4) float4, each warp's dinp sums over its part's rows, by sum_slot. In shared
   // memory, not registers: beside the part sums they made ptxas spill (152 bytes at GPT-2's width, 128 registers).
   // They start where the ring kernel's memory without them ends. Addressed from the shared memory's base at each
@@ -249,26 +260,41 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     }
     cp_async_commit();
   };
-  // The ring kernel's means and rstds: lane i < kRowsPerPart holds row p0 + i's, so that a row takes its pair from
-  // a shuffle, not from a load (a wait on memory a row, where its packs are already in shared memory), and lane
-  // kRowsPerPart + i the next chunk's row p0 + step + i's, loaded a chunk ahead of its use (in the same two
-  // registers, whose lanes from kRowsPerPart on held nothing). Lanes from 2 kRowsPerPart on load nothing. (The first
-  // chunk's pairs are loaded apart, not by this with an offset: written that way, ptxas spilled the rstd too, a
-  // second spill load a row, sm_90a.)
-  const auto stats_ahead = [&](int64_t p0, float& m, float& r) {  // lanes kRowsPerPart.. 2 kRowsPerPart - 1
-    const int64_t n = p0 + step() + lane - kRowsPerPart;
-    if (lane >= kRowsPerPart && lane < 2 * kRowsPerPart && n < N) m = mean[n], r = rstd[n];
+  // The ring kernel's means and rstds: lane i < kRowsPerPart holds row p0 + i's, so that a row takes its pair from a
+  // shuffle, not from a load (a wait on memory a row, where its packs are already in shared memory). The next
+  // chunk's are loaded as this chunk's rows are done, on their way while the warps add their sums. (Loaded a chunk
+  // ahead, they spent the row loop in registers or in local memory: the ninth H200 run's ncu had them in the upper
+  // lanes of the same registers, spilled, and every row's shuffle waiting on the spill's load behind the ring's
+  // copies, 10% of the kernel's stall samples; in registers of their own they were spilled at the chunk's end, the
+  // spill's store waiting on their load.)
+  float part_mean = 0.f, part_rstd = 0.f;
+  const auto stats = [&](int64_t p) {
+    const int64_t n = p + lane;
+    if (lane < kRowsPerPart && n < N) part_mean = mean[n], part_rstd = rstd[n];
   };
   // The weight: in registers, loaded at each chunk's start (kept through the parts' sums, it made the register
   // kernel spill at GPT-2's width), or (kRing) in shared memory, read with each row's packs (kept in registers beside
   // the ring's addressing, it made the fp16 ring kernel spill there: 20 bytes at 128 registers).
   Pack<S> w[K];
-  float part_mean = 0.f, part_rstd = 0.f;
+  // A part's column sums v (pw or pb) into the chunk's `to` (first: part 0's, whose sums are the chunk's so far), by
+  // sum_slot. (All of a turn's loads before its adds, in registers, made ptxas spill in the row loop.)
+  constexpr int Q = P / 4;  // 16-byte quarters of a pack
+  const auto add_part = [&](float4* to, const float(&v)[K][P], bool first) {
+#pragma unroll
+    for (int k = 0; k < K; k++)
+#pragma unroll
+      for (int h = 0; h < Q; h++)
+        if ((32 * k + lane) * P < C) {
+          const float* x = v[k] + 4 * h;
+          const float4 a = first ? make_float4(0.f, 0.f, 0.f, 0.f) : to[sum_slot<S>(k, h, lane)];
+          to[sum_slot<S>(k, h, lane)] = first ? make_float4(x[0], x[1], x[2], x[3])
+                                              : make_float4(a.x + x[0], a.y + x[1], a.z + x[2], a.w + x[3]);
+        }
+  };
   if constexpr (kRing) {
-    // The first rows on their way, the first two chunks' means and rstds, the block's copy of the weight.
+    // The first rows on their way, the first chunk's means and rstds, the block's copy of the weight.
     for (int s = 0; s < kRingSlots; s++) fetch(first + s, s);
-    if (lane < kRowsPerPart && first + lane < N) part_mean = mean[first + lane], part_rstd = rstd[first + lane];
-    stats_ahead(first, part_mean, part_rstd);
+    stats(first);
     for (int c = threadIdx.x * P; c < C; c += blockDim.x * P) store_pack(sweight + c, load_pack(weight + c));
     __syncthreads();
   }
@@ -292,20 +318,25 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
       const int64_t n = p0 + i;
       const int slot = i % kRingSlots;
       S* dx = dinp + n * C;
-      // The row and its dinp so far, all before the row's sums: one wait on memory a row, not two.
+      // The row (and its weight) from the ring slot, or from memory with its dinp so far, all before the row's sums:
+      // one wait on memory a row, not two. The ring kernel reads the slot again for the update below (the fence):
+      // kept in registers from here, the packs beside the part sums made ptxas spill at GPT-2's width.
       Pack<S> xv[K], gv[K], dv[K];
-      if constexpr (kRing) cp_async_wait<kRingSlots - 1>();  // row n's group; the newer ones may still be on their way
+      const S* b = ring + slot * 3 * C;  // kRing: the slot's (3, C): inp | dout | dinp
+      const auto load_row = [&](bool with_dinp) {
 #pragma unroll
-      for (int k = 0; k < K; k++) {
-        const int c = (32 * k + lane) * P;
-        if (c < C) {
-          const S* b = kRing ? ring + slot * 3 * C : nullptr;
-          xv[k] = load_pack(kRing ? b + c : inp + n * C + c);
-          gv[k] = load_pack(kRing ? b + C + c : dout + n * C + c);
-          dv[k] = load_pack(kRing ? b + 2 * C + c : dx + c);
-          if constexpr (kRing) w[k] = load_pack(sweight + c);
+        for (int k = 0; k < K; k++) {
+          const int c = (32 * k + lane) * P;
+          if (c < C) {
+            xv[k] = load_pack(kRing ? b + c : inp + n * C + c);
+            gv[k] = load_pack(kRing ? b + C + c : dout + n * C + c);
+            if (with_dinp) dv[k] = load_pack(kRing ? b + 2 * C + c : dx + c);
+            if constexpr (kRing) w[k] = load_pack(sweight + c);
+          }
         }
-      }
+      };
+      if constexpr (kRing) cp_async_wait<kRingSlots - 1>();  // row n's group; the newer ones may still be on their way
+      load_row(!kRing);
       const float m = kRing ? __shfl_sync(0xffffffffu, part_mean, i) : mean[n];
       const float r = kRing ? __shfl_sync(0xffffffffu, part_rstd, i) : rstd[n];
       float sd = 0.f, sdn = 0.f;
@@ -321,6 +352,10 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
           }
         }
       const float md = warp_sum(sd) / C, mdn = warp_sum(sdn) / C;
+      if constexpr (kRing) {
+        compiler_fence();
+        load_row(true);
+      }
 #pragma unroll
       for (int k = 0; k < K; k++) {
         const int c = (32 * k + lane) * P;
@@ -354,26 +389,27 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
         fetch(ahead < kRowsPerPart ? n + kRingSlots : p0 + step() + ahead - kRowsPerPart, slot);
       }
     }
-    // The parts' sums into the chunk's, part 0 first: the partial kernel's order, one warp at a time.
+    if constexpr (kRing) stats(p0 + step());  // the next chunk's part, if any
+    // The parts' sums into the chunk's, part 0 first: the partial kernel's order, one warp at a time, the other
+    // warps waiting at the barrier. A turn in 16-byte slots, all of its loads before its adds: one float a time,
+    // ptxas kept two loads on their way, and the waits of the eight turns were a third of the ninth H200 run's
+    // stall samples (ncu, the ring kernel with dinp's sums at GPT-2's width).
     for (int t = 0; t < kParts; t++) {
       if (warp == t && p0 < N) {
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-          const int c = (32 * k + lane) * P;
-          if (c < C) {
-#pragma unroll
-            for (int e = 0; e < P; e++) {
-              sums[c + e] = t == 0 ? pw[k][e] : sums[c + e] + pw[k][e];
-              sums[C + c + e] = t == 0 ? pb[k][e] : sums[C + c + e] + pb[k][e];
-            }
-          }
-        }
+        add_part(sums, pw, t == 0);
+        add_part(sums + slots, pb, t == 0);
       }
       __syncthreads();
     }
     const int64_t c0 = p0 - warp * kRowsPerPart;  // the chunk's first row
     float* out = partial + c0 / kRowsPerChunk * sums_of(kSum) * C;
-    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) out[i] = sums[i];
+    // dweight | dbias from their slots into the partial's columns, 4 columns a thread: slot s is lane s % 32's pack
+    // s / (32 Q), quarter s / 32 % Q.
+    for (int i = threadIdx.x; i < 2 * slots; i += blockDim.x) {
+      const int s = (int)(i % slots);
+      const int c = (32 * (s / (32 * Q)) + s % 32) * P + 4 * (s / 32 % Q);
+      if (c < C) *reinterpret_cast<float4*>(out + i / slots * C + c) = sums[i];
+    }
     if constexpr (kSum) {  // the parts' dinp sums in the same order (the last barrier above made every warp's visible)
       const float* ws = reinterpret_cast<const float*>(wsums());
       for (int c = threadIdx.x; c < C; c += blockDim.x) {
@@ -385,11 +421,6 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
       }
     }
     __syncthreads();  // every thread's reads of the sums above before the next chunk writes them
-    if constexpr (kRing) {  // the next chunk's pairs down to lanes 0.., the one after's into the lanes above
-      part_mean = __shfl_down_sync(0xffffffffu, part_mean, kRowsPerPart);
-      part_rstd = __shfl_down_sync(0xffffffffu, part_rstd, kRowsPerPart);
-      stats_ahead(p0 + step(), part_mean, part_rstd);
-    }
   }
 }
 

@@ -996,12 +996,15 @@ void run_residual_layernorm(int N, int C, int offset, double tol, unsigned seed)
 static bool g_ln_ring = true;
 
 // The ring kernel's dynamic shared memory as layernorm.cu lays it out (its ring_bytes), stated here so that a launch's
-// size tells which kernel ran: 8 warps x 2 rows x (inp, dout, dinp), the weight, the (2, C) chunk sums, and with
-// `sum` each of the 8 warps' dinp sums over C rounded up to stripes of 32 packs.
+// size tells which kernel ran: 8 warps x 2 rows x (inp, dout, dinp), the weight, the (2, C) chunk sums in 16-byte
+// slots (whole stripes of 32 packs, then the last one's quarters up to its last pack), and with `sum` each of the 8
+// warps' dinp sums over C rounded up to stripes.
 template <typename S>
 size_t ln_ring_bytes(int C, bool sum) {
-  constexpr int kStripe = 32 * (16 / (int)sizeof(S));
-  return (8 * 2 * 3 + 1) * (size_t)C * sizeof(S) + 2 * (size_t)C * sizeof(float) +
+  constexpr int P = 16 / (int)sizeof(S), kStripe = 32 * P;
+  const int packs = C / P, last = packs % 32;
+  const size_t slots = ((size_t)packs / 32 * 32 + (last ? 32 : 0)) * (P / 4) - (last ? 32 - last : 0);
+  return (8 * 2 * 3 + 1) * (size_t)C * sizeof(S) + 2 * slots * 16 +
          (sum ? 8 * (size_t)((C + kStripe - 1) / kStripe * kStripe) * sizeof(float) : 0);
 }
 
