@@ -186,8 +186,10 @@ def test_cuda_layernorm_weight_grads_are_the_cpus_bits(rng, dtype, shape):
 # The one-pass backward at GPT-2's width in bf16 (three packs a lane), compiled for sm_90a, in its three forms. The
 # ring kernels' rows come by cp.async, 9 a row (inp, dout and dinp, three packs each): two rows before the loop, one
 # in it. In the loop, after the wait for all groups but the newest, the row and the weight are read from shared
-# memory (12 16-byte loads) and the row's dinp is stored (3) before the refill's first cp.async: the refill
-# overwrites the slot those loads read, so the stores, which use every loaded value, must come first. No 16-byte
+# memory for the row's sums (9 16-byte loads before the sums' shuffles), read again with the row's dinp for the
+# update (12 after them: the packs are not held in registers through the sums), and the row's dinp is stored (3)
+# before the refill's first cp.async: the refill overwrites the slot those loads read, so the stores, which use
+# every loaded value, must come first. No 16-byte
 # global load but the weight's copy into shared memory. The form that also sums dinp (the fused model's projection
 # bias gradients) adds each stored pack into the warp's sums in shared memory, two quarters a pack (6 16-byte loads
 # and stores of floats), in the same stretch. The register kernel has no cp.async (it also runs before sm_80).
@@ -207,7 +209,10 @@ def test_backward_ring_reads_rows_from_shared_memory_before_refilling(tmp_path):
         refill = min(i for i in copies if i > wait)
         between = ring[wait:refill]
         count = lambda pattern: sum(bool(re.match(pattern, line)) for line in between)
-        assert count(r"ld\.shared\.v(2\.u64|4\.u32)") == 12
+        sums = [i for i, line in enumerate(between) if line.startswith("shfl.sync.bfly")]
+        loads = [i for i, line in enumerate(between) if re.match(r"ld\.shared\.v(2\.u64|4\.u32)", line)]
+        assert len(sums) == 10, "two warp sums of five shuffles"
+        assert (sum(i < sums[0] for i in loads), sum(i > sums[-1] for i in loads), len(loads)) == (9, 12, 21)
         assert count(r"st\.global\.v(2\.u64|4\.u32)") == 3
         assert (count(r"ld\.shared\.v4\.f32"), count(r"st\.shared\.v4\.f32")) == ((6, 6) if summed else (0, 0))
         wide_global_loads = [line for line in ring if re.match(r"ld\.global(\.nc)?\.v(2\.u64|4\.u32)", line)]
