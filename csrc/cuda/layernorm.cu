@@ -186,10 +186,10 @@ __host__ __device__ constexpr int64_t ring_bytes(int C, bool sum = false) {
          (sum ? kParts * sum_stripe_cols<S>(C) * (int64_t)sizeof(float) : 0);
 }
 
-// The 16-byte slot (of sum_stripe_cols floats, as float4) of lane `lane`'s pack k, quarter h (values 4h .. 4h + 3
-// of the pack), in the chunk's dweight/dbias sums and (kSum) each warp's dinp sums: quarter-major within a stripe,
-// so that a warp's 16-byte accesses of one quarter are 32 consecutive slots (no bank conflicts; a lane's whole pack,
-// 32 bytes, would be two-way).
+// The 16-byte slot (float4) of lane `lane`'s pack k, quarter h (values 4h .. 4h + 3 of the pack), in the chunk's
+// dweight/dbias sums (sum_slots of them) and (kSum) each warp's dinp sums (sum_stripe_cols / 4): quarter-major
+// within a stripe, so that a warp's 16-byte accesses of one quarter are 32 consecutive slots (no bank conflicts; a
+// lane's whole pack, 32 bytes, would be two-way).
 template <typename S>
 __host__ __device__ constexpr int sum_slot(int k, int h, int lane) {
   return (k * (Pack<S>::N / 4) + h) * 32 + lane;
@@ -227,7 +227,8 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
   S* ring = reinterpret_cast<S*>(smem_raw) + (int64_t)warp * kRingSlots * 3 * C;
   // (2, sum_slots) float4: dweight | dbias, the chunk's parts added so far, by sum_slot
   const int64_t slots = sum_slots<S>(C);
-  float4* sums = kRing ? reinterpret_cast<float4*>(reinterpret_cast<S*>(smem_raw) + (int64_t)kParts * kRingSlots * 3 * C)
+  float4* sums = kRing ? reinterpret_cast<float4*>(reinterpret_cast<S*>(smem_raw) +
+                                                  (int64_t)kParts * kRingSlots * 3 * C)
                        : static_sums;
   S* sweight = reinterpret_cast<S*>(sums + 2 * slots);  // kRing: (C), the weight
   // kSum: (kParts, sum_stripe_cols / 4) float4, each warp's dinp sums over its part's rows, by sum_slot. In shared
@@ -391,9 +392,9 @@ __global__ void __launch_bounds__(32 * kParts, kOnePassBlocks<S, K>)
     }
     if constexpr (kRing) stats(p0 + step());  // the next chunk's part, if any
     // The parts' sums into the chunk's, part 0 first: the partial kernel's order, one warp at a time, the other
-    // warps waiting at the barrier. A turn in 16-byte slots, all of its loads before its adds: one float a time,
-    // ptxas kept two loads on their way, and the waits of the eight turns were a third of the ninth H200 run's
-    // stall samples (ncu, the ring kernel with dinp's sums at GPT-2's width).
+    // warps waiting at the barrier. A turn a 16-byte slot at a time (a load, four adds, a store): one float at a
+    // time, ptxas kept two loads on their way, and the waits of the eight turns were a third of the ninth H200 run's
+    // stall samples (ncu, the ring kernel with dinp's sums at GPT-2's width; 15% in the tenth, 151.7 -> 113.7 us).
     for (int t = 0; t < kParts; t++) {
       if (warp == t && p0 < N) {
         add_part(sums, pw, t == 0);
