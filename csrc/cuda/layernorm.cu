@@ -150,7 +150,9 @@ __global__ void layernorm_backward_partial_kernel(float* __restrict__ partial, c
 // fewer; 16-bit rows up to 768 columns (GPT-2 124M's) two, at 128 registers (fp16 took 170 unbound). Spills since
 // the ring kernel reads a row's slot twice (ptxas 13.0, sm_90a): bf16 at GPT-2's width none in the register and ring
 // forms, 8 bytes stored and 16 loaded with dinp's sums, none of them in the row loop (before: 20 and 32, one load a
-// row, the row's rstd); fp16's forms up to 16 and 28 (sm_86: 52 and 76, K 2).
+// row, the row's rstd). fp16's ring forms up to 44 and 68 (K 2; sm_86 52 and 76), and at K 2 and 3 they still
+// spill the part's means and rstds: a load from local memory a row, as bf16's did before (fp16's float conversions
+// take more registers).
 template <typename S, int K>
 constexpr int kOnePassBlocks = sizeof(S) == 2 ? (K == 1 ? 4 : K <= 3 ? 2 : 1) : (K <= 2 ? 3 : K <= 4 ? 2 : 1);
 
