@@ -23,15 +23,16 @@
 # NCU_REPORTS="ops step" makes only those ncu reports, in that order (of sm90 step ops flash, the default order).
 # A device call is limited to 600 s: `tests sanitize`, `bench` and `diagnose ncu accuracy` fit one call each. A
 # session has 15 minutes of device time in all, the machine's start (a minute or more) included: `tests sanitize`
-# first; `bench` next only at once (the machine stays warm 30 s, the build folder is kept) with CALL_BUDGET cut to
+# first; `bench` next only at once (the machine stays warm 30 s) with CALL_BUDGET cut to
 # what is left, e.g. `CALL_BUDGET=150 bash scripts/gpu_check.sh bench` (steps past the budget time out: FAIL). On
 # 2026-11-26 an H200 started in about 30 s, and CALL_BUDGET=440 for `tests sanitize` then 345 for `bench` (four
 # variants, all parts: 285 s) fit the 15 minutes. The notebooks' GPU cases take about 290 s (sixth run, H100): a
 # `tests` call with them cannot also reach every other file (`TESTS=` the rest in a second call: 195 s with a bench
 # part).
 # Raw evidence goes to $OUT (or ./gpu_out): logs, benchmark JSON, nvidia-smi line (at most 8 files come back).
-# Before calling: `bash scripts/device_prep.sh` (the data, the commit and the notebooks' wheels into .device, ignored
-# by git), and carry .device.
+# Before calling: `bash scripts/device_prep.sh` (the data, the commit, the notebooks' wheels and fastgpt's wheel
+# built here for that machine into .device, ignored by git; again after any change to csrc/ or python/), and carry
+# .device. The build line of the table says "prebuilt wheel" or "source" (why: build.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The tests part's files, in the order they run: test_cuda.py first (it proves that the build runs here at all), then
@@ -67,6 +68,17 @@ split_entry() {
     *) sel=; f=$1 ;;
   esac
 }
+# The wheel scripts/device_prep.sh built for this machine (PREBUILT, default .device/prebuilt) against this tree:
+# "match" when its stamp is the line scripts/source_stamp.sh makes of these sources and architectures, else "none"
+# or "stale (...)". `--prebuilt-status` prints it.
+prebuilt_dir=${PREBUILT:-.device/prebuilt}
+prebuilt_status() {
+  local want have
+  compgen -G "$prebuilt_dir/fastgpt-*.whl" > /dev/null && [ -f "$prebuilt_dir/STAMP" ] || { echo none; return; }
+  want=$(CUDAARCHS=${CUDAARCHS:-90} bash scripts/source_stamp.sh) have=$(cat "$prebuilt_dir/STAMP")
+  if [ "$want" = "$have" ]; then echo match; else echo "stale (built from $have; this tree is $want)"; fi
+}
+if [ "${1:-}" = --prebuilt-status ]; then prebuilt_status; exit 0; fi
 if [ "${1:-}" = --list-tests ]; then echo $gpu_files; exit 0; fi
 if [ "${1:-}" = --pytest-args ]; then  # what pytest is given for entry $2, one argument a line
   split_entry "$2"; printf '%s\n' "$f" ${sel:+-k "${sel//_/ }"}; exit 0
@@ -127,9 +139,27 @@ commit=$(cat .device/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/nul
 cat "$out/env.txt"
 
 declare -A res
-build=FAIL
-python3 -m pip install --no-build-isolation -q . > "$out/build.log" 2>&1 && build=ok
-echo "build $build in $((SECONDS - t0)) s"; tail -5 "$out/build.log"
+# The prebuilt wheel when it was built from these sources (a build here took 34-55 s of every call until 2026-11-27,
+# on a warm machine too: the tool's copy gives every file a new time), if it installs, imports without torch (NCCL
+# through its rpath), has CUDA and NCCL, and runs a kernel; else the build from source.
+build=FAIL how=source
+status=$(prebuilt_status)
+: > "$out/build.log"
+if [ "$status" = match ]; then
+  if python3 -m pip install -q --no-deps --force-reinstall "$prebuilt_dir"/fastgpt-*.whl >> "$out/build.log" 2>&1 &&
+     (cd / && python3 -c "import fastgpt._C as c; assert c.built_with_cuda and c.built_with_nccl, 'no CUDA or NCCL'
+assert c.cuda_smoke_test(0), 'the smoke kernel gave a wrong answer'; print('prebuilt wheel ok:', c.__file__)") \
+       >> "$out/build.log" 2>&1; then
+    build=ok how="prebuilt wheel"
+  else
+    status="it failed here (build.log)"
+  fi
+fi
+if [ $build != ok ]; then
+  echo "prebuilt wheel: $status; building from source" | tee -a "$out/build.log"
+  python3 -m pip install --no-build-isolation -q . >> "$out/build.log" 2>&1 && build=ok
+fi
+echo "build $build ($how) in $((SECONDS - t0)) s"; tail -5 "$out/build.log"
 # The notebooks' Jupyter kernel and plots (the machine has no network): from the wheels device_prep.sh put in
 # .device, by name, so that what the machine already has that satisfies them stays as it is.
 if [ $build = ok ] && { has tests || has ladder; } && compgen -G ".device/wheels/*.whl" > /dev/null; then
@@ -368,6 +398,6 @@ if has bench && [ -f "$out/bench.log" ]; then
   grep -E "^(residual_)?layernorm |^matmul |^cross_entropy " "$out/bench.log"
 fi
 echo "== gpu_check $commit [$parts] on $(sed -n 2p "$out/env.txt"), $((SECONDS - t0)) s"
-printf '%-34s %s\n' build "$build"
+printf '%-34s %s\n' build "$build ($how)"
 for k in $(printf '%s\n' "${!res[@]}" | sort); do printf '%-34s %s\n' "$k" "${res[$k]}"; done
 exit 0

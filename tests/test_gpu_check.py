@@ -126,17 +126,80 @@ def test_device_prep_copies_the_data_and_names_the_commit(tmp_path, shakespeare_
     dev.mkdir()
     (dev / "keep").write_text("x")
     env = {**os.environ, "DEVICE_DIR": str(dev), "FASTGPT_SHARED": str(tmp_path / "nowhere")}
-    bad = subprocess.run(["bash", "scripts/device_prep.sh", "--no-wheels"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, env=env)
+    prep = lambda *args, **more: subprocess.run(["bash", "scripts/device_prep.sh", *args], cwd=ROOT,
+                                                capture_output=True, text=True, timeout=60, env={**env, **more})
+    bad = prep("--no-wheels", "--no-prebuild")
     assert bad.returncode == 2 and "tinyshakespeare.txt" in bad.stderr and (dev / "keep").exists()
-    shared = pathlib.Path(shakespeare_txt).parent.parent
-    out = subprocess.run(["bash", "scripts/device_prep.sh", "--no-wheels"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, env={**env, "FASTGPT_SHARED": str(shared)})
+    shared = str(pathlib.Path(shakespeare_txt).parent.parent)
+    bad = prep("--no-wheel", FASTGPT_SHARED=shared)  # a misspelt flag is refused before anything is removed
+    assert bad.returncode == 2 and "usage: device_prep.sh" in bad.stderr and (dev / "keep").exists()
+    out = prep("--no-wheels", "--no-prebuild", FASTGPT_SHARED=shared)
     assert out.returncode == 0, out.stderr
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert (dev / "COMMIT").read_text() == head and not (dev / "keep").exists() and not (dev / "wheels").exists()
+    assert (dev / "COMMIT").read_text() == head and not (dev / "keep").exists()
+    assert not (dev / "wheels").exists() and not (dev / "prebuilt").exists()
+    assert "MiB (the limit is 64)" in out.stdout
     copied = dev / "shared" / "data" / "tinyshakespeare.txt"
     assert copied.read_bytes() == pathlib.Path(shakespeare_txt).read_bytes()
+
+
+def stamp(root, archs=None):
+    env = {k: v for k, v in os.environ.items() if k != "CUDAARCHS"}
+    if archs:
+        env["CUDAARCHS"] = archs
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "source_stamp.sh"), str(root)], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_source_stamp_follows_what_the_wheel_is_built_from(tmp_path):
+    # scripts/source_stamp.sh: the line that ties device_prep.sh's prebuilt wheel to the sources. It must change with
+    # any file the wheel is made from and with the architectures, and with nothing else: not the files' times (the
+    # device tool's copy renews them), not caches or compiled leftovers, not the tests.
+    files = {"csrc/cuda/a.cu": "kernel", "csrc/cpu/b.cpp": "ref", "python/fastgpt/m.py": "x = 1",
+             "CMakeLists.txt": "cmake", "pyproject.toml": "[project]", "tests/test_a.py": "t"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    first = stamp(tmp_path)
+    assert first.startswith("archs=90 src=") and stamp(tmp_path, "80").startswith("archs=80 src=")
+    assert stamp(tmp_path, "80").split()[1] == first.split()[1]
+    os.utime(tmp_path / "csrc/cuda/a.cu", (1e9, 1e9))
+    (tmp_path / "python/fastgpt/__pycache__").mkdir()
+    (tmp_path / "python/fastgpt/__pycache__/m.cpython-312.pyc").write_text("cache")
+    (tmp_path / "python/fastgpt/_C.cpython-312-x86_64-linux-gnu.so").write_text("leftover")
+    (tmp_path / "tests/test_a.py").write_text("another test")
+    assert stamp(tmp_path) == first
+    for name in ("csrc/cuda/a.cu", "python/fastgpt/m.py", "CMakeLists.txt", "pyproject.toml"):
+        (tmp_path / name).write_text(files[name] + " changed")
+        assert stamp(tmp_path) != first, name
+        (tmp_path / name).write_text(files[name])
+        assert stamp(tmp_path) == first
+    (tmp_path / "csrc/cuda/new.cuh").write_text("")
+    assert stamp(tmp_path) != first
+    (tmp_path / "pyproject.toml").unlink()
+    gone = subprocess.run(["bash", str(ROOT / "scripts" / "source_stamp.sh"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert gone.returncode == 2 and "no pyproject.toml" in gone.stderr
+
+
+def test_gpu_check_takes_the_prebuilt_wheel_only_for_these_sources(tmp_path):
+    # gpu_check.sh installs device_prep.sh's wheel instead of building only when its stamp is this tree's line for
+    # the architectures it builds (CUDAARCHS, default 90); else it builds from source (--prebuilt-status says which).
+    def status(**env):
+        out = subprocess.run(["bash", "scripts/gpu_check.sh", "--prebuilt-status"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env={**os.environ, "PREBUILT": str(tmp_path), **env})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+    assert status() == "none"
+    (tmp_path / "STAMP").write_text(stamp(ROOT, "90") + "\n")
+    assert status() == "none"  # a stamp without a wheel
+    (tmp_path / "fastgpt-0.1.0-cp312-cp312-linux_x86_64.whl").write_bytes(b"PK")
+    assert status() == "match" and status(CUDAARCHS="90") == "match"
+    assert status(CUDAARCHS="80").startswith("stale (built from archs=90 src=")
+    (tmp_path / "STAMP").write_text("archs=90 src=0123456789abcdef0123\n")
+    assert status().startswith("stale (")
 
 
 def gpu_check(out, *args):
