@@ -65,17 +65,18 @@ prebuilt() {  # fastgpt's wheel for the device into $dev/prebuilt, with its stam
       { rm -rf "$venv"; echo "device_prep.sh: could not make $venv" >&2; return 1; }
   fi
   local stamp t0=$SECONDS
-  stamp=$(CUDAARCHS=${CUDAARCHS:-90} bash scripts/source_stamp.sh)
+  local -x CUDAARCHS=${CUDAARCHS:-90}  # gpu_check.sh's default; source_stamp.sh's line names it
+  stamp=$(bash scripts/source_stamp.sh)
   mkdir -p "$dev/prebuilt"
   # The device's pip installs into the site-packages that holds torch's nvidia-nccl-cu13: $ORIGIN/.. is that folder.
-  FASTGPT_CUDA=ON CUDAARCHS=${CUDAARCHS:-90} FASTGPT_NATIVE=OFF "$venv/bin/python" -m pip wheel -q \
+  FASTGPT_CUDA=ON FASTGPT_NATIVE=OFF "$venv/bin/python" -m pip wheel -q \
     --no-build-isolation --no-deps -w "$dev/prebuilt" --config-settings=build-dir=build/device-cp312 \
     --config-settings=cmake.define.CMAKE_CXX_FLAGS=-march=x86-64-v3 \
     '--config-settings=cmake.define.CMAKE_INSTALL_RPATH=$ORIGIN/../nvidia/nccl/lib' . \
     > build/device-prebuild.log 2>&1 ||
     { tail -20 build/device-prebuild.log >&2; echo "device_prep.sh: the wheel did not build" >&2; return 1; }
   # a file changed while it built: the wheel may hold either version
-  [ "$stamp" = "$(CUDAARCHS=${CUDAARCHS:-90} bash scripts/source_stamp.sh)" ] ||
+  [ "$stamp" = "$(bash scripts/source_stamp.sh)" ] ||
     { echo "device_prep.sh: the sources changed during the build" >&2; return 1; }
   echo "$stamp" > "$dev/prebuilt/STAMP"
   echo "device_prep.sh: prebuilt $(basename "$dev"/prebuilt/fastgpt-*.whl) ($stamp) in $((SECONDS - t0)) s"

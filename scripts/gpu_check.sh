@@ -75,7 +75,7 @@ prebuilt_dir=${PREBUILT:-.device/prebuilt}
 prebuilt_status() {
   local want have
   compgen -G "$prebuilt_dir/fastgpt-*.whl" > /dev/null && [ -f "$prebuilt_dir/STAMP" ] || { echo none; return; }
-  want=$(CUDAARCHS=${CUDAARCHS:-90} bash scripts/source_stamp.sh) have=$(cat "$prebuilt_dir/STAMP")
+  want=$(bash scripts/source_stamp.sh) have=$(cat "$prebuilt_dir/STAMP")  # CUDAARCHS: the build's, default 90
   if [ "$want" = "$have" ]; then echo match; else echo "stale (built from $have; this tree is $want)"; fi
 }
 if [ "${1:-}" = --prebuilt-status ]; then prebuilt_status; exit 0; fi

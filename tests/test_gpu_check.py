@@ -143,12 +143,14 @@ def test_device_prep_copies_the_data_and_names_the_commit(tmp_path, shakespeare_
     assert copied.read_bytes() == pathlib.Path(shakespeare_txt).read_bytes()
 
 
+def without_archs(**more):
+    """The environment without the caller's CUDAARCHS (the scripts' default, 90, applies), plus more."""
+    return {**{k: v for k, v in os.environ.items() if k != "CUDAARCHS"}, **more}
+
+
 def stamp(root, archs=None):
-    env = {k: v for k, v in os.environ.items() if k != "CUDAARCHS"}
-    if archs:
-        env["CUDAARCHS"] = archs
     out = subprocess.run(["bash", str(ROOT / "scripts" / "source_stamp.sh"), str(root)], capture_output=True,
-                         text=True, timeout=60, env=env)
+                         text=True, timeout=60, env=without_archs(**({"CUDAARCHS": archs} if archs else {})))
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -189,7 +191,7 @@ def test_gpu_check_takes_the_prebuilt_wheel_only_for_these_sources(tmp_path):
     # the architectures it builds (CUDAARCHS, default 90); else it builds from source (--prebuilt-status says which).
     def status(**env):
         out = subprocess.run(["bash", "scripts/gpu_check.sh", "--prebuilt-status"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60, env={**os.environ, "PREBUILT": str(tmp_path), **env})
+                             text=True, timeout=60, env=without_archs(PREBUILT=str(tmp_path), **env))
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
     assert status() == "none"
